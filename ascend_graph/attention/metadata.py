@@ -1,0 +1,138 @@
+"""Attention metadata for a batch: block tables, context lengths, slot mapping, positions.
+
+Shape legend: T tokens in the step, B decode sequences, P prefill sequences,
+M block-table width (blocks per sequence row).
+
+Tokens are ordered decodes first (one token each), then prefills (contiguous runs), as
+vllm-ascend orders them. Everything here is tensors or host tuples of ints, so the decode part
+is a graph input with fixed types.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..kv_cache import NULL_BLOCK
+
+
+class DecodeMetadata(NamedTuple):
+    """Decode rows: one query token per sequence."""
+
+    block_tables: Tensor  # [B, M] int32
+    context_lens: Tensor  # [B] int32, cached tokens after this step's write (query included)
+
+
+class PrefillMetadata(NamedTuple):
+    """Prefill sequences (eager only): several query tokens each, possibly after cached ones."""
+
+    block_tables: Tensor  # [P, M] int32
+    query_lens: tuple[int, ...]    # new tokens per sequence
+    context_lens: tuple[int, ...]  # cached tokens after the write (earlier + new)
+
+
+class AttentionMetadata(NamedTuple):
+    """Everything attention needs for one step; ``decode`` rows come first in the token order."""
+
+    slot_mapping: Tensor  # [T] int64; negative = padding (writes into the null block)
+    decode: Optional[DecodeMetadata]
+    prefill: Optional[PrefillMetadata]
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return 0 if self.decode is None else self.decode.context_lens.shape[0]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.prefill is None and self.decode is not None
+
+
+def _check_batch(block_tables, num_cached, num_new, block_size, num_blocks, max_model_len):
+    n = len(block_tables)
+    if not (len(num_cached) == len(num_new) == n) or n == 0:
+        raise ValueError("block_tables, num_cached and num_new must be non-empty and of equal length, "
+                         f"got {n}, {len(num_cached)}, {len(num_new)}")
+    seen_prefill = False
+    for i, (table, cached, new) in enumerate(zip(block_tables, num_cached, num_new)):
+        if new < 1 or cached < 0:
+            raise ValueError(f"sequence {i}: num_new must be >= 1 and num_cached >= 0, got {new}, {cached}")
+        if cached + new > max_model_len:
+            raise ValueError(f"sequence {i}: context length {cached + new} exceeds max_model_len={max_model_len}")
+        if len(table) * block_size < cached + new:
+            raise ValueError(f"sequence {i}: block_tables[{i}] has {len(table)} blocks of {block_size}, "
+                             f"too few for {cached + new} tokens")
+        for b in table:
+            if not NULL_BLOCK < b < num_blocks:
+                raise ValueError(f"sequence {i}: block id {b} in block_tables[{i}] is out of range "
+                                 f"[{NULL_BLOCK + 1}, {num_blocks})")
+        if new > 1:
+            seen_prefill = True
+        elif seen_prefill:
+            raise ValueError(f"sequence {i}: decode sequences (num_new == 1) must come before prefills")
+
+
+def _table_tensor(tables: Sequence[Sequence[int]], width: int, device) -> Tensor:
+    rows = [list(t) + [NULL_BLOCK] * (width - len(t)) for t in tables]
+    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(tables), width)
+
+
+def build_attention_metadata(
+    block_tables: Sequence[Sequence[int]],
+    num_cached: Sequence[int],
+    num_new: Sequence[int],
+    *,
+    block_size: int,
+    num_blocks: int,
+    max_model_len: int,
+    block_table_width: Optional[int] = None,
+    device: torch.device | str = "cpu",
+) -> tuple[Tensor, AttentionMetadata]:
+    """Metadata and positions for a batch, validated on the host before anything is written.
+
+    Sequence ``i`` owns ``block_tables[i]``, already has ``num_cached[i]`` tokens in the cache,
+    and brings ``num_new[i]`` new tokens. ``block_table_width`` fixes the table width ``M``
+    (graph mode keeps it constant); by default it is the longest table in the batch.
+    Returns ``(positions [T] int64, metadata)``.
+    """
+    _check_batch(block_tables, num_cached, num_new, block_size, num_blocks, max_model_len)
+    width = block_table_width or max(len(t) for t in block_tables)
+    if any(len(t) > width for t in block_tables):
+        raise ValueError(f"block_table_width={width} is smaller than a sequence's block table")
+    positions, slots = [], []
+    for table, cached, new in zip(block_tables, num_cached, num_new):
+        for pos in range(cached, cached + new):
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    n_dec = sum(1 for new in num_new if new == 1)
+    totals = [c + n for c, n in zip(num_cached, num_new)]
+    decode = prefill = None
+    if n_dec:
+        decode = DecodeMetadata(_table_tensor(block_tables[:n_dec], width, device),
+                                torch.tensor(totals[:n_dec], dtype=torch.int32, device=device))
+    if n_dec < len(num_new):
+        prefill = PrefillMetadata(_table_tensor(block_tables[n_dec:], width, device),
+                                  tuple(num_new[n_dec:]), tuple(totals[n_dec:]))
+    meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=device), decode, prefill)
+    return torch.tensor(positions, dtype=torch.int64, device=device), meta
+
+
+def pad_decode(positions: Tensor, meta: AttentionMetadata, size: int) -> tuple[Tensor, AttentionMetadata]:
+    """Pad a decode-only batch to ``size`` rows.
+
+    Padded rows read only the null block (context length 1), write with slot -1 (into the
+    null block), sit at position 0, and so produce finite values that the caller drops.
+    """
+    if not meta.is_decode_only:
+        raise ValueError("pad_decode takes a decode-only batch (no prefill sequences)")
+    n = meta.num_decode_tokens
+    if size < n:
+        raise ValueError(f"size={size} is smaller than the batch ({n} decode rows)")
+    extra = size - n
+    dec = meta.decode
+    pad = lambda t, value: torch.cat([t, t.new_full((extra, *t.shape[1:]), value)])  # noqa: E731
+    padded = AttentionMetadata(pad(meta.slot_mapping, -1),
+                               DecodeMetadata(pad(dec.block_tables, NULL_BLOCK), pad(dec.context_lens, 1)),
+                               None)
+    return pad(positions, 0), padded

@@ -1,0 +1,57 @@
+"""Multi-head Latent Attention over the tuple cache ``MLACache(kv_c, k_pe)``.
+
+Shape legend: B decode rows, H heads, Dn qk_nope_head_dim, Dv v_head_dim, C kv_lora_rank,
+R qk_rope_head_dim, T block-table token slots, L a prefill sequence's context, Q its new tokens.
+
+Weights: ``w_uk [H, Dn, C]`` and ``w_uv [H, Dv, C]`` are ``kv_b_proj.weight`` viewed as
+``[H, Dn + Dv, C]`` and split. The two cache tensors are always read separately: scores are
+``q_latent . kv_c + q_pe . k_pe``, never a concatenation of caches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..kv_cache import MLACache
+from .metadata import DecodeMetadata, PrefillMetadata
+from .paging import causal_mask, gather_rows, gather_sequence, masked_softmax, valid_slots
+
+
+def mla_decode(q_nope: Tensor, q_pe: Tensor, cache: MLACache, decode: DecodeMetadata,
+               w_uk: Tensor, w_uv: Tensor, scale: float) -> Tensor:
+    """Absorbed MLA decode: ``[B, H, Dn]``, ``[B, H, R]`` -> ``[B, H, Dv]``.
+
+    The query is projected into the latent space (``W_UK``), attention runs over the latent
+    cache directly, and the latent output goes back through ``W_UV``.
+    """
+    q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w_uk)  # [B, H, C]
+    kv = gather_rows(cache.kv_c, decode.block_tables).squeeze(2)  # [B, T, C]
+    pe = gather_rows(cache.k_pe, decode.block_tables).squeeze(2)  # [B, T, R]
+    scores = torch.einsum("bhc,btc->bht", q_lat, kv) + torch.einsum("bhr,btr->bht", q_pe, pe)
+    mask = valid_slots(decode.context_lens, kv.shape[1])[:, None, :]  # [B, 1, T]
+    probs = masked_softmax(scores, mask, scale).to(kv.dtype)  # [B, H, T]
+    o_lat = torch.einsum("bht,btc->bhc", probs, kv)  # [B, H, C]
+    return torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
+
+
+def mla_prefill(q_nope: Tensor, q_pe: Tensor, cache: MLACache, prefill: PrefillMetadata,
+                w_uk: Tensor, w_uv: Tensor, scale: float) -> Tensor:
+    """MLA prefill with cached context: ``[sum Q, H, Dn]``, ``[sum Q, H, R]`` -> ``[sum Q, H, Dv]``.
+
+    Each sequence's whole context (earlier tokens and the new ones, already written) is read
+    from the tuple cache and up-projected; prefill is compute-bound, so the plain form is used.
+    """
+    outs, start = [], 0
+    for i, (q_len, ctx) in enumerate(zip(prefill.query_lens, prefill.context_lens)):
+        kv = gather_sequence(cache.kv_c, prefill.block_tables[i], ctx).squeeze(1)  # [L, C]
+        pe = gather_sequence(cache.k_pe, prefill.block_tables[i], ctx).squeeze(1)  # [L, R]
+        k_nope = torch.einsum("tc,hdc->htd", kv, w_uk)  # [H, L, Dn]
+        v = torch.einsum("tc,hvc->htv", kv, w_uv)  # [H, L, Dv]
+        k = torch.cat([k_nope, pe.expand(k_nope.shape[0], -1, -1)], dim=-1)  # [H, L, Dn + R]
+        q = torch.cat([q_nope[start:start + q_len], q_pe[start:start + q_len]], dim=-1).transpose(0, 1)
+        mask = causal_mask(q_len, ctx, q.device)  # [Q, L]
+        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(0, 1))
+        start += q_len
+    return torch.cat(outs)

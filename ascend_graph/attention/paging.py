@@ -1,0 +1,44 @@
+"""Reading a sequence's tokens through its block table, and the masks that go with it.
+
+Shape legend: N num_blocks, S block_size, B rows, M block-table width, T = M * S token slots,
+H heads of the cache element, D its width, L a sequence's context length, Q its query length.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def gather_rows(cache: Tensor, block_tables: Tensor) -> Tensor:
+    """Tokens of each row's blocks, in order: ``[N, S, H, D]`` by ``[B, M]`` -> ``[B, T, H, D]``.
+
+    Reads only the ``B * M`` blocks named, so the cost follows the batch and table width,
+    never the cache capacity ``N``.
+    """
+    b, m = block_tables.shape
+    return cache[block_tables.long()].reshape(b, m * cache.shape[1], *cache.shape[2:])
+
+
+def gather_sequence(cache: Tensor, block_table: Tensor, length: int) -> Tensor:
+    """The first ``length`` tokens of one sequence: ``[M]`` -> ``[L, H, D]``."""
+    n_blocks = -(-length // cache.shape[1])
+    return cache[block_table[:n_blocks].long()].flatten(0, 1)[:length]
+
+
+def valid_slots(context_lens: Tensor, num_slots: int) -> Tensor:
+    """``[B, T]`` bool: slot ``t`` of row ``b`` holds one of its ``context_lens[b]`` tokens."""
+    t = torch.arange(num_slots, device=context_lens.device)
+    return t[None, :] < context_lens[:, None]
+
+
+def causal_mask(query_len: int, context_len: int, device: torch.device) -> Tensor:
+    """``[Q, L]`` bool: the queries are the last ``Q`` of ``L`` tokens; each sees itself and before."""
+    q_pos = torch.arange(context_len - query_len, context_len, device=device)
+    return torch.arange(context_len, device=device)[None, :] <= q_pos[:, None]
+
+
+def masked_softmax(scores: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Softmax in float32 over the last dim of ``scores * scale`` where ``mask`` is True."""
+    scores = scores.float() * scale
+    return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
