@@ -186,6 +186,8 @@ def write_kv_cache(cache: LayerCache, a: Tensor, b: Tensor, slot_mapping: Tensor
     if a.shape[0] != b.shape[0] or slot_mapping.shape != (a.shape[0],):
         raise ValueError(f"slot_mapping must have shape [{a.shape[0]}] (one slot per token), "
                          f"got {list(slot_mapping.shape)} for {a.shape[0]} and {b.shape[0]} tokens")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must hold integers (int32 or int64), got {slot_mapping.dtype}")
     check_slots(slot_mapping.tolist(), num_slots, cache[0].shape[1])
     write_slots(cache[0], cache[1], a, b, slot_mapping.to(device=cache[0].device, dtype=torch.int64))
 
