@@ -1,0 +1,137 @@
+"""DeepSeek's feed-forward blocks: the dense SiLU-gated MLP and the mixture of experts.
+
+Shape legend: T tokens, E hidden size, I intermediate size (of one expert), X routed experts,
+K experts per token (``num_experts_per_tok``), G expert groups (``n_group``).
+
+Routed experts are stored stacked (``gate_up_proj [X, 2I, E]``, ``down_proj [X, E, I]``, as
+transformers 5 holds them). Decode gathers each token's chosen experts' weights and multiplies
+with einsum: static shapes, no host synchronisation, capturable. Steps with a prefill use the
+grouped path instead (tokens sorted by expert, one matmul per expert): it reads each expert's
+weights once, but it asks the host for the per-expert counts, so it is eager-only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .deepseek_config import DeepseekConfig
+
+
+def linear(in_features: int, out_features: int, dtype: torch.dtype, device, bias: bool = False) -> nn.Linear:
+    """An ``nn.Linear`` whose weights are left uninitialised (the model or loader fills them)."""
+    return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype, device=device)
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP: ``down(silu(gate(x)) * up(x))`` (dense layers and shared experts)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.gate_proj = linear(hidden_size, intermediate_size, dtype, device)
+        self.up_proj = linear(hidden_size, intermediate_size, dtype, device)
+        self.down_proj = linear(intermediate_size, hidden_size, dtype, device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Chooses each token's K experts and their weights, in float32 (as the references do).
+
+    softmax or sigmoid scores; ``greedy`` top-K, or top-K within the ``topk_group`` best groups
+    (``group_limited_greedy`` ranks groups by their best expert, ``noaux_tc`` by the sum of their
+    two best, after adding ``e_score_correction_bias`` — which only steers the choice; weights
+    come from the uncorrected scores). Weights are optionally normalised, then scaled.
+    """
+
+    def __init__(self, config: DeepseekConfig, device=None) -> None:
+        super().__init__()
+        num_experts = config.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(num_experts, config.hidden_size, dtype=torch.float32,
+                                               device=device))
+        bias = None  # noaux_tc only; a buffer, as in the checkpoints
+        if config.topk_method == "noaux_tc":
+            bias = torch.zeros(num_experts, dtype=torch.float32, device=device)
+        self.register_buffer("e_score_correction_bias", bias)
+        self.top_k = config.num_experts_per_tok
+        self.num_groups, self.topk_group = config.num_groups, config.topk_group or 1
+        self.topk_method, self.sigmoid = config.topk_method, config.scoring_func == "sigmoid"
+        self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``x [T, E]`` -> ``(weights [T, K] float32, experts [T, K] int64)``."""
+        logits = F.linear(x.float(), self.weight.float())  # [T, X]
+        scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        if self.topk_method != "greedy" and self.num_groups > 1:
+            choice = self._best_groups_only(choice)
+        experts = choice.topk(self.top_k, dim=-1).indices  # [T, K]
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, experts
+
+    def _best_groups_only(self, choice: Tensor) -> Tensor:
+        """Mask (to -inf) the experts outside each token's ``topk_group`` best groups."""
+        grouped = choice.view(choice.shape[0], self.num_groups, -1)  # [T, G, X/G]
+        if self.topk_method == "noaux_tc":
+            group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        else:
+            group_score = grouped.amax(dim=-1)
+        best = group_score.topk(self.topk_group, dim=-1).indices  # [T, topk_group]
+        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter(1, best, True)  # [T, G]
+        return grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+
+
+class RoutedExperts(nn.Module):
+    """X SiLU-gated expert MLPs, stacked: ``gate_up_proj [X, 2I, E]``, ``down_proj [X, E, I]``."""
+
+    def __init__(self, config: DeepseekConfig, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        x, e, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(x, 2 * i, e, dtype=dtype, device=device))
+        self.down_proj = nn.Parameter(torch.empty(x, e, i, dtype=dtype, device=device))
+
+    def gathered(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """Sync-free, static-shape form for decode: each token reads its K experts' weights."""
+        gate_up = torch.einsum("te,tkie->tki", x, self.gate_up_proj[experts])  # [T, K, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = F.silu(gate) * up  # [T, K, I]
+        out = torch.einsum("tki,tkei->tke", h, self.down_proj[experts])  # [T, K, E]
+        return torch.einsum("tke,tk->te", out, weights.to(out.dtype))
+
+    def grouped(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """Eager form for prefill: tokens sorted by expert, one matmul pair per expert."""
+        k = experts.shape[1]
+        flat = experts.flatten()  # [T*K]
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()  # host sync
+        token = order // k
+        outs = []
+        for expert, rows in enumerate(x[token].split(counts)):
+            gate, up = F.linear(rows, self.gate_up_proj[expert]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))
+        out = torch.cat(outs) * weights.flatten()[order, None].to(x.dtype)  # [T*K, E]
+        return torch.zeros_like(x).index_add_(0, token, out)
+
+
+class MoE(nn.Module):
+    """Routed experts plus the always-on shared experts."""
+
+    def __init__(self, config: DeepseekConfig, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.gate = Router(config, device)
+        self.experts = RoutedExperts(config, dtype, device)
+        self.shared_experts = None
+        if config.n_shared_experts:
+            self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
+                                      dtype, device)
+
+    def forward(self, x: Tensor, grouped: bool = False) -> Tensor:
+        """``x [T, E]`` -> ``[T, E]``; ``grouped`` picks the eager prefill path (see the module doc)."""
+        weights, experts = self.gate(x)
+        routed = self.experts.grouped if grouped else self.experts.gathered
+        out = routed(x, weights, experts)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
