@@ -114,8 +114,8 @@ class DeepseekModel(nn.Module):
 
     def __init__(self, config: DeepseekConfig, dtype: torch.dtype, device=None) -> None:
         super().__init__()
-        self.embed_tokens = nn.utils.skip_init(nn.Embedding, config.vocab_size, config.hidden_size,
-                                               dtype=dtype, device=device)
+        self.embed_tokens = nn.utils.skip_init(nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype,
+                                               device=torch.get_default_device() if device is None else device)
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.rotary_emb = RotaryEmbedding(config, device)

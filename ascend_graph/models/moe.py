@@ -21,6 +21,7 @@ from .deepseek_config import DeepseekConfig
 
 def linear(in_features: int, out_features: int, dtype: torch.dtype, device, bias: bool = False) -> nn.Linear:
     """An ``nn.Linear`` whose weights are left uninitialised (the model or loader fills them)."""
+    device = torch.get_default_device() if device is None else device
     return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype, device=device)
 
 
