@@ -239,5 +239,10 @@ def check_kv_caches(kv_caches: object, specs: Sequence[CacheSpec], num_blocks: i
                 raise ValueError(f"{name}.{field} has shape {list(t.shape)}, expected {list(expected)}")
             if t.dtype != spec.dtype:
                 raise ValueError(f"{name}.{field} has dtype {t.dtype}, expected {spec.dtype}")
-            if device is not None and t.device != torch.device(device):
+            if device is not None and not _on_device(t, torch.device(device)):
                 raise ValueError(f"{name}.{field} is on {t.device}, expected {device}")
+
+
+def _on_device(t: Tensor, device: torch.device) -> bool:
+    """``device`` without an index (``"cuda"``) accepts any index; CPU tensors carry none (``0``)."""
+    return t.device.type == device.type and (device.index is None or (t.device.index or 0) == device.index)
