@@ -185,8 +185,9 @@ def _check(kv_caches, **kw):
     check_kv_caches(kv_caches, **args)
 
 
-def test_check_kv_caches_accepts_what_allocate_made():
-    _check(allocate_kv_caches([MLA, GQA], num_blocks=N, block_size=S))
+@pytest.mark.parametrize("device", ["cpu", "cpu:0", torch.device("cpu"), None])
+def test_check_kv_caches_accepts_what_allocate_made(device):
+    _check(allocate_kv_caches([MLA, GQA], num_blocks=N, block_size=S), device=device)
 
 
 @pytest.mark.parametrize("mutate, exc, pattern", [
