@@ -1,0 +1,102 @@
+"""Inductor, with options per platform: CUDA graphs on CUDA, the C++ wrapper on CPU.
+
+Options reach Inductor as ``compile_fx(..., config_patches=...)``, which applies them for that
+compile only; nothing in ``torch._inductor.config`` is changed for the rest of the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+
+import torch
+
+from ..config import GraphConfig
+
+# ``inductor_cpp_wrapper=None`` resolves to these. CPU: measured with
+# benchmarks/inductor_options.py (torch 2.13, 2-layer decode step, batch 1/4/8): the C++ wrapper
+# cut 30-40 us of a 270-500 us step. CUDA and NPU: not measured; CUDA graphs replay the whole
+# step there, so the wrapper's host cost is off the per-step path anyway.
+DEFAULT_CPP_WRAPPER = {"cpu": True, "cuda": False, "npu": False}
+
+
+@dataclass(frozen=True, eq=False)
+class InductorBackend:
+    """A torch.compile backend: Inductor's ``compile_fx`` with fixed config patches and cache dir."""
+
+    config_patches: Mapping[str, Any]
+    cache_dir: Optional[str] = None
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        with cache_dir_for_compile(self.cache_dir):
+            return compile_fx(gm, example_inputs, config_patches=dict(self.config_patches))
+
+    def reset(self) -> None:
+        """Drop recorded CUDA graphs (torch.compile calls this on ``torch._dynamo.reset()``)."""
+        if self.config_patches.get("triton.cudagraphs"):
+            from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+            reset_cudagraph_trees()
+
+
+def config_patches(config: GraphConfig, platform: str, mode: Optional[str] = None) -> dict[str, Any]:
+    """Inductor config patches for ``config`` on ``platform`` (``mode``: torch.compile's mode)."""
+    patches: dict[str, Any] = {}
+    if mode is not None:
+        from torch._inductor import list_mode_options
+
+        patches.update(list_mode_options(mode))
+    # CUDA graphs on CUDA always (the point of graph mode), elsewhere never (nothing to capture).
+    patches["triton.cudagraphs"] = platform == "cuda"
+    cpp_wrapper = config.inductor_cpp_wrapper
+    if cpp_wrapper is None:
+        cpp_wrapper = DEFAULT_CPP_WRAPPER[platform]
+    elif cpp_wrapper and platform == "cuda":
+        warnings.warn("inductor_cpp_wrapper=True on CUDA: torch skips CUDA graphs for C++-wrapper code "
+                      "when graph partitioning is on (the default in torch 2.13), so steps replay no graph",
+                      stacklevel=2)
+    patches["cpp_wrapper"] = cpp_wrapper
+    return patches
+
+
+def make_backend(name: str, config: GraphConfig, platform: str, mode: Optional[str]) -> InductorBackend:
+    """The Inductor backend for ``platform``; registered for the name ``"inductor"``."""
+    return InductorBackend(config_patches(config, platform, mode), config.compile_cache_dir)
+
+
+@contextlib.contextmanager
+def cache_dir_for_compile(directory: Optional[str]) -> Iterator[None]:
+    """Point Inductor's on-disk caches (FX graph cache, AOTAutograd cache, kernels) at ``directory``.
+
+    Inductor reads its cache root from ``TORCHINDUCTOR_CACHE_DIR`` at each use, so the variable is
+    set for the compile and restored afterwards. Kernels autotuned lazily at first run (Triton on
+    CUDA) still go to the process-wide directory.
+    """
+    if directory is None:
+        yield
+        return
+    os.makedirs(directory, exist_ok=True)
+    try:
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+    except ImportError:  # older torch: set and restore the variable ourselves
+        temporary_cache_dir = _set_cache_dir
+    with temporary_cache_dir(os.path.abspath(directory)):
+        yield
+
+
+@contextlib.contextmanager
+def _set_cache_dir(directory: str) -> Iterator[None]:
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old

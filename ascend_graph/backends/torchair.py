@@ -1,0 +1,84 @@
+"""The torchair backend (Ascend NPU), written against torchair's public API.
+
+torchair ships inside torch_npu (``torch_npu.dynamo.torchair``) and is importable as ``torchair``
+once torch_npu is imported. Both are imported only when this backend is chosen. Not run here (no
+NPU); the contract tests check what is handed to torchair.
+
+What vllm-ascend's torchair graph mode does, and this adapter too: a ``CompilerConfig`` with
+``mode``, ``experimental_config.frozen_parameter``, ``.enable_view_optimize`` and
+``.tiling_schedule_optimize``; ``torch.npu.set_compile_mode(jit_compile=False)`` (use the
+prebuilt operator binaries rather than compiling operators online); then
+``torchair.get_npu_backend(compiler_config=...)``, or ``torchair.inference.cache_compile`` when
+compiled graphs are cached on disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import ModuleType
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..config import GraphConfig, TorchairOptions
+
+MISSING = ("the torchair backend needs torch_npu (which ships torchair) and the Ascend CANN toolkit: "
+           "install CANN, then `pip install 'ascend-graph[npu]'` (torch_npu matching your torch), and "
+           "source CANN's set_env.sh; or choose another backend (GraphConfig.backend)")
+
+
+def import_torchair() -> ModuleType:
+    """torch_npu, then torchair; a clear ImportError when either is absent."""
+    try:
+        import torch_npu  # noqa: F401  (registers the NPU device and makes torchair importable)
+    except ImportError as e:
+        raise ImportError(f"{MISSING} (import torch_npu failed: {e})") from e
+    try:
+        import torchair
+    except ImportError:
+        try:
+            from torch_npu.dynamo import torchair
+        except ImportError as e:
+            raise ImportError(f"{MISSING} (torch_npu is installed but torchair is not importable: {e})") from e
+    return torchair
+
+
+def compiler_config(torchair: ModuleType, options: TorchairOptions) -> Any:
+    """A ``torchair.CompilerConfig`` carrying ``options``."""
+    config = torchair.CompilerConfig()
+    config.mode = options.mode
+    experimental = config.experimental_config
+    experimental.frozen_parameter = options.enable_frozen_parameter
+    experimental.enable_view_optimize = options.enable_view_optimize
+    # Not every torchair release has it, and torchair rejects unknown options.
+    if hasattr(experimental, "tiling_schedule_optimize"):
+        experimental.tiling_schedule_optimize = options.tiling_schedule_optimize
+    return config
+
+
+def make_backend(name: str, config: GraphConfig, platform: str, mode: Optional[str]) -> Callable:
+    """torchair's NPU backend for ``config.torchair``; ``mode`` (torch.compile's) overrides its mode."""
+    options = config.torchair if mode is None else replace(config.torchair, mode=mode)
+    torchair = _prepare()
+    return torchair.get_npu_backend(compiler_config=compiler_config(torchair, options))
+
+
+def cache_compile(method: Callable, config: GraphConfig, *, dynamic: bool = False) -> Callable:
+    """``torchair.inference.cache_compile`` of a bound ``nn.Module`` method, for ``use_cached_graph``.
+
+    Use it in place of ``torch.compile`` (it compiles on first call and caches the graph in
+    ``config.compile_cache_dir``, or torchair's default directory; a later process loads it).
+    The cache belongs to the method's code object: vllm-ascend gives each batch size its own
+    renamed copy of ``forward`` so that the sizes do not overwrite each other's cache. GE's own
+    cache (``ge_cache``) stays off: torchair refuses it together with frozen parameters.
+    """
+    torchair = _prepare()
+    return torchair.inference.cache_compile(
+        method, config=compiler_config(torchair, config.torchair), dynamic=dynamic,
+        cache_dir=config.compile_cache_dir, ge_cache=False)
+
+
+def _prepare() -> ModuleType:
+    torchair = import_torchair()
+    torch.npu.set_compile_mode(jit_compile=False)
+    return torchair

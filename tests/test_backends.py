@@ -1,0 +1,239 @@
+"""Backends: the "ascend_graph" entry point, the choice per device, Inductor options, torchair contract.
+
+Oracles: eager results of the same function; torch's own registered backends; and, for torchair
+(which cannot run here), fake ``torch_npu``/``torchair`` modules that record what the adapter
+hands them. The contract tests check our side of torchair's public API, not torchair itself.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+import torch
+
+from ascend_graph.backends import detect_platform, input_device, resolve_backend
+from ascend_graph.backends.inductor import InductorBackend
+from ascend_graph.config import GraphConfig, TorchairOptions
+
+
+# --- the registered backend ------------------------------------------------------------------
+
+
+def test_backend_works_by_name_through_the_entry_point_without_importing_the_package():
+    code = textwrap.dedent("""
+        import sys, torch
+        def step(x, w, cache):
+            cache.add_(1)
+            return (x @ w).softmax(-1) * cache.sum()
+        x, w = torch.randn(4, 16), torch.randn(16, 16)
+        cache_eager, cache_graph = torch.zeros(3), torch.zeros(3)
+        want = step(x, w, cache_eager)
+        assert "ascend_graph" not in sys.modules
+        got = torch.compile(step, backend="ascend_graph", fullgraph=True)(x, w, cache_graph)
+        assert "ascend_graph" in sys.modules
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(cache_graph, cache_eager)
+        print("ok")
+    """)
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_torch_compile_options_reach_the_backend_as_dict_or_graph_config():
+    fn = lambda x: torch.relu(x) + 1  # noqa: E731
+    x = torch.randn(5)
+    for options in ({"backend": "eager"}, GraphConfig(backend="aot_eager")):
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(fn, backend="ascend_graph", options=options)(x), fn(x))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="backend='cudagraphs' needs a cuda device, got a cpu device"):
+        torch.compile(fn, backend="ascend_graph", options={"backend": "cudagraphs"})(x)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="unknown key 'bakend'"):
+        torch.compile(fn, backend="ascend_graph", options={"bakend": "eager"})(x)
+
+
+def test_input_device_prefers_the_accelerator_and_defaults_to_cpu():
+    assert input_device([3, torch.zeros(1)]) == torch.device("cpu")
+    assert input_device([]) == torch.device("cpu")
+    assert input_device([torch.zeros(1), torch.zeros(1, device="meta")]) == torch.device("meta")
+
+
+# --- choice per device -----------------------------------------------------------------------
+
+
+def test_detect_platform_names_npu_cuda_cpu_and_rejects_others():
+    assert detect_platform("npu:0") == "npu" and detect_platform("npu") == "npu"
+    assert detect_platform(torch.device("cuda", 1)) == "cuda"
+    assert detect_platform(torch.device("cpu")) == "cpu"
+    with pytest.raises(ValueError, match="device 'mps' is not supported"):
+        detect_platform("mps")
+
+
+def test_cpu_auto_is_inductor_with_the_measured_cpp_wrapper_default_and_no_cudagraphs():
+    backend = resolve_backend(GraphConfig(), torch.device("cpu"))
+    assert isinstance(backend, InductorBackend)
+    assert backend.config_patches == {"cpp_wrapper": True, "triton.cudagraphs": False}
+    assert backend.cache_dir is None
+
+
+def test_cpu_inductor_takes_configured_options_and_torch_compile_mode():
+    cfg = GraphConfig(backend="inductor", inductor_cpp_wrapper=False, compile_cache_dir="/tmp/ag-cache")
+    backend = resolve_backend(cfg, "cpu", mode="max-autotune")
+    assert backend.config_patches["cpp_wrapper"] is False and backend.cache_dir == "/tmp/ag-cache"
+    assert backend.config_patches["max_autotune"] is True
+    assert backend.config_patches["triton.cudagraphs"] is False  # nothing to capture on CPU
+
+
+def test_cuda_auto_is_inductor_with_cuda_graphs():
+    backend = resolve_backend(GraphConfig(), torch.device("cuda"))
+    assert isinstance(backend, InductorBackend)
+    assert backend.config_patches == {"cpp_wrapper": False, "triton.cudagraphs": True}
+
+
+def test_cuda_cpp_wrapper_request_warns_that_it_skips_cuda_graphs():
+    with pytest.warns(UserWarning, match="skips CUDA graphs"):
+        resolve_backend(GraphConfig(inductor_cpp_wrapper=True), "cuda")
+
+
+@pytest.mark.parametrize("name", ["aot_eager", "eager"])
+def test_debug_backends_are_torchs_own(name):
+    assert resolve_backend(GraphConfig(backend=name), "cpu") is torch._dynamo.lookup_backend(name)
+    with pytest.raises(ValueError, match="has no meaning"):
+        resolve_backend(GraphConfig(backend=name), "cpu", mode="reduce-overhead")
+
+
+def test_cudagraphs_backend_is_torchs_on_cuda_and_refused_elsewhere():
+    assert resolve_backend(GraphConfig(backend="cudagraphs"), "cuda") is torch._dynamo.lookup_backend("cudagraphs")
+    with pytest.raises(ValueError, match="backend='cudagraphs' needs a cuda device, got a cpu device"):
+        resolve_backend(GraphConfig(backend="cudagraphs"), "cpu")
+
+
+def test_torchair_backend_is_refused_off_npu():
+    with pytest.raises(ValueError, match="backend='torchair' needs a npu device, got a cuda device"):
+        resolve_backend(GraphConfig(backend="torchair"), "cuda")
+
+
+def test_inductor_compile_cache_goes_to_the_configured_dir_and_env_is_restored(tmp_path):
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    cfg = GraphConfig(inductor_cpp_wrapper=False, compile_cache_dir=str(tmp_path / "cache"))
+    fn = lambda x: torch.sin(x) * 3 + 0.25  # noqa: E731
+    x = torch.randn(7)
+    compiled = torch.compile(fn, backend=resolve_backend(cfg, "cpu"), fullgraph=True)
+    torch.testing.assert_close(compiled(x), fn(x))
+    assert any((tmp_path / "cache").rglob("*.py")), "no compiled code was written to compile_cache_dir"
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before
+
+
+# --- torchair contract (fake torch_npu / torchair) -------------------------------------------
+
+
+class _StrictOptions:
+    """Like torchair's config objects: setting an option they do not have raises."""
+
+    def __init__(self, **options):
+        object.__setattr__(self, "_known", set(options))
+        for key, value in options.items():
+            object.__setattr__(self, key, value)
+
+    def __setattr__(self, key, value):
+        if key not in self._known:
+            raise ValueError(f"has no option {key}")
+        object.__setattr__(self, key, value)
+
+
+@pytest.fixture
+def fake_npu(monkeypatch):
+    """Fake torch_npu + torchair in sys.modules; returns the calls they record."""
+    calls = {"backend": [], "cache_compile": [], "set_compile_mode": []}
+    experimental = {"frozen_parameter": False, "enable_view_optimize": False, "tiling_schedule_optimize": False}
+    torchair = types.ModuleType("torchair")
+    torchair.experimental_options = experimental
+    torchair.CompilerConfig = lambda: _StrictOptions(
+        mode="max-autotune", experimental_config=_StrictOptions(**torchair.experimental_options))
+
+    def get_npu_backend(*, compiler_config):
+        calls["backend"].append(compiler_config)
+        return "npu-backend"
+
+    def cache_compile(func, **kwargs):
+        calls["cache_compile"].append((func, kwargs))
+        return "cached-model"
+
+    torchair.get_npu_backend = get_npu_backend
+    torchair.inference = types.SimpleNamespace(cache_compile=cache_compile)
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
+    monkeypatch.setitem(sys.modules, "torchair", torchair)
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(
+        set_compile_mode=lambda **kw: calls["set_compile_mode"].append(kw)), raising=False)
+    return types.SimpleNamespace(calls=calls, torchair=torchair)
+
+
+def test_torchair_contract_auto_on_npu_uses_vllm_ascend_defaults(fake_npu):
+    assert resolve_backend(GraphConfig(), "npu:0") == "npu-backend"
+    (config,) = fake_npu.calls["backend"]
+    assert config.mode == "max-autotune"
+    assert config.experimental_config.frozen_parameter is True
+    assert config.experimental_config.enable_view_optimize is True
+    assert config.experimental_config.tiling_schedule_optimize is True
+    assert fake_npu.calls["set_compile_mode"] == [{"jit_compile": False}]
+
+
+def test_torchair_contract_options_are_handed_over_as_configured(fake_npu):
+    options = TorchairOptions(mode="reduce-overhead", enable_frozen_parameter=False,
+                              enable_view_optimize=False, tiling_schedule_optimize=False)
+    resolve_backend(GraphConfig(backend="torchair", torchair=options), "npu")
+    (config,) = fake_npu.calls["backend"]
+    assert config.mode == "reduce-overhead"
+    assert (config.experimental_config.frozen_parameter, config.experimental_config.enable_view_optimize,
+            config.experimental_config.tiling_schedule_optimize) == (False, False, False)
+
+
+def test_torchair_contract_vllm_ascend_section_reaches_the_compiler_config(fake_npu):
+    cfg = GraphConfig.from_dict({"torchair_graph_config": {
+        "enabled": True, "mode": "reduce-overhead", "enable_frozen_parameter": False}})
+    resolve_backend(cfg, "npu")
+    (config,) = fake_npu.calls["backend"]
+    assert config.mode == "reduce-overhead" and config.experimental_config.frozen_parameter is False
+
+
+def test_torchair_contract_torch_compile_mode_overrides_the_configured_mode(fake_npu):
+    resolve_backend(GraphConfig(), "npu", mode="reduce-overhead")
+    assert fake_npu.calls["backend"][0].mode == "reduce-overhead"
+    with pytest.raises(ValueError, match="torchair.mode must be one of"):
+        resolve_backend(GraphConfig(), "npu", mode="max-autotune-no-cudagraphs")
+
+
+def test_torchair_contract_skips_tiling_option_where_torchair_lacks_it(fake_npu):
+    fake_npu.torchair.experimental_options = {"frozen_parameter": False, "enable_view_optimize": False}
+    resolve_backend(GraphConfig(), "npu")
+    assert not hasattr(fake_npu.calls["backend"][0].experimental_config, "tiling_schedule_optimize")
+
+
+def test_torchair_contract_cached_graph_goes_through_cache_compile(fake_npu):
+    from ascend_graph.backends.torchair import cache_compile
+
+    cfg = GraphConfig(compile_cache_dir="/tmp/ag-torchair", torchair=TorchairOptions(use_cached_graph=True))
+    method = torch.nn.Linear(2, 2).forward
+    assert cache_compile(method, cfg) == "cached-model"
+    ((func, kwargs),) = fake_npu.calls["cache_compile"]
+    assert func == method
+    assert kwargs["cache_dir"] == "/tmp/ag-torchair" and kwargs["ge_cache"] is False
+    assert kwargs["config"].experimental_config.frozen_parameter is True
+
+
+def test_torchair_contract_missing_torch_npu_gives_a_clear_import_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # makes `import torch_npu` fail
+    with pytest.raises(ImportError, match=r"torchair backend needs torch_npu .*CANN.*ascend-graph\[npu\]"):
+        resolve_backend(GraphConfig(), "npu")
+
+
+def test_torchair_contract_torch_npu_without_torchair_gives_a_clear_import_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
+    monkeypatch.setitem(sys.modules, "torchair", None)
+    with pytest.raises(ImportError, match="torch_npu is installed but torchair is not importable"):
+        resolve_backend(GraphConfig(backend="torchair"), "npu")
