@@ -16,7 +16,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+# transformers 5 (rope_parameters, stacked experts in memory); tested with 5.24.
+transformers = pytest.importorskip("transformers", minversion="5.0")
 pytest.importorskip("safetensors")
 
 from ascend_graph import allocate_kv_caches  # noqa: E402

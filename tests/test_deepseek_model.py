@@ -202,6 +202,16 @@ def test_padded_decode_rows_are_finite_and_leave_live_blocks_untouched():
             assert not torch.equal(getattr(c, name)[live], getattr(b, name)[live]), f"layer {layer} not written"
 
 
+def test_casting_the_model_keeps_rope_frequencies_and_routing_float32():
+    model = DeepseekForCausalLM(DeepseekConfig.small_v3())
+    inv_freq, gate = model.model.rotary_emb.inv_freq.clone(), model.model.layers[1].mlp.gate.weight.clone()
+    model.to(torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and model.kv_cache_specs()[0].dtype == torch.bfloat16
+    assert model.model.layers[1].mlp.experts.down_proj.dtype == torch.bfloat16
+    assert torch.equal(model.model.rotary_emb.inv_freq, inv_freq)  # bfloat16 frequencies ruin long contexts
+    assert torch.equal(model.model.layers[1].mlp.gate.weight, gate)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_model_decodes_finite_logits(dtype):
     model = DeepseekForCausalLM(DeepseekConfig.small_v3(), dtype=dtype)

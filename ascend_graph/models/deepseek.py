@@ -19,24 +19,11 @@ from torch import Tensor, nn
 from ..attention import AttentionMetadata, mla_decode, mla_prefill
 from ..kv_cache import MLACache, MLACacheSpec, write_slots
 from .deepseek_config import DeepseekConfig
-from .moe import MLP, MoE, linear
+from .layers import RMSNorm, linear
+from .moe import MLP, MoE
 from .rope import RotaryEmbedding, apply_rope, softmax_scale
 
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32; the weight multiplies the result in ``x.dtype``."""
-
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device=None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
 
 
 class MLAttention(nn.Module):
@@ -143,13 +130,18 @@ class DeepseekForCausalLM(nn.Module):
     def __init__(self, config: DeepseekConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, init_weights: bool = True, seed: int = 0) -> None:
         super().__init__()
-        self.config, self.dtype = config, dtype
+        self.config = config
         self.model = DeepseekModel(config, dtype, device)
         self.lm_head = linear(config.hidden_size, config.vocab_size, dtype, device)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if init_weights:
             self.init_random_weights_(seed)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype (routing and rope frequencies stay float32 regardless)."""
+        return self.model.embed_tokens.weight.dtype
 
     def kv_cache_specs(self) -> list[MLACacheSpec]:
         """One ``MLACacheSpec`` per layer, in the model's dtype."""

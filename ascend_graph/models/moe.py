@@ -17,12 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .deepseek_config import DeepseekConfig
-
-
-def linear(in_features: int, out_features: int, dtype: torch.dtype, device, bias: bool = False) -> nn.Linear:
-    """An ``nn.Linear`` whose weights are left uninitialised (the model or loader fills them)."""
-    device = torch.get_default_device() if device is None else device
-    return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype, device=device)
+from .layers import Float32Module, linear
 
 
 class MLP(nn.Module):
@@ -38,7 +33,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Router(nn.Module):
+class Router(Float32Module):
     """Chooses each token's K experts and their weights, in float32 (as the references do).
 
     softmax or sigmoid scores; ``greedy`` top-K, or top-K within the ``topk_group`` best groups

@@ -16,9 +16,10 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .deepseek_config import DeepseekConfig, RopeScaling
+from .layers import Float32Module
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -77,7 +78,7 @@ def rope_attention_factor(rope: RopeScaling | None) -> float:
     return yarn_mscale(rope.factor)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Float32Module):
     """cos/sin for the step's positions, computed from the frequencies (no position table)."""
 
     def __init__(self, config: DeepseekConfig, device: torch.device | str | None = None) -> None:
@@ -88,7 +89,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """``positions [T]`` -> ``(cos, sin)``, each ``[T, F]`` float32."""
-        angles = positions.float()[:, None] * self.inv_freq.float()  # [T, F]
+        angles = positions.float()[:, None] * self.inv_freq  # [T, F]
         return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
 
 
