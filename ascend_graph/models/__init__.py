@@ -1,9 +1,10 @@
-"""Models over tuple KV caches: DeepSeek V2/V3 (MLA) and HF checkpoint loading."""
+"""Models over tuple KV caches: DeepSeek V2/V3 (MLA) with HF checkpoint loading; a small Llama (GQA)."""
 
 from .deepseek import DeepseekForCausalLM
 from .deepseek_config import DeepseekConfig, QuantizationConfig, RopeScaling
+from .llama import LlamaConfig, LlamaForCausalLM
 from .loader import load_deepseek
 from .rope import softmax_scale
 
-__all__ = ["DeepseekConfig", "DeepseekForCausalLM", "QuantizationConfig", "RopeScaling", "load_deepseek",
+__all__ = ["DeepseekConfig", "DeepseekForCausalLM", "LlamaConfig", "LlamaForCausalLM", "QuantizationConfig", "RopeScaling", "load_deepseek",
            "softmax_scale"]

@@ -1,0 +1,130 @@
+"""A small Llama-style GQA decoder over the ``KVCache(k, v)`` tuple cache.
+
+It is the paged-attention counterpart of the DeepSeek model: the runner tests and demos use it
+to show that graph mode works for standard attention too. Field names follow Llama's config.json.
+
+Shape legend: T tokens in the step, E hidden size, Hq query heads, Hk kv heads, D head size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..attention import AttentionMetadata, paged_decode, paged_prefill
+from ..kv_cache import KVCache, KVCacheSpec, write_slots
+from .layers import RMSNorm
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Llama-style model arguments (checkpoint key names); the defaults are a tiny test model."""
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+
+
+def rotate_neox(x: Tensor, positions: Tensor, theta: float) -> Tensor:
+    """Rotary embedding, half-split layout: ``[T, H, D]`` by ``positions [T]``."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = positions.float()[:, None] * inv_freq  # [T, D/2]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    x1, x2 = x.float()[..., :half], x.float()[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    """GQA self-attention: writes k/v into the tuple cache, then paged decode / prefill."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, positions: Tensor, cache: KVCache, meta: AttentionMetadata) -> Tensor:
+        cfg, t = self.cfg, x.shape[0]
+        q = rotate_neox(self.q_proj(x).view(t, -1, cfg.head_dim), positions, cfg.rope_theta)  # [T, Hq, D]
+        k = rotate_neox(self.k_proj(x).view(t, -1, cfg.head_dim), positions, cfg.rope_theta)  # [T, Hk, D]
+        v = self.v_proj(x).view(t, -1, cfg.head_dim)
+        write_slots(cache.k, cache.v, k, v, meta.slot_mapping)
+        scale = cfg.head_dim ** -0.5
+        n_dec = meta.num_decode_tokens
+        outs = []
+        if meta.decode is not None:
+            outs.append(paged_decode(q[:n_dec], cache, meta.decode, scale))
+        if meta.prefill is not None:
+            outs.append(paged_prefill(q[n_dec:], cache, meta.prefill, scale))
+        return self.o_proj(torch.cat(outs).reshape(t, -1))
+
+
+class LlamaMLP(nn.Module):
+    """SiLU-gated feed-forward."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaLayer(nn.Module):
+    """Pre-norm decoder layer."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch.float32)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch.float32)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: Tensor, positions: Tensor, cache: KVCache, meta: AttentionMetadata) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Small Llama-style causal LM following the runner's step contract."""
+
+    def __init__(self, cfg: LlamaConfig = LlamaConfig()) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch.float32)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """One ``KVCacheSpec`` per layer, in the model's dtype."""
+        dtype = self.embed_tokens.weight.dtype
+        return [KVCacheSpec(self.config.num_key_value_heads, self.config.head_dim, dtype)
+                for _ in self.layers]
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: tuple[KVCache, ...],
+                attn_metadata: AttentionMetadata) -> Tensor:
+        """``[T]`` token ids -> ``[T, E]`` final-normed hidden states."""
+        x = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, cache, attn_metadata)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """``[T, E]`` -> ``[T, vocab]`` float32 logits."""
+        return self.lm_head(hidden).float()

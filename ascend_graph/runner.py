@@ -1,0 +1,351 @@
+"""The graph runner: each step as a captured graph of its capture size, or eagerly, on one cache.
+
+The runner owns the model, the tuple KV caches and one compiled step per capture size. A
+decode-only batch of ``n <= max(capture_sizes)`` rows runs as the graph of the smallest capture
+size ``>= n`` (padded rows write only into the null block; their outputs are dropped). Everything
+else runs the same model eagerly on the same cache tensors, and the reason is counted.
+
+Shape legend: T tokens in the step, n sequences in it, s capture size, M block-table width,
+V vocabulary.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import types
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .attention import AttentionMetadata, DecodeMetadata, build_attention_metadata, pad_decode
+from .config import GraphConfig
+from .kv_cache import allocate_kv_caches
+from .runtime import StaticAddresses, memory_in_use, progress
+
+log = logging.getLogger(__name__)
+
+
+class RecompileError(RuntimeError):
+    """A capture size compiled again after warm-up (``on_recompile="error"``)."""
+
+
+class GraphCompileError(RuntimeError):
+    """Compiling a capture size failed and ``fallback_on_compile_error`` is off."""
+
+
+@dataclass(frozen=True)
+class SequenceStep:
+    """One sequence's share of a step: its new tokens, how many it has cached, its blocks."""
+
+    token_ids: Sequence[int]
+    num_cached: int
+    block_table: Sequence[int]
+
+
+@dataclass
+class RunnerStats:
+    """Counters of a runner: what ran as a graph, what ran eagerly and why, compiles, capture."""
+
+    graph_steps: int = 0
+    eager_steps: Counter = field(default_factory=Counter)
+    compiles: int = 0
+    recompiles: int = 0
+    compile_failures: int = 0
+    capture_seconds: float = 0.0
+    capture: dict = field(default_factory=dict)  # size -> {"seconds": .., "memory_bytes": ..}
+    parity_checks: int = 0
+    parity_failures: int = 0
+
+    def to_dict(self) -> dict:
+        """A JSON-safe copy."""
+        return {
+            "graph_steps": self.graph_steps, "eager_steps": dict(self.eager_steps),
+            "eager_steps_total": sum(self.eager_steps.values()), "compiles": self.compiles,
+            "recompiles": self.recompiles, "compile_failures": self.compile_failures,
+            "capture_seconds": round(self.capture_seconds, 3),
+            "capture": {str(k): v for k, v in sorted(self.capture.items())},
+            "parity_checks": self.parity_checks, "parity_failures": self.parity_failures,
+        }
+
+
+@dataclass
+class PreparedStep:
+    """A validated batch: flat inputs and metadata, rows reordered decodes first."""
+
+    input_ids: Tensor   # [T]
+    positions: Tensor   # [T]
+    meta: AttentionMetadata
+    order: list[int]    # batch row i is the caller's sequence order[i]
+    last: Tensor        # [n] index of each row's last token
+
+
+class GraphRunner:
+    """Runs decode steps as per-size graphs and everything else eagerly, on one set of caches."""
+
+    def __init__(self, model: nn.Module, config: GraphConfig, *, num_blocks: int, block_size: int,
+                 max_model_len: int, device: torch.device | str | None = None,
+                 backend: Optional[Callable] = None) -> None:
+        self.model = model
+        self.config = config
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        self.table_width = math.ceil(max_model_len / block_size)
+        self.capture_sizes = config.resolved_capture_sizes() if config.enabled else ()
+        self.kv_caches = allocate_kv_caches(model.kv_cache_specs(), num_blocks, block_size, self.device)
+        self.stats = RunnerStats()
+        self._backend = backend
+        self._graphs: dict[int, Callable] = {}
+        self._failed: dict[int, str] = {}
+        self._warm = False
+        self._graph_steps_since_parity = 0
+        self._static = self._allocate_static_inputs()
+        self._addresses = StaticAddresses()
+        self._addresses.track(self._cache_tensors_by_name())
+        self._addresses.track(self._static_buffers_by_name())
+
+    # -- public API -----------------------------------------------------------------------
+
+    def execute(self, seqs: Sequence[SequenceStep], *, mode: str = "auto") -> Tensor:
+        """Run one step; returns ``[n, V]`` float32 logits of each sequence's last new token.
+
+        ``mode`` is ``"auto"`` (graph when the batch allows it), ``"graph"`` or ``"eager"``.
+        """
+        if mode not in ("auto", "graph", "eager"):
+            raise ValueError(f"mode must be 'auto', 'graph' or 'eager', got {mode!r}")
+        step = self.prepare(seqs)
+        size, reason = self._graph_size(step, mode)
+        if size is None:
+            self.stats.eager_steps[reason] += 1
+            return self.run_prepared(step, "eager")
+        self.stats.graph_steps += 1
+        if self._parity_due():
+            return self._run_with_parity(step)
+        return self.run_prepared(step, "graph")
+
+    def run_prepared(self, step: "PreparedStep", mode: str) -> Tensor:
+        """Run a prepared step as ``"graph"`` or ``"eager"``, uncounted (parity uses this)."""
+        self._addresses.check()
+        if mode == "eager":
+            return self._run_eager(step)
+        size, reason = self._graph_size(step, "graph")
+        return self._run_graph(step, size)
+
+    def capture(self, show_progress: bool = True) -> None:
+        """Compile and warm up every capture size, largest first; record time and memory."""
+        if not self.config.enabled or self._warm:
+            return
+        backend = self._counting_backend(self._resolve_backend())
+        sizes = sorted(self.capture_sizes, reverse=True)
+        for i, size in enumerate(sizes):
+            if show_progress:
+                progress(i, len(sizes), f"capturing graph for batch size {size}")
+            self._capture_size(size, backend)
+        if show_progress:
+            progress(len(sizes), len(sizes), "captured")
+        self._warm = True
+
+    @property
+    def graph_sizes(self) -> tuple[int, ...]:
+        """Capture sizes that have a working graph."""
+        return tuple(sorted(self._graphs))
+
+    # -- preparation ----------------------------------------------------------------------
+
+    def prepare(self, seqs: Sequence[SequenceStep]) -> "PreparedStep":
+        """Validate a batch on the host and build its inputs (decode rows first)."""
+        if not seqs:
+            raise ValueError("seqs must hold at least one SequenceStep")
+        vocab = self.model.config.vocab_size
+        for i, s in enumerate(seqs):
+            if not s.token_ids or any(not 0 <= t < vocab for t in s.token_ids):
+                raise ValueError(f"seqs[{i}].token_ids must be non-empty ids in [0, {vocab}), "
+                                 f"got {list(s.token_ids)[:8]}")
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) > 1)  # decodes first
+        rows = [seqs[i] for i in order]
+        positions, meta = build_attention_metadata(
+            [r.block_table for r in rows], [r.num_cached for r in rows], [len(r.token_ids) for r in rows],
+            block_size=self.block_size, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
+            block_table_width=self.table_width, device="cpu")
+        input_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int64)
+        last = torch.tensor([len(r.token_ids) for r in rows]).cumsum(0) - 1
+        return PreparedStep(input_ids, positions, meta, order, last)
+
+    def _graph_size(self, step: PreparedStep, mode: str) -> tuple[Optional[int], str]:
+        n = step.meta.num_decode_tokens
+        if mode == "eager":
+            return None, "forced"
+        if not step.meta.is_decode_only:
+            reason = "mixed" if n else "prefill"
+        elif not self.config.enabled:
+            reason = "disabled"
+        elif n > max(self.capture_sizes):
+            reason = "oversize"
+        else:
+            self.capture()
+            size = min(s for s in self.capture_sizes if s >= n)
+            if size in self._graphs:
+                return size, ""
+            reason = "compile_failed"
+        if mode == "graph":
+            raise ValueError(f"mode='graph' is impossible for this batch: {reason}")
+        return None, reason
+
+    def _unpermute(self, logits: Tensor, order: list[int]) -> Tensor:
+        out = torch.empty_like(logits)
+        out[torch.tensor(order, device=logits.device)] = logits
+        return out
+
+    # -- eager ----------------------------------------------------------------------------
+
+    def _run_eager(self, step: PreparedStep) -> Tensor:
+        dev = self.device
+        meta = _to_device(step.meta, dev)
+        with torch.inference_mode():
+            hidden = self.model(step.input_ids.to(dev), step.positions.to(dev), self.kv_caches, meta)
+            logits = self.model.compute_logits(hidden[step.last.to(dev)])
+        return self._unpermute(logits, step.order)
+
+    # -- graph ----------------------------------------------------------------------------
+
+    def _graph_step(self, input_ids: Tensor, positions: Tensor, kv_caches: tuple,
+                    attn_metadata: AttentionMetadata) -> Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions, kv_caches, attn_metadata))
+
+    def _fresh_graph_step(self) -> Callable:
+        # Dynamo keeps its compiled entries (and its recompile limit) per code object; a copy of
+        # the code per capture size gives each size exactly one entry, so any second compile of
+        # a size is a real recompile and many sizes never hit the limit.
+        fn = types.FunctionType(GraphRunner._graph_step.__code__.replace(), GraphRunner._graph_step.__globals__)
+        return types.MethodType(fn, self)
+
+    def _run_graph(self, step: PreparedStep, size: int) -> Tensor:
+        n = step.meta.num_decode_tokens
+        positions, meta = pad_decode(step.positions, step.meta, size)
+        input_ids = torch.cat([step.input_ids, step.input_ids.new_zeros(size - n)])
+        ids_v, pos_v, meta_v = self._views(size)
+        for dst, src in zip((ids_v, pos_v, meta_v.slot_mapping, *meta_v.decode),
+                            (input_ids, positions, meta.slot_mapping, *meta.decode)):
+            dst.copy_(src, non_blocking=True)
+        try:
+            with torch.inference_mode():
+                logits = self._graphs[size](ids_v, pos_v, self.kv_caches, meta_v)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            if isinstance(e.inner_exception, RecompileError):
+                raise e.inner_exception from None
+            raise
+        return self._unpermute(logits[:n].clone(), step.order)
+
+    def _capture_size(self, size: int, backend: Callable) -> None:
+        start, mem0 = time.perf_counter(), memory_in_use(self.device)
+        compiled = torch.compile(self._fresh_graph_step(), backend=backend, fullgraph=True, dynamic=False)
+        ids_v, pos_v, meta_v = self._views(size)
+        self._fill_padding(size)
+        try:
+            with torch.inference_mode():
+                for _ in range(2):  # compile, then a warm run (device graphs record on it)
+                    compiled(ids_v, pos_v, self.kv_caches, meta_v)
+        except Exception as e:  # noqa: BLE001 - any compiler error falls back or is re-raised
+            self.stats.compile_failures += 1
+            if not self.config.fallback_on_compile_error:
+                raise GraphCompileError(f"compiling capture size {size} failed: {e}") from e
+            self._failed[size] = f"{type(e).__name__}: {e}"
+            log.warning("graph capture of size %d failed, that size runs eagerly: %s", size, e)
+            return
+        seconds = time.perf_counter() - start
+        self._graphs[size] = compiled
+        self.stats.capture_seconds += seconds
+        self.stats.capture[size] = {"seconds": round(seconds, 3),
+                                    "memory_bytes": memory_in_use(self.device) - mem0}
+
+    def _resolve_backend(self) -> Callable:
+        if self._backend is not None:
+            return self._backend
+        from .backends import resolve_backend
+        return resolve_backend(self.config, self.device)
+
+    def _counting_backend(self, backend: Callable) -> Callable:
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs: list, **kwargs):
+            self.stats.compiles += 1
+            if self._warm:
+                self.stats.recompiles += 1
+                msg = (f"a captured step compiled again after warm-up (recompile #{self.stats.recompiles}); "
+                       "an input's shape, dtype, device or address changed")
+                if self.config.on_recompile == "error":
+                    raise RecompileError(msg)
+                log.warning(msg)
+            return backend(gm, example_inputs, **kwargs)
+        return compile_graph
+
+    # -- static inputs --------------------------------------------------------------------
+
+    def _allocate_static_inputs(self) -> dict[str, Tensor]:
+        s = max(self.capture_sizes, default=0)
+        z = lambda *shape, dtype=torch.int64: torch.zeros(shape, dtype=dtype, device=self.device)  # noqa: E731
+        return {"input_ids": z(s), "positions": z(s), "slot_mapping": z(s),
+                "block_tables": z(s, self.table_width, dtype=torch.int32),
+                "context_lens": z(s, dtype=torch.int32)}
+
+    def _views(self, size: int) -> tuple[Tensor, Tensor, AttentionMetadata]:
+        views = getattr(self, "_view_cache", None)
+        if views is None:
+            views = self._view_cache = {}
+        if size not in views:
+            v = {k: t[:size] for k, t in self._static.items()}
+            for t in v.values():
+                torch._dynamo.mark_static_address(t)
+            meta = AttentionMetadata(v["slot_mapping"], DecodeMetadata(v["block_tables"], v["context_lens"]), None)
+            views[size] = (v["input_ids"], v["positions"], meta)
+        return views[size]
+
+    def _fill_padding(self, size: int) -> None:
+        ids_v, pos_v, meta_v = self._views(size)
+        for t, value in ((ids_v, 0), (pos_v, 0), (meta_v.slot_mapping, -1),
+                         (meta_v.decode.block_tables, 0), (meta_v.decode.context_lens, 1)):
+            t.fill_(value)
+
+    def _cache_tensors_by_name(self) -> dict[str, Tensor]:
+        named = {}
+        for i, cache in enumerate(self.kv_caches):
+            for name, t in zip(cache._fields, cache):
+                torch._dynamo.mark_static_address(t)
+                named[f"kv_caches[{i}].{name}"] = t
+        return named
+
+    def _static_buffers_by_name(self) -> dict[str, Tensor]:
+        return {f"static {k}": t for k, t in self._static.items()}
+
+    # -- parity sampling ------------------------------------------------------------------
+
+    def _parity_due(self) -> bool:
+        interval = self.config.parity_interval
+        if not interval:
+            return False
+        self._graph_steps_since_parity += 1
+        if self._graph_steps_since_parity < interval:
+            return False
+        self._graph_steps_since_parity = 0
+        return True
+
+    def _run_with_parity(self, step: PreparedStep) -> Tensor:
+        from .parity import compare_prepared
+        report = compare_prepared(self, step, check_untouched=False)
+        self.stats.parity_checks += 1
+        if not report.ok:
+            self.stats.parity_failures += 1
+            log.warning("graph/eager parity check failed: %s", report.summary())
+        return report.graph_logits
+
+
+def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    """``meta`` with its tensors on ``device`` (host tuples of ints unchanged)."""
+    move = lambda x: x.to(device, non_blocking=True) if isinstance(x, Tensor) else x  # noqa: E731
+    decode = None if meta.decode is None else type(meta.decode)(*map(move, meta.decode))
+    prefill = None if meta.prefill is None else type(meta.prefill)(*map(move, meta.prefill))
+    return AttentionMetadata(move(meta.slot_mapping), decode, prefill)

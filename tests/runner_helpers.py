@@ -1,0 +1,66 @@
+"""Shared helpers of the runner tests: small models and a continuous-batching schedule."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from ascend_graph.block_manager import BlockManager
+from ascend_graph.models.llama import LlamaConfig, LlamaForCausalLM
+from ascend_graph.runner import GraphRunner, SequenceStep
+
+NUM_BLOCKS, BLOCK_SIZE, MAX_MODEL_LEN = 96, 4, 64
+
+
+def small_model(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+    """A seeded small model: ``"llama"`` (paged GQA attention) or ``"mla"`` (DeepSeek MLA + MoE)."""
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig())
+    else:
+        from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
+        model = DeepseekForCausalLM(DeepseekConfig.small())
+    return model.to(dtype).eval()
+
+
+def make_runner(model, config, **kwargs) -> GraphRunner:
+    """A runner with the tests' cache geometry."""
+    return GraphRunner(model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                       max_model_len=MAX_MODEL_LEN, **kwargs)
+
+
+class Schedule:
+    """Continuous batching in miniature: prompts prefill, then decode until they finish."""
+
+    def __init__(self, num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE, seed: int = 0):
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.rng = random.Random(seed)
+        self.lens: dict[int, int] = {}
+        self.remaining: dict[int, int] = {}
+        self.next_token: dict[int, int] = {}
+
+    def add(self, seq_id: int, prompt: list[int], new_tokens: int) -> SequenceStep:
+        """A prefill step entry for a new sequence."""
+        self.lens[seq_id] = 0
+        self.remaining[seq_id] = new_tokens
+        return SequenceStep(prompt, 0, self.blocks.ensure(seq_id, len(prompt)))
+
+    def decode_entries(self) -> list[SequenceStep]:
+        """One decode entry for every running sequence."""
+        return [SequenceStep([self.next_token[s]], self.lens[s], self.blocks.ensure(s, self.lens[s] + 1))
+                for s in sorted(self.next_token)]
+
+    def advance(self, seq_ids: list[int], entries: list[SequenceStep], logits: torch.Tensor) -> None:
+        """Record a step's greedy tokens; finished sequences free their blocks."""
+        for s, e, tok in zip(seq_ids, entries, logits.argmax(-1).tolist()):
+            self.lens[s] = e.num_cached + len(e.token_ids)
+            self.remaining[s] -= 1
+            self.next_token[s] = tok
+            if self.remaining[s] == 0:
+                del self.next_token[s]
+                self.blocks.free(s)
+
+    def random_prompt(self, vocab: int) -> list[int]:
+        """A prompt of 2..9 random tokens."""
+        return [self.rng.randrange(vocab) for _ in range(self.rng.randint(2, 9))]

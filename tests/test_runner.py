@@ -1,0 +1,201 @@
+"""The graph runner: dispatch, padding, recompile and address checks, fallback, parity.
+
+Oracles: the eager path of the same runner on the same caches (``compare_step``), and a
+separate runner with graph mode off that follows the same schedule on its own caches.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from runner_helpers import Schedule, make_runner, small_model
+
+from ascend_graph.config import GraphConfig
+from ascend_graph.parity import compare_step
+from ascend_graph.runner import GraphCompileError, RecompileError, SequenceStep
+from ascend_graph.runtime import StaticAddressError
+
+SIZES = (1, 2, 4)
+
+
+def graph_config(**kw) -> GraphConfig:
+    base = dict(enabled=True, backend="aot_eager", capture_sizes=SIZES, max_batch_size=max(SIZES))
+    return GraphConfig(**{**base, **kw})
+
+
+def prefilled(runner, schedule: Schedule, n: int, vocab: int) -> None:
+    """Prefill ``n`` sequences (eagerly) so that a decode batch of ``n`` is ready."""
+    for s in range(n):
+        entry = schedule.add(s, schedule.random_prompt(vocab), new_tokens=100)
+        schedule.advance([s], [entry], runner.execute([entry]))
+
+
+def snapshot(runner) -> list[list[torch.Tensor]]:
+    return [[t.clone() for t in cache] for cache in runner.kv_caches]
+
+
+def assert_caches_equal(runner, saved) -> None:
+    for cache, layer in zip(runner.kv_caches, saved):
+        for t, s in zip(cache, layer):
+            assert torch.equal(t, s)
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 6])
+def test_dispatch_graph_for_decode_within_sizes_and_eager_above(n):
+    model = small_model("llama")
+    runner, sched = make_runner(model, graph_config()), Schedule()
+    prefilled(runner, sched, n, model.config.vocab_size)
+    runner.execute(sched.decode_entries())
+    assert runner.stats.eager_steps["prefill"] == n
+    if n <= max(SIZES):
+        assert runner.stats.graph_steps == 1 and runner.stats.eager_steps["oversize"] == 0
+    else:
+        assert runner.stats.graph_steps == 0 and runner.stats.eager_steps["oversize"] == 1
+
+
+def test_mixed_batch_and_disabled_graph_mode_run_eager_with_reasons():
+    model = small_model("llama")
+    runner, sched = make_runner(model, graph_config()), Schedule()
+    prefilled(runner, sched, 2, model.config.vocab_size)
+    mixed = sched.decode_entries() + [sched.add(9, [1, 2, 3], 1)]
+    runner.execute(mixed)
+    assert runner.stats.eager_steps["mixed"] == 1 and runner.stats.graph_steps == 0
+
+    off = make_runner(model, GraphConfig(enabled=False))
+    sched = Schedule()
+    prefilled(off, sched, 2, model.config.vocab_size)
+    off.execute(sched.decode_entries())
+    assert off.stats.eager_steps == {"prefill": 2, "disabled": 1} and off.stats.compiles == 0
+
+
+def test_padded_rows_leave_live_blocks_untouched():
+    model = small_model("llama")
+    runner, sched = make_runner(model, graph_config()), Schedule()
+    prefilled(runner, sched, 3, model.config.vocab_size)  # 3 rows run on the size-4 graph
+    entries = sched.decode_entries()
+    written = {e.block_table[e.num_cached // 4] for e in entries}
+    before = snapshot(runner)
+    runner.execute(entries)
+    assert runner.stats.graph_steps == 1
+    for cache, layer in zip(runner.kv_caches, before):
+        for t, s in zip(cache, layer):
+            for block in range(1, t.shape[0]):  # every block but the null block 0
+                if block not in written:
+                    assert torch.equal(t[block], s[block]), f"block {block} changed"
+
+
+def test_long_run_has_no_recompiles_after_warmup_and_expected_split():
+    model = small_model("llama")
+    graph, eager = make_runner(model, graph_config()), make_runner(model, GraphConfig(enabled=False))
+    graph.capture(show_progress=False)
+    compiles_after_warmup = graph.stats.compiles
+    sched, expected = Schedule(seed=0), {"graph": 0, "prefill": 0, "oversize": 0}
+    next_id, sizes_seen = 0, set()
+    for step in range(60):
+        join = step < 45 and (not sched.next_token or sched.rng.random() < 0.4)
+        if join:
+            ids, entries = [next_id], [sched.add(next_id, sched.random_prompt(256), sched.rng.randint(2, 12))]
+            next_id += 1
+            expected["prefill"] += 1
+        else:
+            ids, entries = sorted(sched.next_token), sched.decode_entries()
+            if not entries:
+                continue
+            expected["graph" if len(entries) <= max(SIZES) else "oversize"] += 1
+            sizes_seen.add(len(entries))
+        logits = graph.execute(entries)
+        torch.testing.assert_close(logits, eager.execute(entries), atol=1e-4, rtol=1e-4)
+        sched.advance(ids, entries, logits)
+    stats = graph.stats
+    assert stats.recompiles == 0 and stats.compiles == compiles_after_warmup == len(SIZES)
+    assert stats.graph_steps == expected["graph"] and stats.graph_steps >= 20
+    assert dict(stats.eager_steps) == {k: v for k, v in expected.items() if k != "graph" and v}
+    assert {1, 2, 3, 4} <= sizes_seen and max(sizes_seen) > max(SIZES)
+
+
+def test_recompile_after_warmup_raises_or_warns(caplog):
+    model = small_model("llama")
+    for policy in ("error", "warn"):
+        runner, sched = make_runner(model, graph_config(on_recompile=policy)), Schedule()
+        prefilled(runner, sched, 1, 256)
+        runner.execute(sched.decode_entries())
+        # A guarded Python attribute of the model changes: dynamo must compile the step again.
+        runner.model.layers[0].self_attn.cfg = type(model.config)(rope_theta=5000.0)
+        if policy == "error":
+            with pytest.raises(RecompileError, match="compiled again after warm-up"):
+                runner.execute(sched.decode_entries())
+        else:
+            with caplog.at_level(logging.WARNING, logger="ascend_graph.runner"):
+                runner.execute(sched.decode_entries())
+            assert runner.stats.recompiles == 1 and "compiled again" in caplog.text
+        model = small_model("llama")
+
+
+def failing_backend(gm, example_inputs, **kwargs):
+    raise RuntimeError("simulated compiler failure")
+
+
+def test_compile_failure_falls_back_to_eager_or_raises():
+    model = small_model("llama")
+    runner, sched = make_runner(model, graph_config(), backend=failing_backend), Schedule()
+    prefilled(runner, sched, 2, 256)
+    runner.execute(sched.decode_entries())
+    assert runner.stats.compile_failures == len(SIZES) and runner.graph_sizes == ()
+    assert runner.stats.eager_steps["compile_failed"] == 1 and runner.stats.graph_steps == 0
+
+    strict = make_runner(model, graph_config(fallback_on_compile_error=False), backend=failing_backend)
+    with pytest.raises(GraphCompileError, match="capture size 4"):
+        strict.capture(show_progress=False)
+
+
+def test_moved_cache_tensor_is_detected_by_name():
+    model = small_model("llama")
+    runner, sched = make_runner(model, graph_config()), Schedule()
+    prefilled(runner, sched, 1, 256)
+    runner.kv_caches[1].v.data = torch.zeros_like(runner.kv_caches[1].v)
+    with pytest.raises(StaticAddressError, match=r"kv_caches\[1\]\.v moved"):
+        runner.execute(sched.decode_entries())
+
+
+def test_bad_step_input_raises_before_any_write():
+    model = small_model("llama")
+    runner, sched = make_runner(model, graph_config()), Schedule()
+    prefilled(runner, sched, 2, 256)
+    before = snapshot(runner)
+    good = sched.decode_entries()
+    bad_batches = {
+        "token_ids": [SequenceStep([256], good[0].num_cached, good[0].block_table)],
+        "out of range": [SequenceStep([1], good[0].num_cached, [999] * len(good[0].block_table))],
+        "max_model_len": [SequenceStep([1], 64, list(range(1, 18)))],
+        "at least one": [],
+    }
+    for message, batch in bad_batches.items():
+        with pytest.raises(ValueError, match=message):
+            runner.execute(batch)
+        assert_caches_equal(runner, before)
+
+
+def test_parity_sampling_runs_at_the_configured_interval():
+    model = small_model("llama")
+    runner, sched = make_runner(model, graph_config(parity_interval=2)), Schedule()
+    prefilled(runner, sched, 2, 256)
+    for _ in range(5):
+        entries = sched.decode_entries()
+        sched.advance([0, 1], entries, runner.execute(entries))
+    assert runner.stats.graph_steps == 5
+    assert runner.stats.parity_checks == 2 and runner.stats.parity_failures == 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "mla"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inductor_graph_equals_eager_for_every_size_and_between(kind, dtype):
+    model = small_model(kind, dtype)
+    runner = make_runner(model, graph_config(backend="inductor"))
+    sched = Schedule()
+    prefilled(runner, sched, 4, model.config.vocab_size)
+    for n in (1, 2, 3, 4):
+        report = compare_step(runner, sched.decode_entries()[:n])
+        assert report.ok and report.untouched_ok, report.summary()
+    assert runner.stats.recompiles == 0
