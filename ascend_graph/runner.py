@@ -106,6 +106,7 @@ class GraphRunner:
         self._warm = False
         self._graph_steps_since_parity = 0
         self._static = self._allocate_static_inputs()
+        self._view_cache: dict[int, tuple[Tensor, Tensor, AttentionMetadata]] = {}
         self._addresses = StaticAddresses()
         self._addresses.track(self._cache_tensors_by_name())
         self._addresses.track(self._static_buffers_by_name())
@@ -293,9 +294,7 @@ class GraphRunner:
                 "context_lens": z(s, dtype=torch.int32)}
 
     def _views(self, size: int) -> tuple[Tensor, Tensor, AttentionMetadata]:
-        views = getattr(self, "_view_cache", None)
-        if views is None:
-            views = self._view_cache = {}
+        views = self._view_cache
         if size not in views:
             v = {k: t[:size] for k, t in self._static.items()}
             for t in v.values():
