@@ -84,6 +84,31 @@ class PreparedStep:
     last: Tensor        # [n] index of each row's last token
 
 
+class DecodeStep(nn.Module):
+    """The captured unit: the model's forward and its logits, as one module method."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: tuple,
+                attn_metadata: AttentionMetadata) -> Tensor:
+        """``[s]`` ids and positions, the caches, decode metadata -> ``[s, V]`` logits."""
+        return self.model.compute_logits(self.model(input_ids, positions, kv_caches, attn_metadata))
+
+
+def step_for_size(step: DecodeStep, size: int) -> Callable:
+    """``step.forward`` bound again, with its own code object named ``decode_step_<size>``.
+
+    Dynamo keeps compiled entries (and counts its recompile limit) per code object, and
+    torchair's graph cache is per code object too: one copy per capture size gives each size
+    exactly one entry, so a second compile of a size is a real recompile.
+    """
+    code = DecodeStep.forward.__code__.replace(co_name=f"decode_step_{size}")
+    fn = types.FunctionType(code, DecodeStep.forward.__globals__, code.co_name)
+    return types.MethodType(fn, step)
+
+
 class GraphRunner:
     """Runs decode steps as per-size graphs and everything else eagerly, on one set of caches."""
 
@@ -105,6 +130,7 @@ class GraphRunner:
         self._failed: dict[int, str] = {}
         self._warm = False
         self._graph_steps_since_parity = 0
+        self._step = DecodeStep(model)
         self._static = self._allocate_static_inputs()
         self._view_cache: dict[int, tuple[Tensor, Tensor, AttentionMetadata]] = {}
         self._addresses = StaticAddresses()
@@ -142,7 +168,8 @@ class GraphRunner:
         """Compile and warm up every capture size, largest first; record time and memory."""
         if not self.config.enabled or self._warm:
             return
-        backend = self._counting_backend(self._resolve_backend())
+        # torchair's graph cache compiles through its own entry point, not a torch.compile backend
+        backend = None if self._uses_torchair_graph_cache() else self._counting_backend(self._resolve_backend())
         sizes = sorted(self.capture_sizes, reverse=True)
         for i, size in enumerate(sizes):
             if show_progress:
@@ -215,17 +242,6 @@ class GraphRunner:
 
     # -- graph ----------------------------------------------------------------------------
 
-    def _graph_step(self, input_ids: Tensor, positions: Tensor, kv_caches: tuple,
-                    attn_metadata: AttentionMetadata) -> Tensor:
-        return self.model.compute_logits(self.model(input_ids, positions, kv_caches, attn_metadata))
-
-    def _fresh_graph_step(self) -> Callable:
-        # Dynamo keeps its compiled entries (and its recompile limit) per code object; a copy of
-        # the code per capture size gives each size exactly one entry, so any second compile of
-        # a size is a real recompile and many sizes never hit the limit.
-        fn = types.FunctionType(GraphRunner._graph_step.__code__.replace(), GraphRunner._graph_step.__globals__)
-        return types.MethodType(fn, self)
-
     def _run_graph(self, step: PreparedStep, size: int) -> Tensor:
         n = step.meta.num_decode_tokens
         positions, meta = pad_decode(step.positions, step.meta, size)
@@ -243,9 +259,9 @@ class GraphRunner:
             raise
         return self._unpermute(logits[:n].clone(), step.order)
 
-    def _capture_size(self, size: int, backend: Callable) -> None:
+    def _capture_size(self, size: int, backend: Optional[Callable]) -> None:
         start, mem0 = time.perf_counter(), memory_in_use(self.device)
-        compiled = torch.compile(self._fresh_graph_step(), backend=backend, fullgraph=True, dynamic=False)
+        compiled = self._compile_for_size(size, backend)
         ids_v, pos_v, meta_v = self._views(size)
         self._fill_padding(size)
         try:
@@ -264,6 +280,19 @@ class GraphRunner:
         self.stats.capture_seconds += seconds
         self.stats.capture[size] = {"seconds": round(seconds, 3),
                                     "memory_bytes": memory_in_use(self.device) - mem0}
+
+    def _compile_for_size(self, size: int, backend: Optional[Callable]) -> Callable:
+        method = step_for_size(self._step, size)
+        if self._uses_torchair_graph_cache():
+            from .backends.torchair import cache_compile
+            return cache_compile(method, self.config)
+        return torch.compile(method, backend=backend, fullgraph=True, dynamic=False)
+
+    def _uses_torchair_graph_cache(self) -> bool:
+        if self._backend is not None or not self.config.torchair.use_cached_graph:
+            return False
+        from .backends import backend_name, detect_platform
+        return backend_name(self.config, detect_platform(self.device)) == "torchair"
 
     def _resolve_backend(self) -> Callable:
         if self._backend is not None:

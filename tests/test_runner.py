@@ -199,3 +199,27 @@ def test_inductor_graph_equals_eager_for_every_size_and_between(kind, dtype):
         report = compare_step(runner, sched.decode_entries()[:n])
         assert report.ok and report.untouched_ok, report.summary()
     assert runner.stats.recompiles == 0
+
+
+def test_torchair_contract_use_cached_graph_compiles_each_size_through_cache_compile(monkeypatch):
+    """With torchair's graph cache on, each capture size goes to ``cache_compile`` as a module
+    method with its own code name (no NPU here: platform and torchair are stand-ins)."""
+    import ascend_graph.backends as backends
+    import ascend_graph.backends.torchair as torchair_backend
+    from ascend_graph.config import TorchairOptions
+
+    handed = []
+
+    def fake_cache_compile(method, config):
+        handed.append((method.__code__.co_name, isinstance(method.__self__, torch.nn.Module), config))
+        return method
+
+    monkeypatch.setattr(backends, "detect_platform", lambda device: "npu")
+    monkeypatch.setattr(torchair_backend, "cache_compile", fake_cache_compile)
+    config = graph_config(backend="torchair", torchair=TorchairOptions(use_cached_graph=True))
+    runner, sched = make_runner(small_model("llama"), config), Schedule()
+    prefilled(runner, sched, 3, 256)
+    runner.execute(sched.decode_entries())
+    assert [name for name, _, _ in handed] == ["decode_step_4", "decode_step_2", "decode_step_1"]
+    assert all(is_module and cfg is config for _, is_module, cfg in handed)
+    assert runner.stats.graph_steps == 1
