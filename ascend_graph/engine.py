@@ -72,13 +72,15 @@ class Engine:
     - ``num_blocks``: cache blocks (the null block included). Default: from
       ``cache_memory_bytes`` when given, else enough for ``max_num_seqs`` requests of
       ``max_model_len`` tokens.
-    - ``tokenizer``: an object with ``encode``/``decode``, needed only for string prompts.
+    - ``tokenizer``: an object with ``encode``/``decode``, or a directory to load one from on
+      first use (``load_tokenizer``); needed only for string prompts and ``decode``.
     """
 
     def __init__(self, model: nn.Module, *, graph_config: Optional[GraphConfig] = None, block_size: int = 16,
                  num_blocks: Optional[int] = None, cache_memory_bytes: Optional[int] = None,
                  max_model_len: Optional[int] = None, max_num_seqs: Optional[int] = None,
-                 device: torch.device | str | None = None, tokenizer: Optional[Tokenizer] = None,
+                 device: torch.device | str | None = None,
+                 tokenizer: Union[Tokenizer, str, os.PathLike, None] = None,
                  backend: Optional[Callable] = None) -> None:
         self.model = model
         self.graph_config = graph_config if graph_config is not None else GraphConfig.from_env()
@@ -91,8 +93,9 @@ class Engine:
         self.runner = GraphRunner(model, self.graph_config, num_blocks=self.num_blocks, block_size=block_size,
                                   max_model_len=self.max_model_len, device=device, backend=backend)
         self.counters = EngineStats()
-        self._tokenizer = tokenizer
-        self._tokenizer_path: Optional[str] = None
+        is_path = isinstance(tokenizer, (str, os.PathLike))
+        self._tokenizer: Optional[Tokenizer] = None if is_path else tokenizer
+        self._tokenizer_path: Optional[str] = os.fspath(tokenizer) if is_path else None
         self._seq_ids = itertools.count()
 
     @classmethod
@@ -106,11 +109,9 @@ class Engine:
         """
         from .models import load_deepseek
 
-        engine = cls(load_deepseek(path, dtype=dtype, device=device), graph_config=graph_config,
-                     device=device, **kwargs)
-        if kwargs.get("tokenizer") is None:
-            engine._tokenizer_path = os.fspath(path)
-        return engine
+        kwargs.setdefault("tokenizer", os.fspath(path))
+        return cls(load_deepseek(path, dtype=dtype, device=device), graph_config=graph_config, device=device,
+                   **kwargs)
 
     # -- configuration ----------------------------------------------------------------------
 

@@ -1,0 +1,250 @@
+"""What the ``ascend-graph`` subcommands do (``cli.py`` parses the flags).
+
+Each ``run_<command>(args)`` returns ``(result, text, exit_code)``: a JSON-safe dict, the same
+result as a readable report, and the exit code. Graph and eager are always measured on the same
+model object and the same requests, by two engines (graph mode on / off) with equal cache
+geometry, timed in alternating rounds so that machine drift hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from .config import GraphConfig
+from .engine import Engine
+from .parity import ParityReport
+from .report import format_bench, format_demo, format_generate, format_parity
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BUILTIN_MODELS = ("small", "small-v3")
+
+
+# -- model, engines, workload -------------------------------------------------------------------
+
+
+def load_model(args: argparse.Namespace) -> tuple[nn.Module, dict]:
+    """The model ``--model`` names (built-in with seed-0 weights, or a checkpoint) and a description."""
+    from .models import DeepseekConfig, DeepseekForCausalLM, load_deepseek
+
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    if args.model in BUILTIN_MODELS:
+        config = DeepseekConfig.small() if args.model == "small" else DeepseekConfig.small_v3()
+        model = DeepseekForCausalLM(config, dtype=dtype or torch.float32, device=args.device, seed=0).eval()
+        source = f"built-in '{args.model}' (seeded random weights)"
+    elif os.path.isdir(args.model):
+        model, source = load_deepseek(args.model, dtype=dtype, device=args.device), f"checkpoint {args.model}"
+    else:
+        raise FileNotFoundError(f"--model {args.model!r} is neither a built-in model (small, small-v3) "
+                                "nor a checkpoint directory")
+    return model, describe(model, source)
+
+
+def describe(model: nn.Module, source: str) -> dict:
+    """The model's shape in a few numbers."""
+    c = model.config
+    return {"source": source, "architecture": c.architectures[0], "layers": c.num_hidden_layers,
+            "hidden_size": c.hidden_size, "heads": c.num_attention_heads, "kv_lora_rank": c.kv_lora_rank,
+            "q_lora_rank": c.q_lora_rank, "routed_experts": c.n_routed_experts, "vocab_size": c.vocab_size,
+            "parameters": sum(p.numel() for p in model.parameters()), "dtype": str(model.dtype).split(".")[-1]}
+
+
+def make_engine(model: nn.Module, args: argparse.Namespace, graph: bool, max_num_seqs: Optional[int] = None,
+                **kwargs) -> Engine:
+    """An engine with the flags' cache geometry; graph mode ``graph``."""
+    sizes = tuple(sorted(set(args.capture_sizes)))
+    config = GraphConfig(enabled=graph, backend=args.backend, capture_sizes=sizes, max_batch_size=max(sizes))
+    seats = max_num_seqs or getattr(args, "max_num_seqs", None) or max(sizes)
+    return Engine(model, graph_config=config, block_size=args.block_size, max_model_len=args.max_model_len,
+                  max_num_seqs=seats, device=args.device, **kwargs)
+
+
+def workload(vocab: int, num: int, max_new: int, max_model_len: int, seed: int = 0) -> tuple[list, list]:
+    """``num`` seeded random prompts of 4..40 tokens (mixed order) and budgets from ``max_new`` down to
+    about half of it, each fitting ``max_model_len``."""
+    gen = torch.Generator().manual_seed(seed)
+    budgets = [max(1, max_new - i * max_new // (2 * num)) for i in range(num)]
+    lens = [max(1, min(4 + (i * 23) % 37, max_model_len - b)) for i, b in enumerate(budgets)]
+    if any(n + b > max_model_len for n, b in zip(lens, budgets)):
+        raise ValueError(f"--max-new-tokens={max_new} leaves no room for a prompt in --max-model-len={max_model_len}")
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens], budgets
+
+
+def measure_decode(engines: dict[str, Engine], prompts: list, budgets: list, rounds: int) -> dict:
+    """Median decode tokens/s and ms per decode step of each engine over ``rounds`` alternating runs."""
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
+    for _ in range(rounds):
+        for name, engine in engines.items():
+            c = engine.counters
+            tokens, seconds, steps = c.decode_tokens, c.decode_seconds, c.decode_steps
+            engine.generate(prompts, budgets, ignore_eos=True)
+            seconds = c.decode_seconds - seconds
+            samples[name].append(((c.decode_tokens - tokens) / seconds, 1e3 * seconds / (c.decode_steps - steps)))
+    return {name: {"tokens_per_s": round(statistics.median(s[0] for s in rows), 1),
+                   "ms_per_step": round(statistics.median(s[1] for s in rows), 3)} for name, rows in samples.items()}
+
+
+def conditions(args: argparse.Namespace) -> dict:
+    """What the figures were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu,
+            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": args.device,
+            "compile_threads": os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "default")}
+
+
+def settings(args: argparse.Namespace, engine: Engine) -> dict:
+    """The graph and cache settings a run used."""
+    return {"backend": args.backend, "capture_sizes": list(engine.runner.capture_sizes),
+            "block_size": engine.block_size, "max_model_len": engine.max_model_len,
+            "max_num_seqs": engine.max_num_seqs, "num_blocks": engine.num_blocks}
+
+
+# -- parity bookkeeping ---------------------------------------------------------------------------
+
+
+def logit_agreement(a_tokens: list, b_tokens: list, a_logits: list, b_logits: list) -> dict:
+    """Whether two runs chose the same tokens, and their max logit difference up to the first
+    differing token of each request (later logits follow different prefixes)."""
+    worst, rows = 0.0, 0
+    for a, b, la, lb in zip(a_tokens, b_tokens, a_logits, b_logits):
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)) - 1)
+        worst = max(worst, (la[:k + 1] - lb[:k + 1]).abs().max().item())
+        rows += k + 1
+    return {"tokens_identical": a_tokens == b_tokens, "max_logit_diff": worst, "logit_rows_compared": rows}
+
+
+def reports_summary(reports: Sequence[ParityReport]) -> dict:
+    """Totals and worst differences of ``compare_step`` reports."""
+    cache = [d["max_abs"] for r in reports for layer in r.caches for d in layer.values()]
+    return {"checks": len(reports), "failures": sum(not r.ok for r in reports),
+            "max_logit_diff": max((r.logits["max_abs"] for r in reports), default=None),
+            "max_cache_diff": max(cache, default=None),
+            "untouched_ok": all(r.untouched_ok is not False for r in reports) if reports else None}
+
+
+# -- the subcommands ------------------------------------------------------------------------------
+
+
+def run_demo(args: argparse.Namespace) -> tuple[dict, str, int]:
+    """Serve requests of different lengths with graph mode on, then eagerly, and report.
+
+    The report: capture time and memory per batch size; decode throughput graph vs eager (same
+    model, same requests, alternating rounds); parity (graph tokens vs eager tokens, max logit
+    difference, and compare_step checks of every graph decode step: logits, written cache blocks,
+    untouched blocks); the counters. Exit code 1 when graph and eager disagree.
+    """
+    start = time.perf_counter()
+    model, info = load_model(args)
+    prompts, budgets = workload(model.config.vocab_size, args.num_requests, args.max_new_tokens, args.max_model_len)
+    graph, eager = make_engine(model, args, graph=True), make_engine(model, args, graph=False)
+    graph.capture(show_progress=not args.no_progress)
+    g_tokens, g_logits = graph.generate(prompts, budgets, ignore_eos=True, return_logits=True,
+                                        show_progress=not args.no_progress)
+    e_tokens, e_logits = eager.generate(prompts, budgets, ignore_eos=True, return_logits=True)
+    checked_tokens, reports = graph.generate_checked(prompts, budgets, ignore_eos=True)
+    parity = {**logit_agreement(g_tokens, e_tokens, g_logits, e_logits),
+              "compare_step": reports_summary(reports), "checked_run_tokens_identical": checked_tokens == e_tokens}
+    parity["ok"] = bool(parity["tokens_identical"] and parity["checked_run_tokens_identical"] and reports
+                        and not parity["compare_step"]["failures"])
+    speed = measure_decode({"eager": eager, "graph": graph}, prompts, budgets, args.rounds)
+    speed["speedup"] = round(speed["graph"]["tokens_per_s"] / speed["eager"]["tokens_per_s"], 2)
+    result = {"command": "demo", "model": info, "settings": settings(args, graph), "conditions": conditions(args),
+              "requests": {"count": len(prompts), "prompt_lens": [len(p) for p in prompts], "new_tokens": budgets},
+              "capture": graph.stats["capture"], "capture_seconds": graph.stats["capture_seconds"],
+              "throughput": {**speed, "rounds": args.rounds}, "parity": parity,
+              "counters": graph.stats, "eager_counters": eager.stats, "sample": {"prompt": prompts[0],
+                                                                                 "tokens": g_tokens[0]},
+              "seconds": round(time.perf_counter() - start, 1)}
+    return result, format_demo(result), 0 if parity["ok"] else 1
+
+
+def run_generate(args: argparse.Namespace) -> tuple[dict, str, int]:
+    """Generate continuations of the given prompts (token ids, or text with a tokenizer).
+
+    Greedy unless --temperature > 0. Graph mode on unless --no-graph.
+    """
+    prompts = [*args.prompt_ids, *args.prompt]
+    if not prompts:
+        raise ValueError("give at least one --prompt-ids or --prompt")
+    model, info = load_model(args)
+    tokenizer = None if args.model in BUILTIN_MODELS else args.model  # loaded when first needed
+    engine = make_engine(model, args, graph=args.graph, max_num_seqs=max(args.capture_sizes), tokenizer=tokenizer)
+    engine.capture(show_progress=not args.no_progress and args.graph)
+    start = time.perf_counter()
+    tokens = engine.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                             top_p=args.top_p, seed=args.seed, stop_token_ids=args.stop_token_ids,
+                             show_progress=not args.no_progress)
+    outputs = [{"prompt": p, "tokens": t, "text": _text(engine, t) if args.prompt else None}
+               for p, t in zip(prompts, tokens)]
+    result = {"command": "generate", "model": info, "settings": settings(args, engine), "graph": args.graph,
+              "outputs": outputs, "seconds": round(time.perf_counter() - start, 3), "counters": engine.stats}
+    return result, format_generate(result), 0
+
+
+def _text(engine: Engine, tokens: list[int]) -> Optional[str]:
+    return engine.decode(tokens) if engine.tokenizer is not None else None
+
+
+def run_parity(args: argparse.Namespace) -> tuple[dict, str, int]:
+    """Serve the same requests with every graph decode step checked against eager (compare_step).
+
+    Per step: max logit and cache differences, and whether blocks outside the step stayed
+    untouched; plus the tokens of a separate eager run. Exit code 1 on any mismatch.
+    """
+    model, info = load_model(args)
+    prompts, budgets = workload(model.config.vocab_size, args.num_requests, args.max_new_tokens, args.max_model_len)
+    graph, eager = make_engine(model, args, graph=True), make_engine(model, args, graph=False)
+    graph.capture(show_progress=not args.no_progress)
+    tokens, reports = graph.generate_checked(prompts, budgets, ignore_eos=True, show_progress=not args.no_progress)
+    eager_tokens = eager.generate(prompts, budgets, ignore_eos=True)
+    steps = [{"step": i, "batch_size": r.batch_size, "ok": r.ok, "logits_max_abs": r.logits["max_abs"],
+              "caches_max_abs": max((d["max_abs"] for layer in r.caches for d in layer.values()), default=0.0),
+              "untouched_ok": r.untouched_ok} for i, r in enumerate(reports)]
+    summary = reports_summary(reports)
+    ok = bool(reports) and not summary["failures"] and tokens == eager_tokens
+    result = {"command": "parity", "model": info, "settings": settings(args, graph), "ok": ok,
+              "tokens_identical": tokens == eager_tokens, "summary": summary, "steps": steps,
+              "counters": graph.stats}
+    return result, format_parity(result), 0 if ok else 1
+
+
+def run_bench(args: argparse.Namespace) -> tuple[dict, str, int]:
+    """Decode throughput graph vs eager for each batch size (the capture sizes).
+
+    For batch size n, n requests of --prompt-len tokens generate --new-tokens each, all running
+    together, so every decode step has n rows; graph and eager engines alternate for --rounds.
+    """
+    if args.prompt_len + args.new_tokens > args.max_model_len:
+        raise ValueError(f"--prompt-len + --new-tokens = {args.prompt_len + args.new_tokens} exceeds "
+                         f"--max-model-len={args.max_model_len}")
+    model, info = load_model(args)
+    sizes = sorted(set(args.capture_sizes))
+    graph, eager = make_engine(model, args, True, max(sizes)), make_engine(model, args, False, max(sizes))
+    graph.capture(show_progress=not args.no_progress)
+    gen, rows = torch.Generator().manual_seed(0), []
+    for n in sizes:
+        prompts = [torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=gen).tolist()
+                   for _ in range(n)]
+        for engine in (graph, eager):  # warm-up: first runs of a batch shape are slower
+            engine.generate(prompts, args.new_tokens, ignore_eos=True)
+        t = measure_decode({"eager": eager, "graph": graph}, prompts, [args.new_tokens] * n, args.rounds)
+        rows.append({"batch": n, "eager": t["eager"], "graph": t["graph"],
+                     "speedup": round(t["graph"]["tokens_per_s"] / t["eager"]["tokens_per_s"], 2)})
+    result = {"command": "bench", "benchmark": "engine_decode_throughput", "model": info,
+              "settings": {**settings(args, graph), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                           "rounds": args.rounds},
+              "conditions": conditions(args), "capture": graph.stats["capture"], "rows": rows,
+              "counters": graph.stats}
+    return result, format_bench(result), 0

@@ -1,0 +1,123 @@
+"""Readable reports of the ``ascend-graph`` subcommands, from their JSON-safe results."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+def _yes(flag: Optional[bool]) -> str:
+    return "unchecked" if flag is None else ("yes" if flag else "NO")
+
+
+def _num(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x:.3g}"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:8.1f} MiB"
+
+
+def model_lines(result: dict) -> list[str]:
+    """The model, the machine and the graph settings, in three lines."""
+    m, s = result["model"], result["settings"]
+    experts = f"{m['routed_experts']} routed experts" if m["routed_experts"] else "dense"
+    q = f"q_lora_rank {m['q_lora_rank']}, " if m["q_lora_rank"] else ""
+    lines = [f"model: {m['architecture']} from {m['source']}",
+             f"  {m['layers']} layers, hidden {m['hidden_size']}, {m['heads']} heads, {q}kv_lora_rank "
+             f"{m['kv_lora_rank']}, {experts}, {m['parameters'] / 1e6:.2f} M parameters, {m['dtype']}",
+             f"graph mode: backend {s['backend']}, capture sizes {','.join(map(str, s['capture_sizes']))}; "
+             f"cache {s['num_blocks']} blocks of {s['block_size']}; at most {s['max_num_seqs']} requests running"]
+    c = result.get("conditions")
+    if c:
+        lines.append(f"machine: {c['cpu']} ({c['cores']} cores; torch threads {c['torch_threads']}), "
+                     f"torch {c['torch']}, device {c['device']}")
+    return lines
+
+
+def capture_lines(capture: dict) -> list[str]:
+    """Seconds and memory per capture size."""
+    lines = ["Graph capture (compile + warm-up per batch size; memory: allocator growth, RSS on CPU)",
+             f"  {'batch size':>10} {'seconds':>9} {'memory':>12}"]
+    for size, c in sorted(capture.items(), key=lambda kv: int(kv[0])):
+        lines.append(f"  {size:>10} {c['seconds']:>9.2f} {_mib(c['memory_bytes']):>12}")
+    total = sum(c["seconds"] for c in capture.values())
+    lines.append(f"  {'total':>10} {total:>9.2f}")
+    return lines
+
+
+def counter_lines(stats: dict) -> list[str]:
+    """The runner's and the engine's counters."""
+    eager = ", ".join(f"{k} {v}" for k, v in sorted(stats["eager_steps"].items())) or "none"
+    sizes = " ".join(f"{k}x{v}" for k, v in stats["decode_batch_sizes"].items())
+    return [f"  graph steps {stats['graph_steps']} | eager steps: {eager} | compiles {stats['compiles']} | "
+            f"recompiles {stats['recompiles']} | compile failures {stats['compile_failures']} | "
+            f"capture {stats['capture_seconds']:.1f} s",
+            f"  requests {stats['requests']} | prompt tokens {stats['prompt_tokens']} | generated tokens "
+            f"{stats['generated_tokens']} | prefill steps {stats['prefill_steps']} | decode steps {stats['decode_steps']}",
+            f"  decode batch sizes (size x steps): {sizes}"]
+
+
+def format_demo(r: dict) -> str:
+    """The demo's report."""
+    req, t, p = r["requests"], r["throughput"], r["parity"]
+    cs = p["compare_step"]
+    lines = [f"ascend-graph demo: {req['count']} requests (prompts {min(req['prompt_lens'])}-"
+             f"{max(req['prompt_lens'])} tokens, {min(req['new_tokens'])}-{max(req['new_tokens'])} new tokens each) "
+             "served with graph mode on, then eagerly", *model_lines(r), "", *capture_lines(r["capture"]), "",
+             f"Decode throughput (median of {t['rounds']} alternating rounds; same model, same requests)",
+             f"  eager  {t['eager']['tokens_per_s']:>10.1f} tokens/s  {t['eager']['ms_per_step']:>8.3f} ms/step",
+             f"  graph  {t['graph']['tokens_per_s']:>10.1f} tokens/s  {t['graph']['ms_per_step']:>8.3f} ms/step",
+             f"  graph / eager: {t['speedup']:.2f}x", "",
+             "Parity, graph vs eager",
+             f"  tokens identical          {_yes(p['tokens_identical'])} ({req['count']} requests, "
+             f"{sum(req['new_tokens'])} tokens)",
+             f"  max |logit difference|    {_num(p['max_logit_diff'])} over {p['logit_rows_compared']} logit rows",
+             f"  compare_step checks       {cs['checks'] - cs['failures']} of {cs['checks']} decode steps OK; max logit "
+             f"diff {_num(cs['max_logit_diff'])}, max cache diff {_num(cs['max_cache_diff'])}, other blocks "
+             f"untouched: {_yes(cs['untouched_ok'])}",
+             f"  verdict                   {'PASS: graph mode reproduces eager' if p['ok'] else 'FAIL: graph and eager differ'}",
+             "", "Counters (graph engine; compare_step checks are not counted as graph steps)",
+             *counter_lines(r["counters"]), "",
+             f"sample: request 0 prompt {r['sample']['prompt'][:8]}... -> {r['sample']['tokens'][:12]}...",
+             f"finished in {r['seconds']:.1f} s"]
+    return "\n".join(lines)
+
+
+def format_generate(r: dict) -> str:
+    """Each request's new tokens (and text when a tokenizer decoded them)."""
+    lines = [*model_lines(r), ""]
+    for i, out in enumerate(r["outputs"]):
+        prompt = out["prompt"] if isinstance(out["prompt"], str) else f"{out['prompt']}"
+        lines.append(f"[{i}] {prompt}")
+        lines.append(f"    -> {out['text']!r}" if out["text"] is not None else f"    -> {out['tokens']}")
+    s = r["counters"]
+    lines += ["", f"{s['generated_tokens']} tokens in {r['seconds']:.2f} s; decode {s['decode_tokens_per_s']:.1f} "
+              f"tokens/s; graph steps {s['graph_steps']}, eager steps {s['eager_steps_total']}"]
+    return "\n".join(lines)
+
+
+def format_parity(r: dict) -> str:
+    """Per-step differences and the verdict."""
+    lines = [*model_lines(r), "", f"{'step':>5} {'batch':>5} {'logits max|diff|':>17} {'cache max|diff|':>16} "
+             f"{'untouched':>9}  ok"]
+    for s in r["steps"]:
+        lines.append(f"{s['step']:>5} {s['batch_size']:>5} {s['logits_max_abs']:>17.3g} {s['caches_max_abs']:>16.3g} "
+                     f"{_yes(s['untouched_ok']):>9}  {'ok' if s['ok'] else 'MISMATCH'}")
+    sm = r["summary"]
+    lines += ["", f"{sm['checks']} graph decode steps checked, {sm['failures']} mismatched; tokens identical to a "
+              f"separate eager run: {_yes(r['tokens_identical'])}",
+              f"verdict: {'PASS' if r['ok'] else 'FAIL'}"]
+    return "\n".join(lines)
+
+
+def format_bench(r: dict) -> str:
+    """Throughput per batch size."""
+    st = r["settings"]
+    lines = [*model_lines(r), f"each request: {st['prompt_len']} prompt tokens, {st['new_tokens']} new tokens; "
+             f"median of {st['rounds']} alternating rounds", "",
+             f"{'batch':>5} {'eager tok/s':>12} {'graph tok/s':>12} {'eager ms':>9} {'graph ms':>9} {'speed-up':>8}"]
+    for row in r["rows"]:
+        e, g = row["eager"], row["graph"]
+        lines.append(f"{row['batch']:>5} {e['tokens_per_s']:>12.1f} {g['tokens_per_s']:>12.1f} "
+                     f"{e['ms_per_step']:>9.3f} {g['ms_per_step']:>9.3f} {row['speedup']:>7.2f}x")
+    return "\n".join(lines)

@@ -1,0 +1,126 @@
+"""The ``ascend-graph`` command, run in-process through ``main(argv)``.
+
+Small settings keep it quick: two capture sizes on the aot_eager backend (Inductor itself is
+covered by the runner and engine parity tests), a few short requests, one timing round.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ascend_graph import commands
+from ascend_graph.cli import main
+
+QUICK = ["--backend", "aot_eager", "--capture-sizes", "1,2", "--max-model-len", "64", "--no-progress", "--json"]
+
+
+def run_json(capsys, argv: list[str]) -> tuple[int, dict]:
+    code = main(argv)
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_help_explains_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
+    for command in ("demo", "generate", "parity", "bench"):
+        assert command in out
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "alternating rounds" in capsys.readouterr().out
+
+
+def test_demo_json_reports_capture_throughput_parity_and_counters(capsys):
+    code, r = run_json(capsys, ["demo", *QUICK, "--num-requests", "3", "--max-new-tokens", "6", "--rounds", "1"])
+    assert code == 0
+    assert set(r["capture"]) == {"1", "2"} and all(c["seconds"] > 0 for c in r["capture"].values())
+    t = r["throughput"]
+    assert t["graph"]["tokens_per_s"] > 0 and t["eager"]["tokens_per_s"] > 0
+    assert t["speedup"] == pytest.approx(t["graph"]["tokens_per_s"] / t["eager"]["tokens_per_s"], rel=0.02)
+    p = r["parity"]
+    assert p["ok"] and p["tokens_identical"] and p["checked_run_tokens_identical"]
+    assert 0 <= p["max_logit_diff"] < 1e-4 and p["logit_rows_compared"] == sum(r["requests"]["new_tokens"])
+    assert p["compare_step"]["checks"] > 0 and p["compare_step"]["failures"] == 0
+    assert p["compare_step"]["max_cache_diff"] is not None and p["compare_step"]["untouched_ok"]
+    c = r["counters"]
+    assert c["graph_steps"] > 0 and c["recompiles"] == 0 and c["compiles"] == 2
+    assert r["eager_counters"]["graph_steps"] == 0 and r["eager_counters"]["eager_steps"]["disabled"] > 0
+
+
+def test_parity_on_the_builtin_model_passes(capsys):
+    code, r = run_json(capsys, ["parity", *QUICK, "--model", "small-v3", "--num-requests", "3",
+                                "--max-new-tokens", "5"])
+    assert code == 0 and r["ok"] and r["tokens_identical"]
+    assert len(r["steps"]) == r["summary"]["checks"] > 0
+    assert all(s["ok"] and s["untouched_ok"] for s in r["steps"])
+
+
+def test_parity_fails_with_exit_code_1_when_the_graph_is_wrong(capsys, monkeypatch):
+    def off_by_a_little(gm, example_inputs, **kwargs):
+        def run(*args):
+            return tuple(o + 1e-2 if o.is_floating_point() else o for o in gm(*args))
+        return run
+
+    make_engine = commands.make_engine
+
+    def skewed(model, args, graph, *a, **kw):
+        return make_engine(model, args, graph, *a, **({"backend": off_by_a_little} if graph else {}), **kw)
+
+    monkeypatch.setattr(commands, "make_engine", skewed)
+    code, r = run_json(capsys, ["parity", *QUICK, "--num-requests", "2", "--max-new-tokens", "3"])
+    assert code == 1 and not r["ok"] and r["summary"]["failures"] == r["summary"]["checks"] > 0
+    assert r["summary"]["max_logit_diff"] == pytest.approx(1e-2, rel=1e-3)
+
+
+def test_generate_from_token_ids_graph_equals_no_graph(capsys):
+    argv = ["generate", *QUICK, "--prompt-ids", "1,2,3", "--prompt-ids", "9,8,7,6,5", "--max-new-tokens", "5"]
+    code, graph = run_json(capsys, argv)
+    assert code == 0 and [len(o["tokens"]) for o in graph["outputs"]] == [5, 5]
+    assert graph["counters"]["graph_steps"] > 0
+    code, eager = run_json(capsys, [*argv, "--no-graph"])
+    assert [o["tokens"] for o in eager["outputs"]] == [o["tokens"] for o in graph["outputs"]]
+    assert eager["counters"]["graph_steps"] == 0
+    code, sampled = run_json(capsys, [*argv, "--no-graph", "--temperature", "1", "--seed", "4"])
+    assert code == 0 and [len(o["tokens"]) for o in sampled["outputs"]] == [5, 5]
+
+
+def test_bench_json_rows_per_batch_size_and_output_file(capsys, tmp_path):
+    out = tmp_path / "bench.json"
+    code, r = run_json(capsys, ["bench", *QUICK, "--batch-sizes", "1,2", "--prompt-len", "4", "--new-tokens", "4",
+                                "--rounds", "1", "--output", str(out)])
+    assert code == 0 and [row["batch"] for row in r["rows"]] == [1, 2]
+    assert all(row["graph"]["tokens_per_s"] > 0 and row["eager"]["ms_per_step"] > 0 for row in r["rows"])
+    assert json.loads(out.read_text())["rows"] == r["rows"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--capture-sizes", "0,2"], "expected comma-separated positive integers, got '0,2'"),
+    (["demo", "--max-new-tokens", "many"], "expected a positive integer, got 'many'"),
+    (["demo", "--backend", "tpu"], "invalid choice: 'tpu'"),
+    (["generate", "--prompt-ids", "1,x"], "expected comma-separated token ids, got '1,x'"),
+])
+def test_bad_flag_values_stop_with_a_usage_message(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--model", "/nowhere", "--prompt-ids", "1"], "neither a built-in model"),
+    (["generate", "--no-graph", "--prompt-ids", "1,999"], "request 0: token id 999 at position 1 is outside"),
+    (["generate", "--no-graph"], "give at least one --prompt-ids or --prompt"),
+    (["generate", "--no-graph", "--prompt", "hello"], "needs a tokenizer"),
+])
+def test_bad_requests_exit_2_with_the_engine_error(capsys, argv, message):
+    assert main([*argv, "--no-progress"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_main_restores_torch_threads(capsys):
+    before = torch.get_num_threads()
+    main(["generate", "--no-graph", "--prompt-ids", "1,2", "--max-new-tokens", "2", "--threads", "1", "--json"])
+    assert torch.get_num_threads() == before
