@@ -4,10 +4,18 @@ Shape legend: T tokens, E hidden size, I intermediate size (of one expert), X ro
 K experts per token (``num_experts_per_tok``), G expert groups (``n_group``).
 
 Routed experts are stored stacked (``gate_up_proj [X, 2I, E]``, ``down_proj [X, E, I]``, as
-transformers 5 holds them). Decode gathers each token's chosen experts' weights and multiplies
-with einsum: static shapes, no host synchronisation, capturable. Steps with a prefill use the
-grouped path instead (tokens sorted by expert, one matmul per expert): it reads each expert's
-weights once, but it asks the host for the per-expert counts, so it is eager-only.
+transformers 5 holds them). Three forms compute the same sum (``RoutedExperts.decode`` picks):
+
+- ``gathered``: each token's K experts' weights indexed and multiplied with einsum. Static,
+  sync-free; compiled, Inductor fuses the indexing into the matmul kernel, so when few experts
+  are chosen (``T*K < X``) it reads just those. Eager, the indexing copies ``T*K`` weight
+  matrices (measured 390 ms vs 11 ms sorted for one V2-Lite token), so eager never uses it.
+- ``sorted_by_expert``: token rows sorted by expert, one ``torch._grouped_mm`` over all experts
+  with device-side offsets. Static, sync-free, reads each chosen expert once: the compiled form
+  when ``T*K >= X`` (bfloat16) and the eager decode form (CPU, float32/16 and bfloat16).
+- ``grouped``: sorted rows, a Python loop of one matmul pair per expert; it asks the host for
+  the per-expert counts, so it is eager-only (prefill, and decode where ``_grouped_mm`` is not
+  usable).
 """
 
 from __future__ import annotations
@@ -98,6 +106,31 @@ class RoutedExperts(nn.Module):
         out = torch.einsum("tki,tkei->tke", h, self.down_proj[experts])  # [T, K, E]
         return torch.einsum("tke,tk->te", out, weights.to(out.dtype))
 
+    def sorted_by_expert(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """Sync-free grouped form: rows sorted by expert, grouped matmuls with device offsets."""
+        k = experts.shape[1]
+        flat = experts.flatten()  # [T*K]
+        order = flat.argsort(stable=True)
+        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # [X] rows per expert
+        offs = counts.cumsum(0, dtype=torch.int32)  # [X] end of each expert's rows
+        token = order // k
+        gate, up = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        out = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)  # [T*K, E]
+        out = out * weights.flatten()[order, None].to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, token, out)
+
+    def decode(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """The fastest form that suits how this step runs (see the module docstring)."""
+        can_sort = (hasattr(torch, "_grouped_mm") and x.device.type == "cpu"
+                    and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
+        if not torch.compiler.is_compiling():
+            return self.sorted_by_expert(x, weights, experts) if can_sort else self.grouped(x, weights, experts)
+        # torch 2.13's fake-tensor rule for _grouped_mm accepts bfloat16 only.
+        if can_sort and x.dtype == torch.bfloat16 and experts.numel() >= self.gate_up_proj.shape[0]:
+            return self.sorted_by_expert(x, weights, experts)
+        return self.gathered(x, weights, experts)
+
     def grouped(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """Eager form for prefill: tokens sorted by expert, one matmul pair per expert."""
         k = experts.shape[1]
@@ -128,6 +161,6 @@ class MoE(nn.Module):
     def forward(self, x: Tensor, grouped: bool = False) -> Tensor:
         """``x [T, E]`` -> ``[T, E]``; ``grouped`` picks the eager prefill path (see the module doc)."""
         weights, experts = self.gate(x)
-        routed = self.experts.grouped if grouped else self.experts.gathered
+        routed = self.experts.grouped if grouped else self.experts.decode
         out = routed(x, weights, experts)
         return out if self.shared_experts is None else out + self.shared_experts(x)
