@@ -17,6 +17,12 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:8.1f} MiB"
 
 
+def _graph_mode(settings: dict) -> str:
+    if not settings["capture_sizes"]:
+        return "graph mode off (every step eager)"
+    return f"graph mode: backend {settings['backend']}, capture sizes {','.join(map(str, settings['capture_sizes']))}"
+
+
 def model_lines(result: dict) -> list[str]:
     """The model, the machine and the graph settings, in three lines."""
     m, s = result["model"], result["settings"]
@@ -25,8 +31,8 @@ def model_lines(result: dict) -> list[str]:
     lines = [f"model: {m['architecture']} from {m['source']}",
              f"  {m['layers']} layers, hidden {m['hidden_size']}, {m['heads']} heads, {q}kv_lora_rank "
              f"{m['kv_lora_rank']}, {experts}, {m['parameters'] / 1e6:.2f} M parameters, {m['dtype']}",
-             f"graph mode: backend {s['backend']}, capture sizes {','.join(map(str, s['capture_sizes']))}; "
-             f"cache {s['num_blocks']} blocks of {s['block_size']}; at most {s['max_num_seqs']} requests running"]
+             f"{_graph_mode(s)}; cache {s['num_blocks']} blocks of {s['block_size']}; "
+             f"max_num_seqs {s['max_num_seqs']}"]
     c = result.get("conditions")
     if c:
         lines.append(f"machine: {c['cpu']} ({c['cores']} cores; torch threads {c['torch_threads']}), "
@@ -89,7 +95,7 @@ def format_generate(r: dict) -> str:
     for i, out in enumerate(r["outputs"]):
         prompt = out["prompt"] if isinstance(out["prompt"], str) else f"{out['prompt']}"
         lines.append(f"[{i}] {prompt}")
-        lines.append(f"    -> {out['text']!r}" if out["text"] is not None else f"    -> {out['tokens']}")
+        lines.append(f"    -> {out['tokens']}" + (f" {out['text']!r}" if out["text"] is not None else ""))
     s = r["counters"]
     lines += ["", f"{s['generated_tokens']} tokens in {r['seconds']:.2f} s; decode {s['decode_tokens_per_s']:.1f} "
               f"tokens/s; graph steps {s['graph_steps']}, eager steps {s['eager_steps_total']}"]
