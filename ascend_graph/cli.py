@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
 import sys
-import textwrap
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -110,39 +110,50 @@ def build_parser() -> argparse.ArgumentParser:
         description="Graph-mode decoding for DeepSeek V2/V3 (MLA + MoE) over tuple KV caches: decode steps "
                     "run as captured graphs, prefill eagerly on the same caches.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    demo = sub.add_parser("demo", help="serve requests on the built-in model, graph vs eager: capture, "
-                          "throughput, parity, counters", formatter_class=argparse.RawDescriptionHelpFormatter, description=_doc("demo"))
-    _model_args(demo)
-    _workload_args(demo, requests=10, new_tokens=48)
-    demo.add_argument("--rounds", type=positive_int, default=3, help="timing rounds per mode (default: 3)")
-    gen = sub.add_parser("generate", help="generate from token ids or text", formatter_class=argparse.RawDescriptionHelpFormatter, description=_doc("generate"))
-    _model_args(gen)
-    gen.add_argument("--prompt-ids", type=token_ids, action="append", default=[], metavar="ID,ID,...",
-                     help="a prompt as token ids (repeat for more requests)")
-    gen.add_argument("--prompt", action="append", default=[], metavar="TEXT",
-                     help="a text prompt (needs a checkpoint with a tokenizer; repeatable)")
-    gen.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens per request (default: 32)")
-    gen.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
-                     help="decode through captured graphs (default) or eagerly (--no-graph)")
-    _sampling_args(gen)
-    par = sub.add_parser("parity", help="graph vs eager step by step (compare_step); exit 1 on mismatch",
-                         formatter_class=argparse.RawDescriptionHelpFormatter, description=_doc("parity"))
-    _model_args(par)
+    _add_demo(_command(sub, "demo", "serve requests on the built-in model, graph vs eager: capture, throughput, "
+                                    "parity, counters"))
+    _add_generate(_command(sub, "generate", "generate from token ids or text"))
+    par = _command(sub, "parity", "graph vs eager step by step (compare_step); exit 1 on mismatch")
     _workload_args(par, requests=6, new_tokens=24)
-    bench = sub.add_parser("bench", help="decode throughput graph vs eager per batch size",
-                           formatter_class=argparse.RawDescriptionHelpFormatter, description=_doc("bench"))
-    _model_args(bench)
-    bench.add_argument("--batch-sizes", dest="capture_sizes", type=positive_ints, metavar="N,N,...",
-                       help="batch sizes to measure, each captured as a graph (same as --capture-sizes)")
-    bench.add_argument("--prompt-len", type=positive_int, default=32, help="prompt tokens (default: 32)")
-    bench.add_argument("--new-tokens", type=positive_int, default=32, help="tokens per request (default: 32)")
-    bench.add_argument("--rounds", type=positive_int, default=3, help="timing rounds per mode (default: 3)")
-    bench.add_argument("--output", default=None, metavar="FILE", help="also write the JSON result to FILE")
+    _add_bench(_command(sub, "bench", "decode throughput graph vs eager per batch size"))
     return parser
 
 
+def _command(sub, name: str, summary: str) -> argparse.ArgumentParser:
+    """A subcommand whose description is its ``run_`` function's docstring, with the model flags."""
+    p = sub.add_parser(name, help=summary, description=_doc(name),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_args(p)
+    return p
+
+
+def _add_demo(p: argparse.ArgumentParser) -> None:
+    _workload_args(p, requests=10, new_tokens=48)
+    p.add_argument("--rounds", type=positive_int, default=3, help="timing rounds per mode (default: 3)")
+
+
+def _add_generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-ids", type=token_ids, action="append", default=[], metavar="ID,ID,...",
+                   help="a prompt as token ids (repeat for more requests)")
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                   help="a text prompt (needs a checkpoint with a tokenizer; repeatable)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens per request (default: 32)")
+    p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode through captured graphs (default) or eagerly (--no-graph)")
+    _sampling_args(p)
+
+
+def _add_bench(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-sizes", dest="capture_sizes", type=positive_ints, metavar="N,N,...",
+                   help="batch sizes to measure, each captured as a graph (same as --capture-sizes)")
+    p.add_argument("--prompt-len", type=positive_int, default=32, help="prompt tokens (default: 32)")
+    p.add_argument("--new-tokens", type=positive_int, default=32, help="tokens per request (default: 32)")
+    p.add_argument("--rounds", type=positive_int, default=3, help="timing rounds per mode (default: 3)")
+    p.add_argument("--output", default=None, metavar="FILE", help="also write the JSON result to FILE")
+
+
 def _doc(command: str) -> str:
-    return textwrap.dedent(getattr(commands, f"run_{command}").__doc__).strip()
+    return inspect.cleandoc(getattr(commands, f"run_{command}").__doc__)
 
 
 @contextlib.contextmanager

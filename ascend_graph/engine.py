@@ -87,7 +87,8 @@ class Engine:
         _positive("block_size", block_size)
         self.block_size = block_size
         self.max_model_len = self._resolve_max_model_len(max_model_len)
-        self.max_num_seqs = _positive("max_num_seqs", max_num_seqs or self.graph_config.max_batch_size)
+        seats = self.graph_config.max_batch_size if max_num_seqs is None else max_num_seqs
+        self.max_num_seqs = _positive("max_num_seqs", seats)
         self.num_blocks = self._resolve_num_blocks(num_blocks, cache_memory_bytes)
         self.blocks = BlockManager(self.num_blocks, block_size)
         self.runner = GraphRunner(model, self.graph_config, num_blocks=self.num_blocks, block_size=block_size,
@@ -132,9 +133,7 @@ class Engine:
             return blocks_for_budget(self.model.kv_cache_specs(), self.block_size, cache_memory_bytes)
         if num_blocks is None:
             return 1 + self.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
-        if _positive("num_blocks", num_blocks) < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is the reserved null block), got {num_blocks}")
-        return num_blocks
+        return _positive("num_blocks", num_blocks, minimum=2, why=" (block 0 is the reserved null block)")
 
     @property
     def tokenizer(self) -> Optional[Tokenizer]:
@@ -287,8 +286,9 @@ class Engine:
         return tokenizer
 
     def _stop_ids(self, stop_token_ids: Optional[Sequence[int]], ignore_eos: bool) -> frozenset[int]:
-        if stop_token_ids is not None and (not isinstance(stop_token_ids, Sequence) or isinstance(stop_token_ids, str)
-                                           or any(isinstance(t, bool) or not isinstance(t, int) for t in stop_token_ids)):
+        ints = lambda ids: all(isinstance(t, int) and not isinstance(t, bool) for t in ids)  # noqa: E731
+        if stop_token_ids is not None and (isinstance(stop_token_ids, str) or not isinstance(stop_token_ids, Sequence)
+                                           or not ints(stop_token_ids)):
             raise ValueError(f"stop_token_ids must be a list of ints, got {stop_token_ids!r}")
         stops = list(stop_token_ids or ())
         eos = None if ignore_eos else getattr(self.model.config, "eos_token_id", None)
@@ -349,7 +349,7 @@ def _budgets(max_new_tokens: int | Sequence[int], n: int) -> list[int]:
     return budgets
 
 
-def _positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+def _positive(name: str, value, minimum: int = 1, why: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}{why}, got {value!r}")
     return value

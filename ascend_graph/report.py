@@ -59,8 +59,13 @@ def counter_lines(stats: dict) -> list[str]:
             f"recompiles {stats['recompiles']} | compile failures {stats['compile_failures']} | "
             f"capture {stats['capture_seconds']:.1f} s",
             f"  requests {stats['requests']} | prompt tokens {stats['prompt_tokens']} | generated tokens "
-            f"{stats['generated_tokens']} | prefill steps {stats['prefill_steps']} | decode steps {stats['decode_steps']}",
+            f"{stats['generated_tokens']} | prefill steps {stats['prefill_steps']} | "
+            f"decode steps {stats['decode_steps']}",
             f"  decode batch sizes (size x steps): {sizes}"]
+
+
+def _verdict(ok: bool) -> str:
+    return "PASS: graph mode reproduces eager" if ok else "FAIL: graph and eager differ"
 
 
 def format_demo(r: dict) -> str:
@@ -78,10 +83,10 @@ def format_demo(r: dict) -> str:
              f"  tokens identical          {_yes(p['tokens_identical'])} ({req['count']} requests, "
              f"{sum(req['new_tokens'])} tokens)",
              f"  max |logit difference|    {_num(p['max_logit_diff'])} over {p['logit_rows_compared']} logit rows",
-             f"  compare_step checks       {cs['checks'] - cs['failures']} of {cs['checks']} decode steps OK; max logit "
-             f"diff {_num(cs['max_logit_diff'])}, max cache diff {_num(cs['max_cache_diff'])}, other blocks "
-             f"untouched: {_yes(cs['untouched_ok'])}",
-             f"  verdict                   {'PASS: graph mode reproduces eager' if p['ok'] else 'FAIL: graph and eager differ'}",
+             f"  compare_step checks       {cs['checks'] - cs['failures']} of {cs['checks']} decode steps OK; "
+             f"max logit diff {_num(cs['max_logit_diff'])}, max cache diff {_num(cs['max_cache_diff'])}, "
+             f"other blocks untouched: {_yes(cs['untouched_ok'])}",
+             f"  verdict                   {_verdict(p['ok'])}",
              "", "Counters (graph engine; compare_step checks are not counted as graph steps)",
              *counter_lines(r["counters"]), "",
              f"sample: request 0 prompt {r['sample']['prompt'][:8]}... -> {r['sample']['tokens'][:12]}...",

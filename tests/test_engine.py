@@ -179,8 +179,10 @@ def test_request_larger_than_the_whole_cache_is_rejected(model):
 def test_engine_arguments_are_checked(model):
     with pytest.raises(ValueError, match="max_model_len=200000 exceeds the model's max_position_embeddings"):
         Engine(model, graph_config=EAGER, max_model_len=200_000)
-    with pytest.raises(ValueError, match="num_blocks must be >= 2"):
+    with pytest.raises(ValueError, match="num_blocks must be an int >= 2 \\(block 0 is the reserved null block\\)"):
         Engine(model, graph_config=EAGER, num_blocks=1)
+    with pytest.raises(ValueError, match="max_num_seqs must be an int >= 1, got 0"):
+        Engine(model, graph_config=EAGER, max_num_seqs=0)
     with pytest.raises(ValueError, match="block_size must be an int >= 1"):
         Engine(model, graph_config=EAGER, block_size=0)
     budget = Engine(model, graph_config=EAGER, max_model_len=64, cache_memory_bytes=1 << 20)
