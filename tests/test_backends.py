@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ascend_graph.backends import detect_platform, input_device, resolve_backend
-from ascend_graph.backends.inductor import InductorBackend
+from ascend_graph.backends.inductor import InductorBackend, SingleRowMatmulPass
 from ascend_graph.config import GraphConfig, TorchairOptions
 
 
@@ -77,7 +77,9 @@ def test_detect_platform_names_npu_cuda_cpu_and_rejects_others():
 def test_cpu_auto_is_inductor_with_the_measured_cpp_wrapper_default_and_no_cudagraphs():
     backend = resolve_backend(GraphConfig(), torch.device("cpu"))
     assert isinstance(backend, InductorBackend)
-    assert backend.config_patches == {"cpp_wrapper": True, "triton.cudagraphs": False}
+    patches = dict(backend.config_patches)
+    assert isinstance(patches.pop("post_grad_custom_post_pass"), SingleRowMatmulPass)
+    assert patches == {"cpp_wrapper": True, "triton.cudagraphs": False}
     assert backend.cache_dir is None
 
 

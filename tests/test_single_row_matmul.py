@@ -1,0 +1,71 @@
+"""The CPU pass that turns a one-row bfloat16 matmul into a reduction keeps the results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ascend_graph.backends.inductor import InductorBackend, SingleRowMatmulPass
+
+
+def _compiled(fn, with_pass: bool):
+    patches = {"post_grad_custom_post_pass": SingleRowMatmulPass()} if with_pass else {}
+    return torch.compile(fn, backend=InductorBackend(patches), fullgraph=True, dynamic=False)
+
+
+@pytest.mark.parametrize("rows", [1, 3])  # the pass rewrites one row only; three stay aten mm
+def test_single_row_bfloat16_linear_matches_float32_reference(rows):
+    gen = torch.Generator().manual_seed(0)
+    w1, w2 = (torch.randn(n, 64, generator=gen).to(torch.bfloat16) * 0.1 for n in (64, 96))
+    x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+    fn = lambda x: F.linear(F.silu(F.linear(x, w1)), w2)  # noqa: E731
+    reference = F.linear(F.silu(F.linear(x.float(), w1.float())), w2.float())
+    got = _compiled(fn, with_pass=True)(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    torch.testing.assert_close(got.float(), reference, atol=2e-2, rtol=2e-2)
+
+
+def test_pass_replaces_only_single_row_low_precision_matmuls():
+    seen = []
+
+    def capture(gm, inputs):
+        def inspect(g: torch.fx.Graph) -> None:
+            SingleRowMatmulPass()(g)
+            seen.append(sorted(str(n.target) for n in g.nodes if n.op == "call_function"))
+        # no cache hits: the pass must run on both graphs
+        return InductorBackend({"post_grad_custom_post_pass": _Recording(inspect), "fx_graph_cache": False})(gm, inputs)
+
+    w = torch.randn(8, 16)
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        torch.compile(lambda x: F.linear(x, w.bfloat16()), backend=capture, fullgraph=True)(torch.randn(1, 16).bfloat16())
+        torch.compile(lambda x: F.linear(x, w), backend=capture, fullgraph=True)(torch.randn(1, 16))
+    assert "aten.mm.default" not in seen[0] and "aten.sum.dim_IntList" in seen[0]
+    assert "aten.mm.default" in seen[1]  # float32 keeps aten's GEMV
+
+
+class _Recording(SingleRowMatmulPass):
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.fn(graph)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_single_row_addmm_and_gathered_bmm_match_reference(rows):
+    gen = torch.Generator().manual_seed(1)
+    stacked = (torch.randn(5, 64, 48, generator=gen) * 0.1).to(torch.bfloat16)  # [X, K, N]
+    w = (torch.randn(48, 64, generator=gen) * 0.1).to(torch.bfloat16)
+    idx = torch.tensor([3, 0, 3])
+    x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(rows, 48, generator=gen).to(torch.bfloat16)
+
+    def fn(x, residual):
+        gathered = torch.bmm(x[None].expand(3, -1, -1), stacked[idx])  # [3, rows, N]
+        return residual + F.linear(x, w) + gathered.sum(0)
+
+    f32 = lambda t: t.float()  # noqa: E731
+    reference = (f32(residual) + f32(x) @ f32(w).T
+                 + torch.bmm(f32(x)[None].expand(3, -1, -1), f32(stacked)[idx]).sum(0))
+    torch.testing.assert_close(_compiled(fn, with_pass=True)(x, residual).float(), reference, atol=3e-2, rtol=3e-2)
