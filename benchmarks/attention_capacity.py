@@ -88,11 +88,12 @@ def variants(compile_too: bool) -> list[tuple[str, str, Callable]]:
     return rows
 
 
-def measure(args: argparse.Namespace) -> list[dict]:
+def measure(args: argparse.Namespace, probes: dict[str, Callable] | None = None) -> list[dict]:
     """Every variant at every capacity, side by side in this process.
 
     Repetitions are interleaved (one call of each variant and capacity per round), so load from
-    other processes falls on all of them alike instead of on whichever ran last.
+    other processes falls on all of them alike instead of on whichever ran last. ``probes``
+    (name -> function) are timed in the same rounds; their medians land in ``args.probe_ms``.
     """
     inputs = {n: make_inputs(args, n) for n in args.num_blocks}
     rows = variants(not args.no_compile)
@@ -100,13 +101,20 @@ def measure(args: argparse.Namespace) -> list[dict]:
         for n in args.num_blocks:
             for _ in range(args.warmup):
                 fn(*inputs[n])
+    probes = probes or {}
     times = {(step, mode, n): [] for step, mode, _ in rows for n in args.num_blocks}
+    probe_times = {name: [] for name in probes}
     for _ in range(args.reps):
         for step, mode, fn in rows:
             for n in args.num_blocks:
                 start = time.perf_counter()
                 fn(*inputs[n])
                 times[step, mode, n].append((time.perf_counter() - start) * 1e3)
+        for name, fn in probes.items():
+            start = time.perf_counter()
+            fn()
+            probe_times[name].append((time.perf_counter() - start) * 1e3)
+    args.probe_ms = {name: statistics.median(ts) for name, ts in probe_times.items()}
     return [{"step": step, "mode": mode, "num_blocks": n, "median_ms": statistics.median(ts), "times_ms": ts}
             for (step, mode, n), ts in times.items()]
 

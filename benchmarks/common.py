@@ -28,6 +28,43 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], rounds: int = 20,
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+_GLIBC_DEFAULT_MMAP_THRESHOLD = 128 * 1024
+
+
+def set_malloc_keeps_freed_memory(keep: bool) -> bool:
+    """glibc: serve large allocations from the heap and keep freed memory (``keep``), or not.
+
+    By default glibc maps every allocation over 128 KiB (dynamic threshold, up to 32 MiB) fresh
+    from the kernel and unmaps it on free, so a step that allocates a large temporary pays a page
+    fault per 4 KiB page on every call. Keeping freed memory makes later steps reuse it. Returns
+    False where mallopt is unavailable (not glibc).
+    """
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    mmap_threshold = 1 << 30 if keep else _GLIBC_DEFAULT_MMAP_THRESHOLD
+    trim_threshold = (1 << 31) - 1 if keep else 2 * _GLIBC_DEFAULT_MMAP_THRESHOLD
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold) and libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+
+
+def with_malloc(keep: bool, fn: Callable[[], object], restore: bool) -> Callable[[], object]:
+    """``fn`` run under the malloc setting ``keep``, then ``restore`` set again.
+
+    ``keep=False`` is glibc's behaviour with a fixed 128 KiB mmap threshold (the default
+    threshold is dynamic but never above 32 MiB, so large temporaries are mapped fresh either way).
+    """
+    def run() -> object:
+        set_malloc_keeps_freed_memory(keep)
+        try:
+            return fn()
+        finally:
+            set_malloc_keeps_freed_memory(restore)
+    return run
+
+
 def conditions() -> dict:
     """What the figures were measured on."""
     cpu = platform.processor() or platform.machine()

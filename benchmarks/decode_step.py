@@ -4,7 +4,7 @@ Both modes run through the same runner on the same caches (``execute(mode="graph
 interleaved, after the graphs were captured. Host preparation (metadata, padding, copies into
 the static buffers) is part of each step, as in serving.
 
-    TORCHINDUCTOR_COMPILE_THREADS=1 python benchmarks/decode_step.py --model mla --json out.json
+    TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.decode_step --model small --json out.json
 """
 
 from __future__ import annotations
@@ -14,67 +14,61 @@ import os
 import sys
 
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from common import conditions, interleaved_medians, write_json  # noqa: E402
 
 from ascend_graph.block_manager import BlockManager  # noqa: E402
 from ascend_graph.config import GraphConfig  # noqa: E402
-from ascend_graph.runner import GraphRunner, SequenceStep  # noqa: E402
+from benchmarks.common import conditions, interleaved_medians, write_json  # noqa: E402
+from benchmarks.models import ModelCase, build, cases, decode_batch, make_runner  # noqa: E402
 
 
-def build_model(kind: str, dtype: torch.dtype) -> torch.nn.Module:
-    """The built-in small model of ``kind`` with seeded random weights."""
-    torch.manual_seed(0)
-    if kind == "llama":
-        from ascend_graph.models.llama import LlamaConfig, LlamaForCausalLM
-        return LlamaForCausalLM(LlamaConfig()).to(dtype).eval()
-    from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
-    return DeepseekForCausalLM(DeepseekConfig.small()).to(dtype).eval()
+def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, backend: str = "inductor",
+            model: torch.nn.Module | None = None, extra: dict | None = None, roofline: bool = False) -> dict:
+    """Graph and eager step time of ``case`` at every batch size in ``sizes``.
 
-
-def decode_batch(runner: GraphRunner, blocks: BlockManager, n: int, context: int) -> list[SequenceStep]:
-    """``n`` sequences with ``context - 1`` tokens prefilled (eagerly); their next decode step."""
-    vocab = runner.model.config.vocab_size
-    entries = []
-    for i in range(n):
-        seq_id = (n, i)
-        prompt = [(7 * i + j) % vocab for j in range(context - 1)]
-        runner.execute([SequenceStep(prompt, 0, blocks.ensure(seq_id, context - 1))], mode="eager")
-        entries.append(SequenceStep([1], context - 1, blocks.ensure(seq_id, context)))
-    return entries
+    ``extra`` maps a name to ``f(batch) -> callable or None`` for more variants timed in the
+    same rounds (the transformers baseline uses it). With ``roofline`` each row also gets the
+    bytes the step must read (``benchmarks.roofline.step_bytes``).
+    """
+    model = build(case) if model is None else model
+    config = GraphConfig(enabled=True, backend=backend, capture_sizes=sizes, max_batch_size=max(sizes))
+    runner = make_runner(model, config, sizes, case.context)
+    runner.capture(show_progress=False)
+    blocks, rows = BlockManager(runner.num_blocks, runner.block_size), []
+    for n in sizes:
+        entries = decode_batch(runner, blocks, n, case.context)
+        fns = {"eager": lambda: runner.execute(entries, mode="eager"),
+               "graph": lambda: runner.execute(entries, mode="graph")}
+        fns.update({name: fn for name, make in (extra or {}).items() if (fn := make(n)) is not None})
+        t = interleaved_medians(fns, rounds=rounds, calls_per_round=calls, warmup=2)
+        row = {"batch": n, **{f"{k}_s": v for k, v in t.items()}, "speedup": t["eager"] / t["graph"]}
+        row.update({f"graph_vs_{k}": v / t["graph"] for k, v in t.items() if k not in ("eager", "graph")})
+        if roofline:
+            from benchmarks.roofline import step_bytes
+            row["bytes"] = step_bytes(runner.model, n, case.context, lambda: runner.execute(entries, mode="eager"))
+        rows.append(row)
+        print(f"  {case.name} batch {n:>3}: " + "  ".join(f"{k} {v * 1e3:8.2f} ms" for k, v in t.items())
+              + f"  graph/eager {row['speedup']:.2f}x", flush=True)
+    return {"model": case.name, "dtype": case.dtype_name, "context": case.context, "backend": backend,
+            "capture": runner.stats.to_dict()["capture"], "rows": rows, "rounds": rounds,
+            "calls_per_round": calls}
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=["mla", "llama"], default="mla")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--model", choices=["small", "v2_lite_slice"], default="small")
     p.add_argument("--sizes", default="1,2,4,8,16,32,64")
-    p.add_argument("--context", type=int, default=64)
     p.add_argument("--backend", default="inductor")
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--calls", type=int, default=5)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     sizes = tuple(int(s) for s in args.sizes.split(","))
-    model = build_model(args.model, getattr(torch, args.dtype))
-    block_size = 16
-    num_blocks = 2 + sum(sizes) * -(-args.context // block_size)
-    config = GraphConfig(enabled=True, backend=args.backend, capture_sizes=sizes, max_batch_size=max(sizes))
-    runner = GraphRunner(model, config, num_blocks=num_blocks, block_size=block_size,
-                         max_model_len=args.context)
-    runner.capture()
-    blocks, rows = BlockManager(num_blocks, block_size), []
-    print(f"{'batch':>5} {'eager ms':>9} {'graph ms':>9} {'speed-up':>8}")
-    for n in sizes:
-        entries = decode_batch(runner, blocks, n, args.context)
-        t = interleaved_medians({"eager": lambda: runner.execute(entries, mode="eager"),
-                                 "graph": lambda: runner.execute(entries, mode="graph")}, rounds=args.rounds)
-        rows.append({"batch": n, "eager_s": t["eager"], "graph_s": t["graph"], "speedup": t["eager"] / t["graph"]})
-        print(f"{n:>5} {t['eager'] * 1e3:>9.3f} {t['graph'] * 1e3:>9.3f} {t['eager'] / t['graph']:>7.2f}x")
-    result = {"benchmark": "decode_step", "model": args.model, "dtype": args.dtype, "context": args.context,
-              "backend": args.backend, "conditions": conditions(), "capture": runner.stats.to_dict()["capture"],
-              "rows": rows}
+    result = {"benchmark": "decode_step", "conditions": conditions(),
+              **measure(cases(False)[args.model], sizes, args.rounds, args.calls, args.backend)}
     write_json(args.json, result)
     return result
 

@@ -1,0 +1,127 @@
+"""The benchmark suite: ``python -m benchmarks [--quick] [--parts ...]``.
+
+Measures decode steps (graph vs eager vs transformers) on the built-in small model and on a
+DeepSeek-V2-Lite-shaped slice, the copy-bandwidth roofline, decode attention alone, start-up
+(cold vs persistent compile cache) and memory; writes ``benchmarks/results/suite[_quick].json``,
+PNG plots when matplotlib is installed, and ``benchmarks/results/PERFORMANCE.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch  # noqa: E402
+
+from benchmarks import attention, decode_step, levers, memory, moe_forms, report, roofline, startup  # noqa: E402
+from benchmarks.common import conditions, set_malloc_keeps_freed_memory, write_json  # noqa: E402
+from benchmarks.models import cases  # noqa: E402
+
+PARTS = ("bandwidth", "decode_small", "decode_v2", "moe_forms", "levers", "attention", "startup", "memory")
+NOTES = [
+    "One torch thread (`--threads 1`): the 2 cores are shared with other jobs; with 2 threads every OpenMP "
+    "region waits for a descheduled thread (a V2-Lite batch-1 graph step measured 0.40-0.54 s at 2 threads vs "
+    "0.10 s at 1 thread, side by side in one session, kernels of a few microseconds taking 20 ms).",
+    "glibc malloc keeps freed memory (mmap threshold 1 GiB, no trimming; `benchmarks/common.py`), for graph, "
+    "eager and transformers alike: large temporaries are otherwise mapped fresh and page-faulted on every step. "
+    "The attention table shows the compiled step under glibc's default as well.",
+    "Eager is measured at its best: its MoE sorts rows by expert and reads each chosen expert once "
+    "(`torch._grouped_mm`, no weight copies); before, it gathered T*K weight matrices (see `moe_forms`).",
+    "transformers: `DeepseekV2ForCausalLM` of the same configuration (random weights, sdpa attention, "
+    "DynamicCache, logits of the last token only), same batch and context, cache cropped back after each step.",
+    "Roofline bytes: every weight used once (routed experts: the distinct experts the batch chose), the batch's "
+    "embedding rows, each row's latent + rope cache; copy bandwidth is timed in the same rounds as the steps.",
+]
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def plan(quick: bool) -> dict:
+    """Sizes and repetitions of every part."""
+    if quick:
+        return {"small_sizes": (1, 8, 32), "v2_sizes": (1, 8), "hf_sizes": (1, 8), "small_rounds": (7, 3),
+                "v2_rounds": (3, 1), "attention_reps": 3, "startup_sizes": (1, 8), "memory_sizes": (1, 8)}
+    return {"small_sizes": (1, 2, 4, 8, 16, 32, 64), "v2_sizes": (1, 8, 32, 64), "hf_sizes": (1, 8, 32),
+            "small_rounds": (15, 5), "v2_rounds": (7, 1), "attention_reps": 7,
+            "startup_sizes": (1, 2, 4, 8, 16, 32, 64), "memory_sizes": (1, 8)}
+
+
+def decode(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: bool) -> dict:
+    """Graph vs eager vs transformers for one model case."""
+    from benchmarks.transformers_decode import HFDecoder
+
+    case = cases(quick)[case_name]
+    hf = HFDecoder(case.config, case.dtype, case.context)
+    extra = {"transformers": lambda n: hf.step_fn(n) if n in hf_sizes else None}
+    probe = None
+    if case_name != "small":  # copy bandwidth timed in the same rounds as the steps it bounds
+        probe = roofline.CopyProbe()
+        extra["copy"] = lambda n: probe
+    res = decode_step.measure(case, sizes, rounds[0], rounds[1], extra=extra, roofline=probe is not None)
+    for row in res["rows"]:
+        if probe is not None:
+            row["copy_bytes_per_s"] = probe.bytes / row.pop("copy_s")
+            row.pop("graph_vs_copy", None)
+    return res
+
+
+def run_part(part: str, p: dict, quick: bool, out: dict) -> None:
+    if part == "bandwidth":
+        out["copy_bandwidth"] = roofline.copy_bandwidth()
+        print(f"  copy bandwidth {out['copy_bandwidth']['bytes_per_s'] / 1e9:.2f} GB/s (read + written)", flush=True)
+    elif part == "decode_small":
+        out["decode_small"] = decode("small", p["small_sizes"], p["hf_sizes"], p["small_rounds"], quick)
+    elif part == "decode_v2":
+        out["decode_v2"] = decode("v2_lite_slice", p["v2_sizes"], p["hf_sizes"], p["v2_rounds"], quick)
+    elif part == "moe_forms":
+        out["moe_forms"] = moe_forms.measure(rounds=3 if quick else 5)
+    elif part == "levers":
+        out["levers"] = levers.measure(batches=(1,) if quick else (1, 8), rounds=3 if quick else 5, quick=quick)
+    elif part == "attention":
+        out["attention"] = attention.measure(reps=p["attention_reps"], malloc_keeps_freed=out["malloc_keeps_freed_memory"])
+    elif part == "startup":
+        out["startup"] = startup.measure("small", p["startup_sizes"], quick)
+    elif part == "memory":
+        out["memory"] = memory.measure("v2_lite_slice", p["memory_sizes"], 3, quick)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (a few minutes)")
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    ap.add_argument("--json", default=None, help="default: benchmarks/results/suite[_quick].json")
+    ap.add_argument("--merge", action="store_true", help="keep parts of an existing JSON not run now")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: on a shared machine every OpenMP region of a 2-thread run "
+                         "waits for a descheduled thread; measured 0.10 s vs 0.40-0.54 s per V2-Lite step)")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="leave glibc's malloc as it is (default: keep freed memory, see common.py)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the start-up and memory child processes
+    keep = not args.default_malloc and set_malloc_keeps_freed_memory(True)
+    path = args.json or os.path.join(RESULTS, "suite_quick.json" if args.quick else "suite.json")
+    out = {}
+    if args.merge and os.path.exists(path):
+        with open(path) as f:
+            out = json.load(f)
+    out.update({"conditions": {**conditions(), "quick": args.quick}, "malloc_keeps_freed_memory": keep,
+                "command": "python -m benchmarks" + (" --quick" if args.quick else ""), "notes": NOTES})
+    p = plan(args.quick)
+    for part in args.parts:
+        start = time.perf_counter()
+        print(f"[{part}]", flush=True)
+        run_part(part, p, args.quick, out)
+        out.setdefault("part_seconds", {})[part] = round(time.perf_counter() - start, 1)
+        out["targets"] = report.targets(out)
+        write_json(path, out)
+    report.write_outputs(out, path, RESULTS)
+    return out
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()

@@ -1,0 +1,68 @@
+"""Decode attention alone at V2-Lite's dimensions: achieved bandwidth and cost against capacity.
+
+One step is the cache write plus absorbed MLA decode over the tuple cache (``tuple_step`` of
+``attention_capacity``), eager and compiled, at two cache capacities. Achieved bandwidth is the
+bytes the step must read (each row's latent and rope cache, ``w_uk`` and ``w_uv``) over its time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks import attention_capacity as ac
+from benchmarks.common import with_malloc
+from benchmarks.roofline import CopyProbe
+
+
+def _floor(q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale):
+    """The decode attention's matmuls alone, over KV gathered beforehand: a bound on the step."""
+    kv = ac.gather_rows(cache.kv_c, meta.decode.block_tables).squeeze(2).contiguous()  # [B, T, C]
+    pe = ac.gather_rows(cache.k_pe, meta.decode.block_tables).squeeze(2).contiguous()  # [B, T, R]
+
+    def run():
+        q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w_uk)
+        scores = torch.einsum("bhc,btc->bht", q_lat, kv) + torch.einsum("bhr,btr->bht", q_pe, pe)
+        probs = (scores.float() * scale).softmax(-1).to(kv.dtype)
+        return torch.einsum("bhc,hvc->bhv", torch.einsum("bht,btc->bhc", probs, kv), w_uv)
+    return run
+
+
+def measure(batch: int = 32, context: int = 2048, num_blocks=(256, 32768), reps: int = 7,
+            dtype: str = "bfloat16", malloc_keeps_freed: bool = True) -> dict:
+    """Rows of ``attention_capacity.measure`` plus bytes and bandwidth of every row.
+
+    Also timed in the same rounds: the copy probe; the compiled tuple step under glibc's default
+    malloc behaviour (``malloc_keeps_freed`` is the suite's setting); and the floor: the same
+    einsums over KV already gathered into a contiguous tensor (no gather, no allocation of it).
+    """
+    args = ac.parse_args(["--batch", str(batch), "--context", str(context), "--dtype", dtype, "--threads", "0",
+                          "--reps", str(reps), "--num-blocks", *map(str, num_blocks)])
+    probe = CopyProbe()
+    floor_inputs = ac.make_inputs(args, min(num_blocks))
+    step = torch.compile(ac.tuple_step, fullgraph=True, dynamic=False)
+    probes = {"copy": probe, "floor: matmuls over pre-gathered KV (eager)": _floor(*floor_inputs),
+              "compiled, glibc default malloc": with_malloc(False, lambda: step(*floor_inputs), malloc_keeps_freed)}
+    results = ac.measure(args, probes)
+    copy_bw = probe.bytes / (args.probe_ms["copy"] / 1e3)
+    print(ac.table(results, args), flush=True)
+    item = 2 if dtype in ("bfloat16", "float16") else 4
+    kv = batch * context * (args.kv_lora_rank + args.rope) * item
+    weights = 2 * args.heads * args.qk_nope * args.kv_lora_rank * item
+    for r in results:
+        r["bytes"] = kv + weights
+        r["bytes_per_s"] = r["bytes"] / (r["median_ms"] / 1e3)
+        r["share_of_copy_bandwidth"] = r["bytes_per_s"] / copy_bw
+    small, big = min(num_blocks), max(num_blocks)
+    ratios = {}
+    for r in results:
+        if r["num_blocks"] == big:
+            base = next(s for s in results if (s["step"], s["mode"], s["num_blocks"]) == (r["step"], r["mode"], small))
+            ratios[f"{r['step']}/{r['mode']}"] = r["median_ms"] / base["median_ms"]
+    extra = [{"step": name, "mode": "probe", "num_blocks": min(num_blocks), "median_ms": ms,
+              "bytes": kv + weights, "bytes_per_s": (kv + weights) / (ms / 1e3),
+              "share_of_copy_bandwidth": (kv + weights) / (ms / 1e3) / copy_bw}
+             for name, ms in args.probe_ms.items() if name != "copy"]
+    for r in extra:
+        print(f"  {r['step']}: {r['median_ms']:.2f} ms, {r['share_of_copy_bandwidth']:.3f} of copy bandwidth")
+    return {"conditions": ac.conditions(args), "rows": results + extra, "capacity_ratio": ratios,
+            "copy_bytes_per_s": copy_bw, "malloc_keeps_freed_memory": malloc_keeps_freed}

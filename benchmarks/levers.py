@@ -1,0 +1,40 @@
+"""Inductor levers on the V2-Lite slice's decode step, each measured against the default.
+
+Every variant is a runner over the same model (its own cache), captured at one batch size and
+timed interleaved with the others: the default backend (C++ wrapper, single-row matmuls as
+reductions), without the single-row pass, without the C++ wrapper, and with ``freezing``.
+"""
+
+from __future__ import annotations
+
+from ascend_graph.backends.inductor import InductorBackend, config_patches
+from ascend_graph.block_manager import BlockManager
+from ascend_graph.config import GraphConfig
+from benchmarks.common import interleaved_medians
+from benchmarks.models import build, cases, decode_batch, make_runner
+
+
+def variants(config: GraphConfig) -> dict[str, dict]:
+    """Name -> Inductor config patches."""
+    default = config_patches(config, "cpu")
+    no_pass = {k: v for k, v in default.items() if k != "post_grad_custom_post_pass"}
+    return {"default": default, "without single-row pass": no_pass,
+            "without C++ wrapper": {**default, "cpp_wrapper": False}, "with freezing": {**default, "freezing": True}}
+
+
+def measure(batches=(1, 8), rounds: int = 5, quick: bool = False) -> dict:
+    """Median step time of every variant at every batch size."""
+    case = cases(quick)["v2_lite_slice"]
+    model, rows = build(case), []
+    for n in batches:
+        config = GraphConfig(enabled=True, backend="inductor", capture_sizes=(n,), max_batch_size=n)
+        fns = {}
+        for name, patches in variants(config).items():
+            runner = make_runner(model, config, (n,), case.context, backend=InductorBackend(patches))
+            runner.capture(show_progress=False)
+            entries = decode_batch(runner, BlockManager(runner.num_blocks, runner.block_size), n, case.context)
+            fns[name] = (lambda r, e: lambda: r.execute(e, mode="graph"))(runner, entries)
+        t = interleaved_medians(fns, rounds=rounds, calls_per_round=1, warmup=2)
+        rows.append({"batch": n, **{k: v * 1e3 for k, v in t.items()}})
+        print(f"  levers batch {n}: " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items()), flush=True)
+    return {"model": case.name, "context": case.context, "unit": "ms per step (median)", "rows": rows}

@@ -1,0 +1,106 @@
+"""The models the suite measures: the built-in small DeepSeek and a DeepSeek-V2-Lite-shaped slice.
+
+The slice has V2-Lite's real dimensions (hidden 2048, 16 heads, kv_lora_rank 512, qk 128 + 64,
+v 128, 64 routed + 2 shared experts, top-6, moe_intermediate 1408, intermediate 10944, vocabulary
+102400) but only 2 layers: the first dense, the second MoE. bfloat16, seeded random weights.
+Also here: the same configuration as transformers builds it (what a user runs without this
+project), and the decode batches both are timed on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ascend_graph.block_manager import BlockManager
+from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
+from ascend_graph.models.deepseek_config import RopeScaling
+from ascend_graph.runner import GraphRunner, SequenceStep
+
+V2_LITE_YARN = RopeScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                           mscale=0.707, mscale_all_dim=0.707)
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """One model the suite decodes with: its config, dtype, and the context it decodes at."""
+
+    name: str
+    config: DeepseekConfig
+    dtype: torch.dtype
+    context: int
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def v2_lite_slice(layers: int = 2, vocab_size: int = 102400) -> DeepseekConfig:
+    """DeepSeek-V2-Lite's dimensions, ``layers`` deep (the first dense, the rest MoE)."""
+    return DeepseekConfig(
+        vocab_size=vocab_size, hidden_size=2048, intermediate_size=10944, num_hidden_layers=layers,
+        num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+        moe_intermediate_size=1408, n_group=1, topk_group=1, topk_method="greedy", scoring_func="softmax",
+        norm_topk_prob=False, routed_scaling_factor=1.0, first_k_dense_replace=1, rms_norm_eps=1e-6,
+        rope_theta=10000.0, rope_scaling=V2_LITE_YARN, max_position_embeddings=163840)
+
+
+def cases(quick: bool) -> dict[str, ModelCase]:
+    """The small model (float32, context 64) and the V2-Lite slice (bfloat16)."""
+    return {"small": ModelCase("small", DeepseekConfig.small(), torch.float32, 64),
+            "v2_lite_slice": ModelCase("v2_lite_slice", v2_lite_slice(), torch.bfloat16, 128 if quick else 256)}
+
+
+def build(case: ModelCase) -> DeepseekForCausalLM:
+    """Our model of ``case`` with seeded random weights."""
+    return DeepseekForCausalLM(case.config, dtype=case.dtype, seed=0).eval()
+
+
+def make_runner(model: DeepseekForCausalLM, config, sizes: tuple[int, ...], context: int,
+                num_blocks: int | None = None, block_size: int = 16, **kwargs) -> GraphRunner:
+    """A runner with room for every batch of ``sizes`` at ``context`` tokens (``kwargs``: GraphRunner's)."""
+    if num_blocks is None:
+        num_blocks = 2 + sum(sizes) * -(-context // block_size)
+    return GraphRunner(model, config, num_blocks=num_blocks, block_size=block_size, max_model_len=context,
+                       **kwargs)
+
+
+def decode_batch(runner: GraphRunner, blocks: BlockManager, n: int, context: int) -> list[SequenceStep]:
+    """``n`` sequences with ``context - 1`` tokens prefilled (eagerly); their next decode step."""
+    vocab = runner.model.config.vocab_size
+    entries = []
+    for i in range(n):
+        seq_id = (n, i)
+        prompt = [(7 * i + j) % vocab for j in range(context - 1)]
+        runner.execute([SequenceStep(prompt, 0, blocks.ensure(seq_id, context - 1))], mode="eager")
+        entries.append(SequenceStep([1], context - 1, blocks.ensure(seq_id, context)))
+    return entries
+
+
+def hf_model(config: DeepseekConfig, dtype: torch.dtype):
+    """transformers' DeepseekV2ForCausalLM with the same configuration (random weights, sdpa)."""
+    import transformers
+
+    rope = {"rope_type": "yarn", "rope_theta": config.rope_theta, "factor": config.rope_scaling.factor,
+            "original_max_position_embeddings": config.rope_scaling.original_max_position_embeddings,
+            "beta_fast": config.rope_scaling.beta_fast, "beta_slow": config.rope_scaling.beta_slow,
+            "mscale": config.rope_scaling.mscale, "mscale_all_dim": config.rope_scaling.mscale_all_dim}
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+            "v_head_dim", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "first_k_dense_replace",
+            "topk_method", "routed_scaling_factor", "norm_topk_prob", "max_position_embeddings", "rms_norm_eps")
+    hf_config = transformers.DeepseekV2Config(**{k: getattr(config, k) for k in keys},
+                                              num_key_value_heads=config.num_attention_heads,
+                                              n_group=config.n_group or 1, topk_group=config.topk_group or 1,
+                                              rope_parameters=rope)
+    hf_config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build straight in dtype: no float32 copy of a 2 GB model
+    try:
+        model = transformers.DeepseekV2ForCausalLM(hf_config).eval()
+    finally:
+        torch.set_default_dtype(old)
+    return model.to(dtype)

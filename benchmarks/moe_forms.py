@@ -1,0 +1,43 @@
+"""The routed-expert forms of one V2-Lite MoE layer, eager and compiled: before/after figures.
+
+``gathered`` (each token's experts' weights indexed, einsum) was the only decode form before;
+``sorted_by_expert`` (rows sorted by expert, ``torch._grouped_mm``) reads each chosen expert
+once without a host sync; ``decode`` is what the model now runs (see ``ascend_graph.models.moe``).
+Bandwidth counts each distinct chosen expert's weights once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ascend_graph.models.moe import RoutedExperts
+from benchmarks.common import interleaved_medians
+from benchmarks.models import v2_lite_slice
+
+
+def measure(tokens=(1, 8, 32), rounds: int = 5, calls: int = 2) -> dict:
+    """Median ms and GB/s of every form at every token count."""
+    config = v2_lite_slice()
+    experts = RoutedExperts(config, torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    x_, k = config.n_routed_experts, config.num_experts_per_tok
+    per_expert = 3 * config.hidden_size * config.moe_intermediate_size * 2
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, config.hidden_size, generator=gen).to(torch.bfloat16)
+        w = torch.rand(t, k, generator=gen)
+        ex = torch.stack([torch.randperm(x_, generator=gen)[:k] for _ in range(t)])
+        fns = {"eager gathered (before)": lambda: experts.gathered(x, w, ex),
+               "eager sorted_by_expert (now)": lambda: experts.decode(x, w, ex)}
+        for name, form in (("compiled gathered (before)", experts.gathered), ("compiled decode (now)", experts.decode)):
+            fns[name] = (lambda f: lambda: f(x, w, ex))(torch.compile(form, fullgraph=True, dynamic=False))
+        with torch.no_grad():
+            times = interleaved_medians(fns, rounds=rounds, calls_per_round=calls, warmup=2)
+        nbytes = int(ex.unique().numel()) * per_expert
+        rows.append({"tokens": t, "experts_used": int(ex.unique().numel()), "bytes": nbytes,
+                     **{name: {"ms": s * 1e3, "GB_per_s": nbytes / s / 1e9} for name, s in times.items()}})
+        print(f"  MoE T={t}: " + "  ".join(f"{n} {s * 1e3:.1f} ms" for n, s in times.items()), flush=True)
+    return {"rows": rows}

@@ -1,0 +1,79 @@
+"""The memory-bandwidth limit: this machine's copy bandwidth and the bytes a decode step must read.
+
+Copy bandwidth is a large ``copy_`` into an already allocated tensor (bytes read + written); a
+clone into fresh memory would measure page faults instead. A decode step must read every weight
+it uses once (attention, dense MLP, router, shared experts, the routed experts chosen by at least
+one row of the batch, the LM head; the embedding rows of the batch) and each row's KV context.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ascend_graph.models.moe import MoE, RoutedExperts
+
+
+def copy_bandwidth(mib: int = 512, reps: int = 15) -> dict:
+    """Median bytes/s of ``dst.copy_(src)`` for ``mib`` MiB, counting bytes read + written."""
+    src = torch.empty(mib * 2 ** 20 // 4).normal_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch every page first
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    t = statistics.median(times)
+    return {"bytes_per_s": 2 * src.numel() * 4 / t, "mib": mib, "median_s": t, "reps": reps,
+            "threads": torch.get_num_threads()}
+
+
+class CopyProbe:
+    """A ``copy_`` of ``mib`` MiB into allocated memory, to time interleaved with other steps."""
+
+    def __init__(self, mib: int = 256) -> None:
+        self.src = torch.empty(mib * 2 ** 20 // 4).normal_()
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)
+        self.bytes = 2 * self.src.numel() * 4  # read + written
+
+    def __call__(self) -> None:
+        self.dst.copy_(self.src)
+
+
+def _experts_used(model: torch.nn.Module, run_step) -> dict[str, int]:
+    """Distinct routed experts each MoE layer chooses in one (eager) run of ``run_step``."""
+    used, hooks = {}, []
+    for name, module in model.named_modules():
+        if isinstance(module, MoE):
+            def hook(mod, args, out, name=name):
+                used[name] = int(out[1].unique().numel())
+            hooks.append(module.gate.register_forward_hook(hook))
+    try:
+        run_step()
+    finally:
+        for h in hooks:
+            h.remove()
+    return used
+
+
+def step_bytes(model: torch.nn.Module, batch: int, context: int, run_step) -> dict:
+    """Bytes one decode step of ``batch`` rows at ``context`` tokens must read, by part."""
+    used = _experts_used(model, run_step)
+    weights = routed = 0
+    for name, module in model.named_modules():
+        if isinstance(module, RoutedExperts):
+            per_expert = sum(p[0].numel() * p.element_size() for p in module.parameters())
+            routed += used[name.rsplit(".experts", 1)[0]] * per_expert
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            continue
+        nbytes = p.numel() * p.element_size()
+        weights += batch * p.shape[1] * p.element_size() if name.endswith("embed_tokens.weight") else nbytes
+    c = model.config
+    kv = c.num_hidden_layers * batch * context * (c.kv_lora_rank + c.qk_rope_head_dim) * model.dtype.itemsize
+    return {"weights": weights, "routed_experts": routed, "kv": kv, "total": weights + routed + kv,
+            "experts_used_per_layer": used}

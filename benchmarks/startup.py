@@ -1,0 +1,100 @@
+"""Start-up: time to warm up and capture every size, cold vs with the persistent compile cache.
+
+Each measurement is a fresh process (``python -m benchmarks.startup --child ...``) that builds
+the model and runs ``GraphRunner.capture()`` with ``GraphConfig.compile_cache_dir`` set: cold
+with an empty directory, warm with the directory a cold run filled (Inductor's FX graph cache
+and AOTAutograd cache live there). A third variant packs the cold run's caches with
+``torch.compiler.save_cache_artifacts()`` and a fresh process loads them into an empty
+directory with ``load_cache_artifacts`` first (the portable form, for shipping to another node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def child(args: argparse.Namespace) -> dict:
+    """Build the model, capture every size; report the phases' seconds."""
+    t0 = time.perf_counter()
+    import torch
+
+    from ascend_graph.backends.inductor import cache_dir_for_compile
+    from ascend_graph.config import GraphConfig
+    from benchmarks.models import build, cases, make_runner
+
+    t_import = time.perf_counter()
+    case = cases(args.quick)[args.model]
+    model = build(case)
+    sizes = tuple(int(s) for s in args.sizes.split(","))
+    t_build = time.perf_counter()
+    if args.load_artifacts:
+        with open(args.load_artifacts, "rb") as f, cache_dir_for_compile(args.cache_dir):
+            torch.compiler.load_cache_artifacts(f.read())
+    t_load = time.perf_counter()
+    config = GraphConfig(enabled=True, backend="inductor", capture_sizes=sizes, max_batch_size=max(sizes),
+                         compile_cache_dir=args.cache_dir)
+    runner = make_runner(model, config, sizes, case.context)
+    runner.capture(show_progress=False)
+    t_capture = time.perf_counter()
+    out = {"import_s": t_import - t0, "build_s": t_build - t_import, "load_artifacts_s": t_load - t_build,
+           "capture_s": t_capture - t_load, "total_s": t_capture - t0, "compiles": runner.stats.compiles}
+    if args.save_artifacts:
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is not None:
+            with open(args.save_artifacts, "wb") as f:
+                f.write(saved[0])
+            out["artifact_bytes"] = len(saved[0])
+    return out
+
+
+def run_child(model: str, sizes: str, cache_dir: str, quick: bool, **flags: str) -> dict:
+    """One fresh process; its JSON line."""
+    cmd = [sys.executable, "-m", "benchmarks.startup", "--child", "--model", model, "--sizes", sizes,
+           "--cache-dir", cache_dir] + (["--quick"] if quick else [])
+    for k, v in flags.items():
+        cmd += [f"--{k.replace('_', '-')}", v]
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def measure(model: str, sizes: tuple[int, ...], quick: bool) -> dict:
+    """Cold, warm (same cache directory) and portable-artifact start-up of ``model``."""
+    s = ",".join(map(str, sizes))
+    with tempfile.TemporaryDirectory(prefix="ag-startup-") as tmp:
+        art = os.path.join(tmp, "artifacts.bin")
+        cold = run_child(model, s, os.path.join(tmp, "cache"), quick, save_artifacts=art)
+        warm = run_child(model, s, os.path.join(tmp, "cache"), quick)
+        portable = run_child(model, s, os.path.join(tmp, "fresh"), quick, load_artifacts=art)
+    res = {"model": model, "sizes": list(sizes), "cold": cold, "warm": warm, "portable_artifacts": portable,
+           "warm_speedup_capture": cold["capture_s"] / warm["capture_s"],
+           "portable_speedup_capture": cold["capture_s"] / (portable["capture_s"] + portable["load_artifacts_s"])}
+    print(f"  start-up {model}: capture cold {cold['capture_s']:.1f} s, warm {warm['capture_s']:.1f} s "
+          f"({res['warm_speedup_capture']:.1f}x), portable artifacts {portable['capture_s']:.1f} s", flush=True)
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--child", action="store_true")
+    p.add_argument("--model", default="small")
+    p.add_argument("--sizes", default="1,2,4,8,16,32,64")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--save-artifacts", default=None)
+    p.add_argument("--load-artifacts", default=None)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+    else:
+        print(json.dumps(measure(args.model, tuple(int(s) for s in args.sizes.split(",")), args.quick), indent=2))
+
+
+if __name__ == "__main__":
+    main()
