@@ -20,13 +20,7 @@ BUDGETS = [5, 12, 3, 9, 7, 4]
 EAGER = GraphConfig(enabled=False)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model runs fastest (and steadiest on a shared machine) on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -28,13 +28,7 @@ LOGIT_ATOL = 1e-4  # float32; measured max ~2e-5, eager and graph alike
 BACKENDS = {"v2_greedy": "aot_eager", "v3": "inductor"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest (and steadiest on a shared machine) on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
