@@ -17,11 +17,11 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
 
-from benchmarks import attention, decode_step, levers, memory, moe_forms, report, roofline, startup  # noqa: E402
+from benchmarks import attention, compute, decode_step, levers, memory, moe_forms, report, roofline, startup  # noqa: E402,E501
 from benchmarks.common import conditions, set_malloc_keeps_freed_memory, write_json  # noqa: E402
 from benchmarks.models import cases  # noqa: E402
 
-PARTS = ("bandwidth", "decode_small", "decode_v2", "moe_forms", "levers", "attention", "startup", "memory")
+PARTS = ("bandwidth", "decode_small", "decode_v2", "compute", "moe_forms", "levers", "attention", "startup", "memory")
 NOTES = [
     "One torch thread (`--threads 1`): the 2 cores are shared with other jobs; with 2 threads every OpenMP "
     "region waits for a descheduled thread (a V2-Lite batch-1 graph step measured 0.40-0.54 s at 2 threads vs "
@@ -42,11 +42,14 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 def plan(quick: bool) -> dict:
     """Sizes and repetitions of every part."""
     if quick:
-        return {"small_sizes": (1, 8, 32), "v2_sizes": (1, 8), "hf_sizes": (1, 8), "small_rounds": (7, 3),
-                "v2_rounds": (3, 1), "attention_reps": 3, "startup_sizes": (1, 8), "memory_sizes": (1, 8)}
+        return {"small_sizes": (1, 8, 32), "v2_sizes": (1,), "hf_sizes": (1, 8), "small_rounds": (7, 3),
+                "v2_rounds": (3, 1), "attention_reps": 3, "startup_sizes": (1,), "memory_model": "small",
+                "memory_sizes": (1, 8), "moe_tokens": (1, 32), "levers": ("default", "without single-row pass"),
+                "lever_batches": (1,)}
     return {"small_sizes": (1, 2, 4, 8, 16, 32, 64), "v2_sizes": (1, 8, 32, 64), "hf_sizes": (1, 8, 32),
             "small_rounds": (15, 5), "v2_rounds": (7, 1), "attention_reps": 7,
-            "startup_sizes": (1, 2, 4, 8, 16, 32, 64), "memory_sizes": (1, 8)}
+            "startup_sizes": (1, 2, 4, 8, 16, 32, 64), "memory_model": "v2_lite_slice", "memory_sizes": (1, 8),
+            "moe_tokens": (1, 8, 32), "levers": None, "lever_batches": (1, 8)}
 
 
 def decode(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: bool) -> dict:
@@ -76,16 +79,20 @@ def run_part(part: str, p: dict, quick: bool, out: dict) -> None:
         out["decode_small"] = decode("small", p["small_sizes"], p["hf_sizes"], p["small_rounds"], quick)
     elif part == "decode_v2":
         out["decode_v2"] = decode("v2_lite_slice", p["v2_sizes"], p["hf_sizes"], p["v2_rounds"], quick)
+    elif part == "compute":
+        out["compute"] = compute.measure(batches=p["v2_sizes"], context=cases(quick)["v2_lite_slice"].context,
+                                         rounds=3 if quick else 7)
     elif part == "moe_forms":
-        out["moe_forms"] = moe_forms.measure(rounds=3 if quick else 5)
+        out["moe_forms"] = moe_forms.measure(tokens=p["moe_tokens"], rounds=3 if quick else 5)
     elif part == "levers":
-        out["levers"] = levers.measure(batches=(1,) if quick else (1, 8), rounds=3 if quick else 5, quick=quick)
+        out["levers"] = levers.measure(batches=p["lever_batches"], rounds=3 if quick else 5, quick=quick,
+                                       names=p["levers"])
     elif part == "attention":
         out["attention"] = attention.measure(reps=p["attention_reps"], malloc_keeps_freed=out["malloc_keeps_freed_memory"])
     elif part == "startup":
-        out["startup"] = startup.measure("small", p["startup_sizes"], quick)
+        out["startup"] = startup.measure("small", p["startup_sizes"], quick, portable=not quick)
     elif part == "memory":
-        out["memory"] = memory.measure("v2_lite_slice", p["memory_sizes"], 3, quick)
+        out["memory"] = memory.measure(p["memory_model"], p["memory_sizes"], 3, quick)
 
 
 def main(argv=None) -> dict:

@@ -22,14 +22,16 @@ def variants(config: GraphConfig) -> dict[str, dict]:
             "without C++ wrapper": {**default, "cpp_wrapper": False}, "with freezing": {**default, "freezing": True}}
 
 
-def measure(batches=(1, 8), rounds: int = 5, quick: bool = False) -> dict:
-    """Median step time of every variant at every batch size."""
+def measure(batches=(1, 8), rounds: int = 5, quick: bool = False, names=None) -> dict:
+    """Median step time of every variant (or of ``names``) at every batch size."""
     case = cases(quick)["v2_lite_slice"]
     model, rows = build(case), []
     for n in batches:
         config = GraphConfig(enabled=True, backend="inductor", capture_sizes=(n,), max_batch_size=n)
         fns = {}
         for name, patches in variants(config).items():
+            if names is not None and name not in names:
+                continue
             runner = make_runner(model, config, (n,), case.context, backend=InductorBackend(patches))
             runner.capture(show_progress=False)
             entries = decode_batch(runner, BlockManager(runner.num_blocks, runner.block_size), n, case.context)

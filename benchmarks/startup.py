@@ -64,19 +64,20 @@ def run_child(model: str, sizes: str, cache_dir: str, quick: bool, **flags: str)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def measure(model: str, sizes: tuple[int, ...], quick: bool) -> dict:
-    """Cold, warm (same cache directory) and portable-artifact start-up of ``model``."""
+def measure(model: str, sizes: tuple[int, ...], quick: bool, portable: bool = True) -> dict:
+    """Cold, warm (same cache directory) and (``portable``) portable-artifact start-up of ``model``."""
     s = ",".join(map(str, sizes))
     with tempfile.TemporaryDirectory(prefix="ag-startup-") as tmp:
         art = os.path.join(tmp, "artifacts.bin")
-        cold = run_child(model, s, os.path.join(tmp, "cache"), quick, save_artifacts=art)
+        cold = run_child(model, s, os.path.join(tmp, "cache"), quick, **({"save_artifacts": art} if portable else {}))
         warm = run_child(model, s, os.path.join(tmp, "cache"), quick)
-        portable = run_child(model, s, os.path.join(tmp, "fresh"), quick, load_artifacts=art)
-    res = {"model": model, "sizes": list(sizes), "cold": cold, "warm": warm, "portable_artifacts": portable,
-           "warm_speedup_capture": cold["capture_s"] / warm["capture_s"],
-           "portable_speedup_capture": cold["capture_s"] / (portable["capture_s"] + portable["load_artifacts_s"])}
+        res = {"model": model, "sizes": list(sizes), "cold": cold, "warm": warm,
+               "warm_speedup_capture": cold["capture_s"] / warm["capture_s"]}
+        if portable:
+            p = res["portable_artifacts"] = run_child(model, s, os.path.join(tmp, "fresh"), quick, load_artifacts=art)
+            res["portable_speedup_capture"] = cold["capture_s"] / (p["capture_s"] + p["load_artifacts_s"])
     print(f"  start-up {model}: capture cold {cold['capture_s']:.1f} s, warm {warm['capture_s']:.1f} s "
-          f"({res['warm_speedup_capture']:.1f}x), portable artifacts {portable['capture_s']:.1f} s", flush=True)
+          f"({res['warm_speedup_capture']:.1f}x)", flush=True)
     return res
 
 

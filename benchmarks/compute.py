@@ -1,0 +1,48 @@
+"""The compute limit next to the bandwidth limit: FLOPs of a V2-Lite-slice decode step and this
+machine's bfloat16 matmul rate, for the batches where reading the weights is not the bound.
+
+A decode step of B rows multiplies every dense weight by B rows and each routed expert's weights
+by the rows that chose it (B * K row-expert pairs in all); absorbed MLA adds per row and layer
+``2 H (Dn C + T (C + R) + T C + C Dv)``. The rate is the median of a ``[B, 2048] x [2048, 10944]``
+bfloat16 matmul (the dense MLP's shape) timed interleaved with the copy probe.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.common import interleaved_medians
+from benchmarks.models import v2_lite_slice
+from benchmarks.roofline import CopyProbe
+
+
+def step_flops(batch: int, context: int) -> float:
+    """Multiply-add FLOPs (2 per MAC) of one decode step of the V2-Lite slice."""
+    c = v2_lite_slice()
+    e, h = c.hidden_size, c.num_attention_heads
+    attn_w = e * h * c.qk_head_dim + e * (c.kv_lora_rank + c.qk_rope_head_dim) + h * c.v_head_dim * e
+    absorbed = 2 * h * (c.qk_nope_head_dim * c.kv_lora_rank + context * (2 * c.kv_lora_rank + c.qk_rope_head_dim)
+                        + c.kv_lora_rank * c.v_head_dim)
+    dense_mlp = 3 * e * c.intermediate_size
+    moe_layers = c.num_hidden_layers - c.first_k_dense_replace
+    shared = 3 * e * c.moe_intermediate_size * c.n_shared_experts + e * c.n_routed_experts
+    routed_pairs = c.num_experts_per_tok * 3 * e * c.moe_intermediate_size
+    per_row = (c.num_hidden_layers * attn_w + c.first_k_dense_replace * dense_mlp
+               + moe_layers * (shared + routed_pairs) + e * c.vocab_size)
+    return 2.0 * batch * per_row + batch * c.num_hidden_layers * absorbed
+
+
+def measure(batches=(1, 8, 32, 64), context: int = 256, rounds: int = 7) -> dict:
+    """FLOPs per step and the bf16 matmul rate (FLOP/s) at each batch, with copy bandwidth."""
+    probe, rows = CopyProbe(), []
+    w = torch.randn(10944, 2048).to(torch.bfloat16)
+    for b in batches:
+        x = torch.randn(b, 2048).to(torch.bfloat16)
+        t = interleaved_medians({"mm": lambda: torch.nn.functional.linear(x, w), "copy": probe},
+                                rounds=rounds, calls_per_round=3)
+        rate = 2 * b * w.numel() / t["mm"]
+        rows.append({"batch": b, "step_flops": step_flops(b, context), "bf16_matmul_flops_per_s": rate,
+                     "copy_bytes_per_s": probe.bytes / t["copy"]})
+        print(f"  compute batch {b}: step {rows[-1]['step_flops'] / 1e9:.1f} GFLOP, bf16 matmul "
+              f"{rate / 1e9:.1f} GFLOP/s -> {rows[-1]['step_flops'] / rate * 1e3:.0f} ms", flush=True)
+    return {"context": context, "rows": rows}
