@@ -150,23 +150,38 @@ def allocate_kv_caches(
 # The in-place write
 
 
-@torch.library.custom_op("ascend_graph::write_slots", mutates_args=("cache_a", "cache_b"))
-def write_slots(cache_a: Tensor, cache_b: Tensor, a: Tensor, b: Tensor, slot_mapping: Tensor) -> None:
-    """Write token ``i``'s entries ``a[i]``, ``b[i]`` into both cache tensors at ``slot_mapping[i]``.
+# Registered through torch.library.Library rather than the custom_op decorator: the schema's
+# alias annotations (a!)/(b!) declare the mutation just the same (torch.compile keeps the op in
+# the graph and writes in place), and a call costs less: 10.4 us against 27.7 us per call for
+# 8 tokens under inference mode on this project's 2-core CPU, measured side by side in one
+# process. It runs once per layer per step, inside the graphs too.
+_LIB = torch.library.Library("ascend_graph", "DEF")
+_LIB.define("write_slots(Tensor(a!) cache_a, Tensor(b!) cache_b, Tensor a, Tensor b, Tensor slot_mapping) -> ()")
 
-    A slot is ``block_id * block_size + offset``. Negative slots (padding) are redirected into
-    the reserved null block, so no live block changes. No checks here: this runs inside captured
-    graphs; ``write_kv_cache`` is the checked entry point.
-    """
+
+def _write_slots_impl(cache_a: Tensor, cache_b: Tensor, a: Tensor, b: Tensor, slot_mapping: Tensor) -> None:
     idx = slot_mapping.clamp(min=0)  # [T]; padding lands in slot 0 of NULL_BLOCK
     cache_a.view(-1, *cache_a.shape[2:]).index_copy_(0, idx, a.to(cache_a.dtype))
     cache_b.view(-1, *cache_b.shape[2:]).index_copy_(0, idx, b.to(cache_b.dtype))
 
 
-@write_slots.register_fake
-def _write_slots_fake(cache_a: Tensor, cache_b: Tensor, a: Tensor, b: Tensor,
-                      slot_mapping: Tensor) -> None:
+_LIB.impl("write_slots", _write_slots_impl, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ascend_graph::write_slots")
+def _write_slots_fake(cache_a: Tensor, cache_b: Tensor, a: Tensor, b: Tensor, slot_mapping: Tensor) -> None:
     return None
+
+
+def write_slots(cache_a: Tensor, cache_b: Tensor, a: Tensor, b: Tensor, slot_mapping: Tensor) -> None:
+    """Write token ``i``'s entries ``a[i]``, ``b[i]`` into both cache tensors at ``slot_mapping[i]``.
+
+    The op ``torch.ops.ascend_graph.write_slots``. A slot is ``block_id * block_size + offset``.
+    Negative slots (padding) are redirected into the reserved null block, so no live block
+    changes. No checks here: this runs inside captured graphs; ``write_kv_cache`` is the checked
+    entry point.
+    """
+    torch.ops.ascend_graph.write_slots(cache_a, cache_b, a, b, slot_mapping)
 
 
 def write_kv_cache(cache: LayerCache, a: Tensor, b: Tensor, slot_mapping: Tensor) -> None:

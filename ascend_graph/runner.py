@@ -226,6 +226,8 @@ class GraphRunner:
         return None, reason
 
     def _unpermute(self, logits: Tensor, order: list[int]) -> Tensor:
+        if all(i == row for row, i in enumerate(order)):
+            return logits  # already in the caller's order (decode-only batches always are)
         out = torch.empty_like(logits)
         out[torch.tensor(order, device=logits.device)] = logits
         return out
@@ -257,6 +259,7 @@ class GraphRunner:
             if isinstance(e.inner_exception, RecompileError):
                 raise e.inner_exception from None
             raise
+        # Device graphs overwrite their output buffer on the next replay: keep a copy of ours.
         return self._unpermute(logits[:n].clone(), step.order)
 
     def _capture_size(self, size: int, backend: Optional[Callable]) -> None:
