@@ -325,9 +325,11 @@ def test_mixed_batch_metadata_orders_decodes_first_with_hand_computed_slots():
     ([], [], [], {}, "must be non-empty"),
     ([[3]], [0], [0], {}, "num_new must be >= 1"),
     ([[3]], [-1], [1], {}, "num_cached >= 0"),
-    ([[3, 4, 5]], [0], [9], {"block_table_width": 2}, "block_table_width=2 is smaller"),
+    ([[3, 4, 5]], [0], [9], {"block_table_width": 2}, r"block_table_width=2 must be >= 1 and at least .* \(3 blocks\)"),
+    ([[3]], [0], [2], {"block_table_width": 0}, "block_table_width=0 must be >= 1"),
 ], ids=["block_past_end", "null_block", "negative_block", "too_long", "too_few_blocks", "decode_after_prefill",
-        "num_new_length", "num_cached_length", "empty", "no_new_tokens", "negative_cached", "narrow_width"])
+        "num_new_length", "num_cached_length", "empty", "no_new_tokens", "negative_cached", "narrow_width",
+        "zero_width"])
 def test_bad_batch_is_rejected_naming_the_argument(tables, cached, new, kw, pattern):
     with pytest.raises(ValueError, match=pattern):
         build_attention_metadata(tables, cached, new, block_size=S, num_blocks=16, max_model_len=MAX_LEN, **kw)
@@ -336,7 +338,7 @@ def test_bad_batch_is_rejected_naming_the_argument(tables, cached, new, kw, patt
 def test_pad_decode_rejects_prefill_batches_and_smaller_sizes():
     _, mixed = build_attention_metadata([[3], [4, 5]], [0, 0], [1, 5], block_size=S, num_blocks=16,
                                         max_model_len=MAX_LEN)
-    with pytest.raises(ValueError, match="pad_decode takes a decode-only batch"):
+    with pytest.raises(ValueError, match="meta must describe a decode-only batch"):
         pad_decode(torch.zeros(6, dtype=torch.int64), mixed, 8)
     pos, dec = build_attention_metadata([[3], [4], [6]], [0, 2, 1], [1, 1, 1], block_size=S, num_blocks=16,
                                         max_model_len=MAX_LEN)

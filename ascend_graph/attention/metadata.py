@@ -97,9 +97,10 @@ def build_attention_metadata(
     Returns ``(positions [T] int64, metadata)``.
     """
     _check_batch(block_tables, num_cached, num_new, block_size, num_blocks, max_model_len)
-    width = block_table_width or max(len(t) for t in block_tables)
-    if any(len(t) > width for t in block_tables):
-        raise ValueError(f"block_table_width={width} is smaller than a sequence's block table")
+    width = max(len(t) for t in block_tables) if block_table_width is None else block_table_width
+    if width < 1 or any(len(t) > width for t in block_tables):
+        raise ValueError(f"block_table_width={width} must be >= 1 and at least the longest block table "
+                         f"({max(len(t) for t in block_tables)} blocks)")
     positions, slots = [], []
     for table, cached, new in zip(block_tables, num_cached, num_new):
         for pos in range(cached, cached + new):
@@ -125,7 +126,7 @@ def pad_decode(positions: Tensor, meta: AttentionMetadata, size: int) -> tuple[T
     null block), sit at position 0, and so produce finite values that the caller drops.
     """
     if not meta.is_decode_only:
-        raise ValueError("pad_decode takes a decode-only batch (no prefill sequences)")
+        raise ValueError("meta must describe a decode-only batch (no prefill sequences) to be padded")
     n = meta.num_decode_tokens
     if size < n:
         raise ValueError(f"size={size} is smaller than the batch ({n} decode rows)")
