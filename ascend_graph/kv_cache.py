@@ -212,8 +212,12 @@ def write_kv_cache(cache: LayerCache, a: Tensor, b: Tensor, slot_mapping: Tensor
 
 
 def check_slots(slots: Sequence[int], num_slots: int, block_size: int, name: str = "slot_mapping") -> None:
-    """Every slot is padding (negative) or lies in a live block (not the null block)."""
+    """Every slot is padding (negative) or lies in a live block (not the null block), and no live
+    slot is written twice in one step (which write would win is undefined)."""
+    seen: dict[int, int] = {}
     for i, slot in enumerate(slots):
+        if slot >= 0 and seen.setdefault(slot, i) != i:
+            raise ValueError(f"{name}[{i}]={slot} is also {name}[{seen[slot]}]: two tokens would write one slot")
         if slot >= num_slots:
             raise ValueError(f"{name}[{i}]={slot} is out of range: the cache has {num_slots} slots")
         if 0 <= slot < (NULL_BLOCK + 1) * block_size:

@@ -376,3 +376,9 @@ def test_padded_rows_leave_live_blocks_untouched_and_stay_finite():
         assert torch.equal(got[NULL_BLOCK + 1:], want[NULL_BLOCK + 1:])
     assert out.shape[0] == 8 and out.isfinite().all()
     _assert_matches(out[:3], _mla_decode_oracle(p, lens), 1e-5)
+
+
+def test_two_tokens_writing_one_slot_are_rejected():
+    # Two sequences that share their last block would both write slot 3*S + 1.
+    with pytest.raises(ValueError, match=r"slot_mapping\[1\]=.* is also slot_mapping\[0\]"):
+        build_attention_metadata([[3], [3]], [1, 1], [1, 1], block_size=S, num_blocks=16, max_model_len=MAX_LEN)

@@ -234,3 +234,11 @@ def test_budget_below_two_blocks_is_rejected():
     with pytest.raises(ValueError, match="budget_bytes=.* is too small"):
         blocks_for_budget([MLA], S, 2 * per_block - 1)
     assert blocks_for_budget([MLA], S, 2 * per_block) == 2
+
+
+def test_write_of_one_slot_twice_is_rejected_before_writing():
+    (cache,) = allocate_kv_caches([KVCacheSpec(2, 4)], num_blocks=4, block_size=2)
+    before = [t.clone() for t in cache]
+    with pytest.raises(ValueError, match=r"slot_mapping\[1\]=5 is also slot_mapping\[0\]"):
+        write_kv_cache(cache, torch.ones(2, 2, 4), torch.ones(2, 2, 4), torch.tensor([5, 5]))
+    assert all(torch.equal(t, b) for t, b in zip(cache, before))

@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..kv_cache import NULL_BLOCK
+from ..kv_cache import NULL_BLOCK, check_slots
 
 
 class DecodeMetadata(NamedTuple):
@@ -106,6 +106,7 @@ def build_attention_metadata(
         for pos in range(cached, cached + new):
             positions.append(pos)
             slots.append(table[pos // block_size] * block_size + pos % block_size)
+    check_slots(slots, num_blocks * block_size, block_size)  # e.g. two sequences sharing a written block
     n_dec = sum(1 for new in num_new if new == 1)
     totals = [c + n for c, n in zip(num_cached, num_new)]
     decode = prefill = None
