@@ -17,11 +17,12 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
 
-from benchmarks import attention, compute, decode_step, levers, memory, moe_forms, report, roofline, startup  # noqa: E402,E501
+from benchmarks import (attention, compute, decode_step, levers, memory, moe_forms, overhead, report,  # noqa: E402
+                        roofline, startup)
 from benchmarks.common import conditions, set_malloc_keeps_freed_memory, write_json  # noqa: E402
 from benchmarks.models import cases  # noqa: E402
 
-PARTS = ("bandwidth", "decode_small", "decode_v2", "compute", "moe_forms", "levers", "attention", "startup", "memory")
+PARTS = ("bandwidth", "decode_small", "overhead", "decode_v2", "compute", "moe_forms", "levers", "attention", "startup", "memory")
 NOTES = [
     "One torch thread (`--threads 1`): the 2 cores are shared with other jobs; with 2 threads every OpenMP "
     "region waits for a descheduled thread (a V2-Lite batch-1 graph step measured 0.40-0.54 s at 2 threads vs "
@@ -74,11 +75,14 @@ def decode(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: bool
 def run_part(part: str, p: dict, quick: bool, out: dict) -> None:
     if part == "bandwidth":
         out["copy_bandwidth"] = roofline.copy_bandwidth()
+        out["read_bandwidth"] = roofline.read_vs_copy(rounds=5 if quick else 9)
         print(f"  copy bandwidth {out['copy_bandwidth']['bytes_per_s'] / 1e9:.2f} GB/s (read + written)", flush=True)
     elif part == "decode_small":
         out["decode_small"] = decode("small", p["small_sizes"], p["hf_sizes"], p["small_rounds"], quick)
     elif part == "decode_v2":
         out["decode_v2"] = decode("v2_lite_slice", p["v2_sizes"], p["hf_sizes"], p["v2_rounds"], quick)
+    elif part == "overhead":
+        out["overhead"] = overhead.measure()
     elif part == "compute":
         out["compute"] = compute.measure(batches=p["v2_sizes"], context=cases(quick)["v2_lite_slice"].context,
                                          rounds=3 if quick else 7)

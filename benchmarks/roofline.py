@@ -44,6 +44,30 @@ class CopyProbe:
         self.dst.copy_(self.src)
 
 
+class ReadProbe:
+    """A reduction over ``mib`` MiB of float32 (bytes read only): the most a read-only stream gets."""
+
+    def __init__(self, mib: int = 256) -> None:
+        self.src = torch.empty(mib * 2 ** 20 // 4).normal_()
+        self.bytes = self.src.numel() * 4
+
+    def __call__(self) -> None:
+        self.src.sum()
+
+
+def read_vs_copy(rounds: int = 9) -> dict:
+    """Read-only bandwidth (a large ``sum``) and copy bandwidth, timed interleaved."""
+    from benchmarks.common import interleaved_medians
+
+    read, copy = ReadProbe(), CopyProbe()
+    t = interleaved_medians({"read": read, "copy": copy}, rounds=rounds, calls_per_round=2)
+    res = {"read_bytes_per_s": read.bytes / t["read"], "copy_bytes_per_s": copy.bytes / t["copy"]}
+    res["read_over_copy"] = res["read_bytes_per_s"] / res["copy_bytes_per_s"]
+    print(f"  read {res['read_bytes_per_s'] / 1e9:.1f} GB/s, copy {res['copy_bytes_per_s'] / 1e9:.1f} GB/s "
+          f"(read / copy {res['read_over_copy']:.2f})", flush=True)
+    return res
+
+
 def _experts_used(model: torch.nn.Module, run_step) -> dict[str, int]:
     """Distinct routed experts each MoE layer chooses in one (eager) run of ``run_step``."""
     used, hooks = {}, []
