@@ -1,9 +1,9 @@
 """Where a small model's graph step spends its time (host vs compiled call vs the custom write op).
 
 The small model is overhead-bound: the compiled call is profiled (``torch.profiler``, 50 calls at
-batch 8) and split into the cache write custom op (``ascend_graph::write_slots``, whose Python
-implementation the compiled graph calls back into once per layer), dynamo's guard check, and the
-rest (the generated kernels); host preparation is ``execute`` minus the compiled call.
+batch 8) and split into the cache write custom op (``ascend_graph::write_slots``, called from the
+compiled graph once per layer), dynamo's guard check, and the rest (the generated kernels); host
+preparation is ``execute`` minus the compiled call.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def targets(out: dict) -> list[dict]:
         bound = ""
         if ov and b == ov["batch"]:
             bound = (f"of a {ov['execute_us']:.0f} us graph step, the compiled call is {ov['compiled_call_us']:.0f} us, "
-                     f"of which {ov['write_slots_us']:.0f} us is the cache-write custom op's Python implementation "
+                     f"of which {ov['write_slots_us']:.0f} us is the cache-write custom op "
                      f"({ov['layers']} layers) and {ov['guard_us']:.0f} us dynamo's guards")
         add(f"small model: graph / eager step time, batch {b}", r and r["speedup"], goal, "decode_small", bound=bound)
     r = _row(out.get("decode_v2"), 1)
