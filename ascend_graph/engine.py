@@ -204,21 +204,13 @@ class Engine:
         reports: list[ParityReport] = []
 
         def step(entries: list[SequenceStep]) -> Tensor:
-            if not self._graph_ready(entries):
+            if self.runner.graph_size(entries) is None:
                 return self.runner.execute(entries)
             reports.append(compare_step(self.runner, entries, check_untouched=check_untouched))
             return reports[-1].graph_logits
 
         self._serve(requests, Sampler(params), stops, step, show)
         return [r.output for r in requests], reports
-
-    def _graph_ready(self, entries: list[SequenceStep]) -> bool:
-        """Whether this step would run as a captured graph."""
-        sizes = self.runner.capture_sizes
-        if not sizes or len(entries) > max(sizes) or any(len(e.token_ids) != 1 for e in entries):
-            return False
-        self.runner.capture(show_progress=False)
-        return min(s for s in sizes if s >= len(entries)) in self.runner.graph_sizes
 
     # -- the serving loop -------------------------------------------------------------------
 

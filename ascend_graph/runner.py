@@ -147,7 +147,7 @@ class GraphRunner:
         if mode not in ("auto", "graph", "eager"):
             raise ValueError(f"mode must be 'auto', 'graph' or 'eager', got {mode!r}")
         step = self.prepare(seqs)
-        size, reason = self._graph_size(step, mode)
+        size, reason = self._graph_size(step.meta.num_decode_tokens, step.meta.is_decode_only, mode)
         if size is None:
             self.stats.eager_steps[reason] += 1
             return self.run_prepared(step, "eager")
@@ -161,7 +161,7 @@ class GraphRunner:
         self._addresses.check()
         if mode == "eager":
             return self._run_eager(step)
-        size, reason = self._graph_size(step, "graph")
+        size, reason = self._graph_size(step.meta.num_decode_tokens, step.meta.is_decode_only, "graph")
         return self._run_graph(step, size)
 
     def capture(self, show_progress: bool = True) -> None:
@@ -205,11 +205,17 @@ class GraphRunner:
         last = torch.tensor([len(r.token_ids) for r in rows]).cumsum(0) - 1
         return PreparedStep(input_ids, positions, meta, order, last)
 
-    def _graph_size(self, step: PreparedStep, mode: str) -> tuple[Optional[int], str]:
-        n = step.meta.num_decode_tokens
+    def graph_size(self, seqs: Sequence[SequenceStep]) -> Optional[int]:
+        """The capture size ``execute(seqs)`` would run as a graph, or ``None`` when it runs eagerly."""
+        n_decode = sum(1 for s in seqs if len(s.token_ids) == 1)
+        return self._graph_size(n_decode, n_decode == len(seqs), "auto")[0]
+
+    def _graph_size(self, n: int, decode_only: bool, mode: str) -> tuple[Optional[int], str]:
+        """``(capture size, "")`` for a batch of ``n`` decode rows that runs as a graph, else
+        ``(None, reason)``; ``mode="graph"`` raises instead of returning a reason."""
         if mode == "eager":
             return None, "forced"
-        if not step.meta.is_decode_only:
+        if not decode_only:
             reason = "mixed" if n else "prefill"
         elif not self.config.enabled:
             reason = "disabled"
