@@ -69,3 +69,30 @@ def test_single_row_addmm_and_gathered_bmm_match_reference(rows):
     reference = (f32(residual) + f32(x) @ f32(w).T
                  + torch.bmm(f32(x)[None].expand(3, -1, -1), f32(stacked)[idx]).sum(0))
     torch.testing.assert_close(_compiled(fn, with_pass=True)(x, residual).float(), reference, atol=3e-2, rtol=3e-2)
+
+
+def test_normed_row_before_the_reduction_is_stored_once_and_matches_eager():
+    """The row x is stored before the reduction (not recomputed per output column) and results hold."""
+    gen = torch.Generator().manual_seed(2)
+    norm_w = (1 + 0.1 * torch.randn(64, generator=gen)).to(torch.bfloat16)
+    head = (torch.randn(200, 64, generator=gen) * 0.1).to(torch.bfloat16)
+    h, residual = (torch.randn(1, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+
+    def fn(h, residual):
+        s = (h.float() + residual.float())
+        x = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16) * norm_w
+        return F.linear(x, head).float()
+
+    graphs = []
+
+    def inspect(g: torch.fx.Graph) -> None:
+        SingleRowMatmulPass()(g)
+        graphs.append([str(n.target) for n in g.nodes if n.op == "call_function"])
+
+    backend = InductorBackend({"post_grad_custom_post_pass": _Recording(inspect), "fx_graph_cache": False})
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        got = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(h, residual)
+    ops = graphs[0]
+    assert "aten.mm.default" not in ops
+    assert ops.index("prims.inductor_force_stride_order.default") < ops.index("aten.sum.dim_IntList")
+    torch.testing.assert_close(got, fn(h, residual), atol=2e-2, rtol=2e-2)

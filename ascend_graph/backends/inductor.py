@@ -41,6 +41,8 @@ class SingleRowMatmulPass(CustomGraphPass):
     """
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
+
         aten = torch.ops.aten
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default,
@@ -59,7 +61,12 @@ class SingleRowMatmulPass(CustomGraphPass):
         aten, prims = torch.ops.aten, torch.ops.prims
         f32 = lambda n: _call(graph, prims.convert_element_type.default, n, torch.float32)  # noqa: E731
         k_dim = x.meta["val"].dim() - 2  # the one-row dim of x = the reduced dim of w: 0 (mm), 1 (bmm)
-        xt = _call(graph, aten.unsqueeze.default, _call(graph, aten.squeeze.dim, f32(x), k_dim), -1)  # [.., K, 1]
+        # x is stored once before the reduction. Left as a pointwise, Inductor inlines whatever
+        # produced x (the final RMSNorm before the LM head: 3 more loads and the normalisation)
+        # into the reduction loop, recomputing it for each of the N output columns.
+        xf = f32(x)
+        xf = _call(graph, prims.inductor_force_stride_order.default, xf, list(xf.meta["val"].stride()))
+        xt = _call(graph, aten.unsqueeze.default, _call(graph, aten.squeeze.dim, xf, k_dim), -1)  # [.., K, 1]
         out = _call(graph, aten.sum.dim_IntList, _call(graph, aten.mul.Tensor, xt, f32(w)), [k_dim], True)
         if bias is not None:
             out = _call(graph, aten.add.Tensor, out, f32(bias))
