@@ -17,18 +17,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
+import sys
 import time
 from typing import Callable
 
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
 from ascend_graph.attention import build_attention_metadata, mla_decode  # noqa: E402
 from ascend_graph.attention.paging import gather_rows, masked_softmax, valid_slots  # noqa: E402
 from ascend_graph.kv_cache import MLACacheSpec, allocate_kv_caches, write_slots  # noqa: E402
+from benchmarks.common import conditions as machine_conditions  # noqa: E402
 
 TARGET_RATIO = 1.15
 
@@ -142,8 +145,7 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
 
 def conditions(args: argparse.Namespace) -> dict:
     """What the numbers were measured under."""
-    return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    return {**machine_conditions(),
             "dims": {k: getattr(args, k) for k in ("batch", "context", "heads", "qk_nope", "rope", "v_head",
                                                     "kv_lora_rank", "block_size", "dtype")},
             "num_blocks": args.num_blocks, "warmup": args.warmup, "reps": args.reps,

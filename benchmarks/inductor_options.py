@@ -18,15 +18,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
+import sys
 import time
 
-import torch
-from torch import nn
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ascend_graph.attention import DecodeMetadata, paged_decode
-from ascend_graph.kv_cache import KVCache, KVCacheSpec, allocate_kv_caches, write_slots
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from ascend_graph.attention import DecodeMetadata, paged_decode  # noqa: E402
+from ascend_graph.kv_cache import KVCache, KVCacheSpec, allocate_kv_caches, write_slots  # noqa: E402
+from benchmarks.common import conditions as machine_conditions  # noqa: E402
 
 VARIANTS = {
     "eager": None,
@@ -123,8 +127,7 @@ def run(args) -> dict:
 
 def conditions(args) -> dict:
     return {
-        "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-        "cpu_count": os.cpu_count(), "threads": args.threads, "layers": args.layers,
+        **machine_conditions(), "threads": args.threads, "layers": args.layers,
         "hidden": args.hidden, "heads": args.heads, "head_dim": args.head_dim, "vocab": args.vocab,
         "context": args.context, "block_size": args.block_size, "rounds": args.rounds,
         "calls_per_round": args.calls, "statistic": "median over rounds of the mean per call",
