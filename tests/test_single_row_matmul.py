@@ -96,3 +96,25 @@ def test_normed_row_before_the_reduction_is_stored_once_and_matches_eager():
     assert "aten.mm.default" not in ops
     assert ops.index("prims.inductor_force_stride_order.default") < ops.index("aten.sum.dim_IntList")
     torch.testing.assert_close(got, fn(h, residual), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("k, chunks", [(8192, 2), (10944, 3), (4099, 1)])  # 4099 is prime: one reduction
+def test_long_reduction_is_split_into_chunks_and_matches_reference(k, chunks):
+    """A reduction longer than LONG_REDUCTION is summed in equal chunks, without Inductor's
+    cascade-summation helper, and keeps the result of the float64 product."""
+    from torch._inductor.utils import run_and_get_code
+
+    from ascend_graph.backends.inductor import LONG_REDUCTION, _reduction_chunks
+
+    assert _reduction_chunks(k) == chunks
+    assert chunks == 1 or k // chunks <= LONG_REDUCTION < k
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(40, k, generator=gen) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(40, generator=gen).to(torch.bfloat16)
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+    fn = lambda x: F.linear(F.silu(x), w, bias)  # noqa: E731  (the row is computed in the graph)
+    got, code = run_and_get_code(_compiled(fn, with_pass=True), x)
+    reference = F.silu(x).double() @ w.double().T + bias.double()
+    # bf16 output: 2**-8 relative, plus the rounding of silu(x) to bf16 before the product
+    torch.testing.assert_close(got.double(), reference, atol=2e-2, rtol=1e-2)
+    assert ("CascadeSumHelper" in "".join(code)) == (chunks == 1)
