@@ -106,8 +106,10 @@ class SingleRowMatmulPass(CustomGraphPass):
 
 # Inductor's CPU reductions over more than 4096 elements go through its cascade-summation helper
 # (torch/_inductor/codegen/cpp.py, need_use_acc_helper). Measured (torch 2.13, 1 thread,
-# [1, 10944] x [10944, 2048] bfloat16): 4.65 ms as one reduction with a float32 row, 3.59 ms
-# split in 3 chunks with a bfloat16 row, against 2.1 ms for the same bytes as rows of 2048.
+# [1, 10944] x [10944, 2048] bfloat16, last-level cache flushed before each call): 5.12 ms as one
+# reduction with a float32 row, 3.79 ms split in 3 chunks with a bfloat16 row (4.60 with a
+# float32 row), aten 4.69 ms; the same bytes as rows of 2048 take 2.53 ms. V2-Lite slice batch-1
+# graph step, timed interleaved in one process: 32.6 -> 31.9 ms.
 LONG_REDUCTION = 4096
 
 
