@@ -67,6 +67,14 @@ class GraphConfig:
       torchair's ``cache_compile`` directory). ``None`` = the backend's own default.
     - ``parity_interval``: every N graph steps the runner checks graph against eager; 0 = off.
     - ``inductor_cpp_wrapper``: Inductor's C++ wrapper; ``None`` = the measured platform default.
+    - ``inductor_freezing_min_batch``: capture sizes of at least this many rows compile with
+      Inductor's freezing: the weights become constants of the graph, and on CPU the dense
+      matmuls' weights are pre-packed for oneDNN. It costs a packed copy of those weights per
+      frozen size, and weights changed after capture are not seen by the graph (the parity
+      check would report it). ``None`` = off. Measured on the V2-Lite slice at batch 8 (CPU):
+      105 -> 77 ms per step, +667 MB resident per frozen size (see benchmarks/levers.py).
+      Size 1 gains nothing from it on CPU (its matmuls become reductions, which read the
+      unpacked weights).
     - ``torchair``: options of the torchair backend (``TorchairOptions``).
     """
 
@@ -79,6 +87,7 @@ class GraphConfig:
     compile_cache_dir: Optional[str] = None
     parity_interval: int = 0
     inductor_cpp_wrapper: Optional[bool] = None
+    inductor_freezing_min_batch: Optional[int] = None
     torchair: TorchairOptions = field(default_factory=TorchairOptions)
 
     def __post_init__(self) -> None:
@@ -91,6 +100,8 @@ class GraphConfig:
         if self.inductor_cpp_wrapper is not None:
             object.__setattr__(self, "inductor_cpp_wrapper",
                                _check_bool("inductor_cpp_wrapper", self.inductor_cpp_wrapper))
+        if self.inductor_freezing_min_batch is not None:
+            _check_int("inductor_freezing_min_batch", self.inductor_freezing_min_batch, minimum=1)
         if self.compile_cache_dir is not None:
             path = self.compile_cache_dir
             if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
@@ -183,7 +194,7 @@ class GraphConfig:
 _TYPES = {
     "enabled": "bool", "backend": "str", "max_batch_size": "int", "capture_sizes": "sizes",
     "fallback_on_compile_error": "bool", "on_recompile": "str", "compile_cache_dir": "str|None",
-    "parity_interval": "int", "inductor_cpp_wrapper": "bool|None",
+    "parity_interval": "int", "inductor_cpp_wrapper": "bool|None", "inductor_freezing_min_batch": "int|None",
 }
 _TORCHAIR_TYPES = {
     "mode": "str", "enable_frozen_parameter": "bool", "enable_view_optimize": "bool",

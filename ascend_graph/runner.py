@@ -11,13 +11,14 @@ V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 import types
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -274,7 +275,7 @@ class GraphRunner:
         ids_v, pos_v, meta_v = self._views(size)
         self._fill_padding(size)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._freezing(size):
                 for _ in range(2):  # compile, then a warm run (device graphs record on it)
                     compiled(ids_v, pos_v, self.kv_caches, meta_v)
         except Exception as e:  # noqa: BLE001 - any compiler error falls back or is re-raised
@@ -296,6 +297,34 @@ class GraphRunner:
             from .backends.torchair import cache_compile
             return cache_compile(method, self.config)
         return torch.compile(method, backend=backend, fullgraph=True, dynamic=False)
+
+    @contextlib.contextmanager
+    def _freezing(self, size: int) -> Iterator[None]:
+        """Inductor's freezing for this capture size, when configured.
+
+        Dynamo reads the flag while tracing and Inductor while compiling, so it is set around
+        the first call, not passed as a compile option. Under it dynamo turns every static
+        input into a graph constant, not only the weights: the caches and the step's input
+        buffers (marked static for the device graphs) would be folded in with the values they
+        held at capture. Their marks are lifted for the trace, so they stay graph inputs.
+        """
+        threshold = self.config.inductor_freezing_min_batch
+        if threshold is None or size < threshold:
+            yield
+            return
+        import torch._inductor.config as inductor_config
+
+        ids_v, pos_v, meta_v = self._views(size)
+        inputs = [ids_v, pos_v, meta_v.slot_mapping, *meta_v.decode, *self._cache_tensors_by_name().values()]
+        marks = {id(t): (t, t._dynamo_static_input_type) for t in inputs if hasattr(t, "_dynamo_static_input_type")}
+        for t, _ in marks.values():
+            del t._dynamo_static_input_type
+        try:
+            with inductor_config.patch(freezing=True):
+                yield
+        finally:
+            for t, mark in marks.values():
+                t._dynamo_static_input_type = mark
 
     def _uses_torchair_graph_cache(self) -> bool:
         if self._backend is not None or not self.config.torchair.use_cached_graph:

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from benchmarks import (attention, compute, decode_step, levers, memory, moe_forms, overhead, report,  # noqa: E402
                         roofline, startup)
 from benchmarks.common import conditions, set_malloc_keeps_freed_memory, write_json  # noqa: E402
-from benchmarks.models import cases  # noqa: E402
+from benchmarks.models import build, cases  # noqa: E402
 
 PARTS = ("bandwidth", "decode_small", "overhead", "decode_v2", "compute", "moe_forms", "levers", "attention", "startup", "memory")
 NOTES = [
@@ -46,25 +46,35 @@ def plan(quick: bool) -> dict:
         return {"small_sizes": (1, 8, 32), "v2_sizes": (1,), "hf_sizes": (1, 8), "small_rounds": (7, 3),
                 "v2_rounds": (3, 1), "attention_reps": 3, "startup_sizes": (1,), "memory_model": "small",
                 "memory_sizes": (1, 8), "moe_tokens": (1, 32), "levers": ("default", "without single-row pass"),
-                "lever_batches": (1,)}
+                "lever_batches": (1,), "v2_frozen_sizes": ()}
     return {"small_sizes": (1, 2, 4, 8, 16, 32, 64), "v2_sizes": (1, 8, 32, 64), "hf_sizes": (1, 8, 32),
             "small_rounds": (15, 5), "v2_rounds": (7, 1), "attention_reps": 7,
             "startup_sizes": (1, 2, 4, 8, 16, 32, 64), "memory_model": "v2_lite_slice", "memory_sizes": (1, 8),
-            "moe_tokens": (1, 8, 32), "levers": None, "lever_batches": (1, 8)}
+            "moe_tokens": (1, 8, 32), "levers": None, "lever_batches": (1, 8),
+            "v2_frozen_sizes": (8, 32)}
 
 
-def decode(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: bool) -> dict:
-    """Graph vs eager vs transformers for one model case."""
+def decode(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: bool, frozen_sizes=()) -> dict:
+    """Graph vs eager vs transformers for one model case; ``frozen_sizes`` also get a graph
+    compiled with Inductor's freezing (``inductor_freezing_min_batch``), its own runner over the
+    same weights, timed in the same rounds."""
     from benchmarks.transformers_decode import HFDecoder
 
     case = cases(quick)[case_name]
+    model = build(case)
     hf = HFDecoder(case.config, case.dtype, case.context)
     extra = {"transformers": lambda n: hf.step_fn(n) if n in hf_sizes else None}
+    frozen = None
+    if frozen_sizes:
+        frozen = decode_step.RunnerVariant(model, case, tuple(frozen_sizes), inductor_freezing_min_batch=min(frozen_sizes))
+        extra["graph_frozen"] = lambda n: frozen.step_fn(n) if n in frozen_sizes else None
     probe = None
     if case_name != "small":  # copy bandwidth timed in the same rounds as the steps it bounds
         probe = roofline.CopyProbe()
         extra["copy"] = lambda n: probe
-    res = decode_step.measure(case, sizes, rounds[0], rounds[1], extra=extra, roofline=probe is not None)
+    res = decode_step.measure(case, sizes, rounds[0], rounds[1], model=model, extra=extra, roofline=probe is not None)
+    if frozen is not None:
+        res["frozen"] = {"inductor_freezing_min_batch": min(frozen_sizes), "capture": frozen.runner.stats.to_dict()["capture"]}
     for row in res["rows"]:
         if probe is not None:
             row["copy_bytes_per_s"] = probe.bytes / row.pop("copy_s")
@@ -80,7 +90,8 @@ def run_part(part: str, p: dict, quick: bool, out: dict) -> None:
     elif part == "decode_small":
         out["decode_small"] = decode("small", p["small_sizes"], p["hf_sizes"], p["small_rounds"], quick)
     elif part == "decode_v2":
-        out["decode_v2"] = decode("v2_lite_slice", p["v2_sizes"], p["hf_sizes"], p["v2_rounds"], quick)
+        out["decode_v2"] = decode("v2_lite_slice", p["v2_sizes"], p["hf_sizes"], p["v2_rounds"], quick,
+                                  frozen_sizes=p["v2_frozen_sizes"])
     elif part == "overhead":
         out["overhead"] = overhead.measure()
     elif part == "compute":

@@ -25,6 +25,23 @@ from benchmarks.common import conditions, interleaved_medians, write_json  # noq
 from benchmarks.models import ModelCase, build, cases, decode_batch, make_runner  # noqa: E402
 
 
+class RunnerVariant:
+    """Another graph runner over the same model with other ``GraphConfig`` fields (its own
+    caches), captured up front: a variant timed beside the default one."""
+
+    def __init__(self, model: torch.nn.Module, case: ModelCase, sizes: tuple[int, ...], **config_fields) -> None:
+        config = GraphConfig(enabled=True, backend="inductor", capture_sizes=sizes, max_batch_size=max(sizes),
+                             **config_fields)
+        self.runner, self.context = make_runner(model, config, sizes, case.context), case.context
+        self.runner.capture(show_progress=False)
+        self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size)
+
+    def step_fn(self, n: int):
+        """A function running one graph decode step of ``n`` prefilled sequences."""
+        entries = decode_batch(self.runner, self.blocks, n, self.context)
+        return lambda: self.runner.execute(entries, mode="graph")
+
+
 def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, backend: str = "inductor",
             model: torch.nn.Module | None = None, extra: dict | None = None, roofline: bool = False) -> dict:
     """Graph and eager step time of ``case`` at every batch size in ``sizes``.

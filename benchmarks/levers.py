@@ -2,10 +2,16 @@
 
 Every variant is a runner over the same model (its own cache), captured at one batch size and
 timed interleaved with the others: the default backend (C++ wrapper, single-row matmuls as
-reductions), without the single-row pass, without the C++ wrapper, and with ``freezing``.
+reductions), without the single-row pass, without the C++ wrapper, and with Inductor's freezing
+(``GraphConfig.inductor_freezing_min_batch``: the weights become graph constants, pre-packed for
+oneDNN). Freezing has to be on while dynamo traces, not only while Inductor compiles: passed as a
+compile option alone it finds no constant to fold (parameters are graph inputs) and changes
+nothing. The resident memory each variant's capture added is recorded too.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from ascend_graph.backends.inductor import InductorBackend, config_patches
 from ascend_graph.block_manager import BlockManager
@@ -14,12 +20,13 @@ from benchmarks.common import interleaved_medians
 from benchmarks.models import build, cases, decode_batch, make_runner
 
 
-def variants(config: GraphConfig) -> dict[str, dict]:
-    """Name -> Inductor config patches."""
+def variants(config: GraphConfig) -> dict[str, tuple[GraphConfig, dict]]:
+    """Name -> (graph config, Inductor config patches)."""
     default = config_patches(config, "cpu")
     no_pass = {k: v for k, v in default.items() if k != "post_grad_custom_post_pass"}
-    return {"default": default, "without single-row pass": no_pass,
-            "without C++ wrapper": {**default, "cpp_wrapper": False}, "with freezing": {**default, "freezing": True}}
+    frozen = replace(config, inductor_freezing_min_batch=1)
+    return {"default": (config, default), "without single-row pass": (config, no_pass),
+            "without C++ wrapper": (config, {**default, "cpp_wrapper": False}), "with freezing": (frozen, default)}
 
 
 def measure(batches=(1, 8), rounds: int = 5, quick: bool = False, names=None) -> dict:
@@ -28,15 +35,16 @@ def measure(batches=(1, 8), rounds: int = 5, quick: bool = False, names=None) ->
     model, rows = build(case), []
     for n in batches:
         config = GraphConfig(enabled=True, backend="inductor", capture_sizes=(n,), max_batch_size=n)
-        fns = {}
-        for name, patches in variants(config).items():
+        fns, rss = {}, {}
+        for name, (variant, patches) in variants(config).items():
             if names is not None and name not in names:
                 continue
-            runner = make_runner(model, config, (n,), case.context, backend=InductorBackend(patches))
+            runner = make_runner(model, variant, (n,), case.context, backend=InductorBackend(patches))
             runner.capture(show_progress=False)
+            rss[name] = runner.stats.capture[n]["memory_bytes"] / 2**20
             entries = decode_batch(runner, BlockManager(runner.num_blocks, runner.block_size), n, case.context)
             fns[name] = (lambda r, e: lambda: r.execute(e, mode="graph"))(runner, entries)
         t = interleaved_medians(fns, rounds=rounds, calls_per_round=1, warmup=2)
-        rows.append({"batch": n, **{k: v * 1e3 for k, v in t.items()}})
+        rows.append({"batch": n, **{k: v * 1e3 for k, v in t.items()}, "capture_rss_mib": rss})
         print(f"  levers batch {n}: " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items()), flush=True)
     return {"model": case.name, "context": case.context, "unit": "ms per step (median)", "rows": rows}

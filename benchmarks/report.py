@@ -14,11 +14,19 @@ def _row(part: dict | None, batch: int) -> dict | None:
     return next((r for r in (part or {}).get("rows", []) if r["batch"] == batch), None)
 
 
-def _roofline_fraction(out: dict, batch: int) -> float | None:
+def _roofline_fraction(out: dict, batch: int, step: str = "graph_s") -> float | None:
     row = _row(out.get("decode_v2"), batch)
-    if not row or "bytes" not in row:
+    if not row or "bytes" not in row or step not in row:
         return None
-    return row["bytes"]["total"] / row["graph_s"] / row["copy_bytes_per_s"]
+    return row["bytes"]["total"] / row[step] / row["copy_bytes_per_s"]
+
+
+def _frozen_cost(out: dict, batch: int) -> str:
+    """What freezing costs at ``batch``: the resident memory its capture added."""
+    cap = ((out.get("decode_v2") or {}).get("frozen") or {}).get("capture", {})
+    c = cap.get(str(batch), cap.get(batch))
+    return "" if not c else (f"a pre-packed copy of the dense weights per frozen size: its capture added "
+                             f"{c['memory_bytes'] / 2**20:.0f} MiB resident")
 
 
 def _attention(out: dict) -> tuple[float | None, float | None]:
@@ -57,12 +65,19 @@ def targets(out: dict) -> list[dict]:
         r = _row(out.get("decode_v2"), b)
         add(f"V2-Lite slice: graph / transformers, batch {b}", r and r.get("graph_vs_transformers"), 3.0, "decode_v2",
             bound=_bound(out, r, "transformers_s", 3.0))
+    r = _row(out.get("decode_v2"), 8)
+    if r and "graph_frozen_s" in r and "transformers_s" in r:
+        add("V2-Lite slice: graph / transformers, batch 8, freezing on (opt-in)", r["transformers_s"] / r["graph_frozen_s"],
+            3.0, "decode_v2", bound=_frozen_cost(out, 8))
     rb = out.get("read_bandwidth")
     add("V2-Lite slice batch 1: share of the copy-bandwidth roofline", _roofline_fraction(out, 1), 0.7, "decode_v2",
         bound=rb and (f"a read-only stream (a large float32 sum) reaches {rb['read_over_copy']:.2f} of the copy "
                       "bandwidth on this core"))
     add("V2-Lite slice batch 32: roofline time / step time (within 2x)", _roofline_fraction(out, 32), 0.5,
         "decode_v2", bound=_compute_bound(out, 32))
+    if "graph_frozen_s" in (_row(out.get("decode_v2"), 32) or {}):
+        add("V2-Lite slice batch 32: roofline time / step time, freezing on (opt-in)",
+            _roofline_fraction(out, 32, "graph_frozen_s"), 0.5, "decode_v2", bound=_frozen_cost(out, 32))
     frac, ratio = _attention(out)
     floor = next((x for x in (out.get("attention") or {}).get("rows", []) if x["step"].startswith("floor")), None)
     add("decode attention b32 ctx2048: bandwidth / copy bandwidth", frac, 0.5, "attention",
@@ -183,6 +198,10 @@ def _decode_table(d: dict | None, title: str, bw: dict | None) -> list[str]:
     if has_hf:
         head += " transformers ms | graph/transformers |"
         sep += " --- | --- |"
+    has_frozen = any("graph_frozen_s" in r for r in d["rows"])
+    if has_frozen:
+        head += " graph, frozen ms | frozen/transformers |"
+        sep += " --- | --- |"
     if has_bytes:
         head += " MB read | copy GB/s | roofline share |"
         sep += " --- | --- | --- |"
@@ -193,10 +212,20 @@ def _decode_table(d: dict | None, title: str, bw: dict | None) -> list[str]:
         if has_hf:
             hf = r.get("transformers_s")
             line += f" {_fmt(hf and hf * 1e3)} | {_fmt(r.get('graph_vs_transformers'))} |"
+        if has_frozen:
+            fz = r.get("graph_frozen_s")
+            line += f" {_fmt(fz and fz * 1e3)} | {_fmt(r.get('graph_frozen_vs_transformers'))} |"
         if has_bytes:
             share = r["bytes"]["total"] / r["graph_s"] / r["copy_bytes_per_s"]
             line += f" {r['bytes']['total'] / 1e6:.0f} | {r['copy_bytes_per_s'] / 1e9:.1f} | {_fmt(share)} |"
         lines.append(line)
+    if d.get("frozen"):
+        fz = d["frozen"]
+        mib = ", ".join(f"batch {b}: +{c['memory_bytes'] / 2**20:.0f} MiB" for b, c in sorted(
+            fz["capture"].items(), key=lambda kv: int(kv[0])))
+        lines += ["", f"\"graph, frozen\": a second runner over the same weights with "
+                  f"`inductor_freezing_min_batch={fz['inductor_freezing_min_batch']}` (opt-in), timed in the same "
+                  f"rounds; resident memory its capture added: {mib}."]
     return lines + [""]
 
 
@@ -215,13 +244,19 @@ def _moe_table(m: dict | None) -> list[str]:
 def _levers_table(lv: dict | None) -> list[str]:
     if not lv:
         return []
-    names = [k for k in lv["rows"][0] if k != "batch"]
-    lines = ["", f"### Inductor levers on the {lv['model']} graph step (context {lv['context']}), ms per step", "",
+    names = [k for k, v in lv["rows"][0].items() if k != "batch" and isinstance(v, (int, float))]
+    has_rss = any("capture_rss_mib" in r for r in lv["rows"])
+    lines = ["", f"### Inductor levers on the {lv['model']} graph step (context {lv['context']}), ms per step"
+             + (" (resident MiB the capture added)" if has_rss else ""), "",
              "| batch | " + " | ".join(names) + " |", "| --- | " + "--- | " * len(names)]
     for r in lv["rows"]:
-        lines.append(f"| {r['batch']} | " + " | ".join(f"{r[n]:.1f}" for n in names) + " |")
+        rss = r.get("capture_rss_mib", {})
+        lines.append(f"| {r['batch']} | " + " | ".join(
+            f"{r[n]:.1f}" + (f" ({rss[n]:.0f})" if n in rss else "") for n in names) + " |")
     return lines + ["", "Default on CPU: C++ wrapper and the single-row matmul pass "
-                    "(`ascend_graph/backends/inductor.py`); a lever is kept only where it wins here.", ""]
+                    "(`ascend_graph/backends/inductor.py`); a lever is kept only where it wins here. Freezing "
+                    "(`GraphConfig.inductor_freezing_min_batch`) is opt-in: it costs a pre-packed copy of the dense "
+                    "weights per frozen capture size, and at batch 1 it replaces the single-row reductions.", ""]
 
 
 def _attention_table(a: dict | None, bw: dict | None) -> list[str]:

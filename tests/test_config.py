@@ -73,6 +73,8 @@ def test_config_is_frozen():
     ({"enabled": "yes"}, TypeError, "enabled must be a bool"),
     ({"inductor_cpp_wrapper": 2}, TypeError, "inductor_cpp_wrapper must be a bool"),
     ({"compile_cache_dir": ""}, TypeError, "compile_cache_dir must be a non-empty path"),
+    ({"inductor_freezing_min_batch": 0}, ValueError, "inductor_freezing_min_batch must be >= 1"),
+    ({"inductor_freezing_min_batch": 2.0}, TypeError, "inductor_freezing_min_batch must be an int"),
 ])
 def test_bad_values_are_rejected_naming_the_key(kwargs, error, words):
     with pytest.raises(error) as info:
@@ -205,3 +207,11 @@ def test_bad_env_values_are_rejected_naming_the_variable(env, error, words):
     with pytest.raises(error) as info:
         GraphConfig.from_env(environ=env)
     assert words in str(info.value)
+
+
+def test_inductor_freezing_min_batch_reads_from_dict_and_round_trips():
+    cfg = GraphConfig.from_dict({"enabled": True, "inductor_freezing_min_batch": 8})
+    assert cfg.inductor_freezing_min_batch == 8 and GraphConfig().inductor_freezing_min_batch is None
+    assert GraphConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(TypeError, match="inductor_freezing_min_batch must be an int"):
+        GraphConfig.from_dict({"inductor_freezing_min_batch": "8"})

@@ -201,6 +201,31 @@ def test_inductor_graph_equals_eager_for_every_size_and_between(kind, dtype):
     assert runner.stats.recompiles == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inductor_freezing_from_min_batch_folds_weights_and_equals_eager(dtype):
+    """Sizes >= inductor_freezing_min_batch compile with the weights as graph constants (not
+    inputs), smaller sizes with the weights as inputs; every size still equals eager."""
+    from ascend_graph.backends import resolve_backend
+
+    config = graph_config(backend="inductor", inductor_freezing_min_batch=2)
+    weights_as_inputs = []  # per compile: how many of the model's weights are graph inputs
+
+    def recording(gm, example_inputs):
+        weights = {id(p) for p in model.parameters()}
+        weights_as_inputs.append(sum(id(x) in weights for x in example_inputs))
+        return resolve_backend(config, "cpu")(gm, example_inputs)
+
+    model = small_model("mla", dtype)
+    runner = make_runner(model, config, backend=recording)
+    sched = Schedule()
+    prefilled(runner, sched, 4, model.config.vocab_size)
+    for n in (1, 2, 3, 4):
+        report = compare_step(runner, sched.decode_entries()[:n])
+        assert report.ok and report.untouched_ok, report.summary()
+    assert weights_as_inputs == [0, 0, len(list(model.parameters()))]  # sizes 4, 2, then 1
+    assert runner.stats.recompiles == 0
+
+
 def test_torchair_contract_use_cached_graph_compiles_each_size_through_cache_compile(monkeypatch):
     """With torchair's graph cache on, each capture size goes to ``cache_compile`` as a module
     method with its own code name (no NPU here: platform and torchair are stand-ins)."""
