@@ -75,6 +75,8 @@ def decode(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: bool
     res = decode_step.measure(case, sizes, rounds[0], rounds[1], model=model, extra=extra, roofline=probe is not None)
     if frozen is not None:
         res["frozen"] = {"inductor_freezing_min_batch": min(frozen_sizes), "capture": frozen.runner.stats.to_dict()["capture"]}
+        for row in res["rows"]:
+            row.pop("graph_vs_graph_frozen", None)  # graph_frozen_s itself is kept
     for row in res["rows"]:
         if probe is not None:
             row["copy_bytes_per_s"] = probe.bytes / row.pop("copy_s")
@@ -107,7 +109,7 @@ def run_part(part: str, p: dict, quick: bool, out: dict) -> None:
     elif part == "startup":
         out["startup"] = startup.measure("small", p["startup_sizes"], quick, portable=not quick)
     elif part == "memory":
-        out["memory"] = memory.measure(p["memory_model"], p["memory_sizes"], 3, quick)
+        out["memory"] = memory.measure(p["memory_model"], p["memory_sizes"], 3, quick, frozen=not quick)
 
 
 def main(argv=None) -> dict:

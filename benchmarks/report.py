@@ -21,12 +21,14 @@ def _roofline_fraction(out: dict, batch: int, step: str = "graph_s") -> float | 
     return row["bytes"]["total"] / row[step] / row["copy_bytes_per_s"]
 
 
-def _frozen_cost(out: dict, batch: int) -> str:
-    """What freezing costs at ``batch``: the resident memory its capture added."""
-    cap = ((out.get("decode_v2") or {}).get("frozen") or {}).get("capture", {})
-    c = cap.get(str(batch), cap.get(batch))
-    return "" if not c else (f"a pre-packed copy of the dense weights per frozen size: its capture added "
-                             f"{c['memory_bytes'] / 2**20:.0f} MiB resident")
+def _frozen_cost(out: dict) -> str:
+    """What freezing costs: peak RSS of a run with one frozen size against eager's."""
+    mem = out.get("memory") or {}
+    if "frozen_peak_ratio" not in mem:
+        return "opt-in: it keeps a pre-packed copy of the dense weights per frozen size"
+    return (f"opt-in: it keeps a pre-packed copy of the dense weights per frozen size; peak RSS of a {mem['model']} "
+            f"run with sizes {mem['sizes']}, size 8 frozen, is {mem['frozen_peak_ratio']:.2f}x eager's "
+            f"(unfrozen graph: {mem['peak_ratio']:.2f}x)")
 
 
 def _attention(out: dict) -> tuple[float | None, float | None]:
@@ -68,7 +70,7 @@ def targets(out: dict) -> list[dict]:
     r = _row(out.get("decode_v2"), 8)
     if r and "graph_frozen_s" in r and "transformers_s" in r:
         add("V2-Lite slice: graph / transformers, batch 8, freezing on (opt-in)", r["transformers_s"] / r["graph_frozen_s"],
-            3.0, "decode_v2", bound=_frozen_cost(out, 8))
+            3.0, "decode_v2", bound=_frozen_cost(out))
     rb = out.get("read_bandwidth")
     add("V2-Lite slice batch 1: share of the copy-bandwidth roofline", _roofline_fraction(out, 1), 0.7, "decode_v2",
         bound=rb and (f"a read-only stream (a large float32 sum) reaches {rb['read_over_copy']:.2f} of the copy "
@@ -77,7 +79,7 @@ def targets(out: dict) -> list[dict]:
         "decode_v2", bound=_compute_bound(out, 32))
     if "graph_frozen_s" in (_row(out.get("decode_v2"), 32) or {}):
         add("V2-Lite slice batch 32: roofline time / step time, freezing on (opt-in)",
-            _roofline_fraction(out, 32, "graph_frozen_s"), 0.5, "decode_v2", bound=_frozen_cost(out, 32))
+            _roofline_fraction(out, 32, "graph_frozen_s"), 0.5, "decode_v2", bound=_frozen_cost(out))
     frac, ratio = _attention(out)
     floor = next((x for x in (out.get("attention") or {}).get("rows", []) if x["step"].startswith("floor")), None)
     add("decode attention b32 ctx2048: bandwidth / copy bandwidth", frac, 0.5, "attention",
@@ -214,18 +216,16 @@ def _decode_table(d: dict | None, title: str, bw: dict | None) -> list[str]:
             line += f" {_fmt(hf and hf * 1e3)} | {_fmt(r.get('graph_vs_transformers'))} |"
         if has_frozen:
             fz = r.get("graph_frozen_s")
-            line += f" {_fmt(fz and fz * 1e3)} | {_fmt(r.get('graph_frozen_vs_transformers'))} |"
+            hf = r.get("transformers_s")
+            line += f" {_fmt(fz and fz * 1e3)} | {_fmt(fz and hf and hf / fz)} |"
         if has_bytes:
             share = r["bytes"]["total"] / r["graph_s"] / r["copy_bytes_per_s"]
             line += f" {r['bytes']['total'] / 1e6:.0f} | {r['copy_bytes_per_s'] / 1e9:.1f} | {_fmt(share)} |"
         lines.append(line)
     if d.get("frozen"):
-        fz = d["frozen"]
-        mib = ", ".join(f"batch {b}: +{c['memory_bytes'] / 2**20:.0f} MiB" for b, c in sorted(
-            fz["capture"].items(), key=lambda kv: int(kv[0])))
         lines += ["", f"\"graph, frozen\": a second runner over the same weights with "
-                  f"`inductor_freezing_min_batch={fz['inductor_freezing_min_batch']}` (opt-in), timed in the same "
-                  f"rounds; resident memory its capture added: {mib}."]
+                  f"`inductor_freezing_min_batch={d['frozen']['inductor_freezing_min_batch']}` (opt-in), timed in "
+                  "the same rounds; its memory cost is in the memory table."]
     return lines + [""]
 
 
@@ -294,7 +294,9 @@ def _memory_table(m: dict | None) -> list[str]:
     lines = ["", f"### Memory: {m['model']}, batch sizes {m['sizes']}, {m['steps_per_size']} steps each", "",
              "| mode | peak RSS MiB | RSS after building the model MiB | cache addresses unchanged |",
              "| --- | --- | --- | --- |"]
-    for v in (g, e):
+    for v in (g, m.get("graph_frozen"), e):
+        if v is None:
+            continue
         lines.append(f"| {v['mode']} | {v['peak_rss_bytes'] / 2**20:.0f} | {v['rss_after_build_bytes'] / 2**20:.0f} | "
                      f"{v['cache_addresses_unchanged']} |")
     lines += ["", "Bytes allocated during one decode step (small model, batch 8), by cache capacity:", "",
@@ -318,7 +320,7 @@ def plots(out: dict, results_dir: str) -> list[str]:
         if not d:
             continue
         fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(10, 4))
-        for variant in ("graph", "eager", "transformers"):
+        for variant in ("graph", "graph_frozen", "eager", "transformers"):
             pts = [(r["batch"], r[f"{variant}_s"]) for r in d["rows"] if f"{variant}_s" in r]
             if not pts:
                 continue
