@@ -2,14 +2,18 @@
 
 ``gathered`` (each token's experts' weights indexed, einsum) was the only decode form before;
 ``sorted_by_expert`` (rows sorted by expert, ``torch._grouped_mm``) reads each chosen expert
-once without a host sync; ``decode`` is what the model now runs (see ``ascend_graph.models.moe``).
-Bandwidth counts each distinct chosen expert's weights once.
+once without a host sync; ``decode`` is what the model now runs (see ``ascend_graph.models.moe``;
+compiled below ``T*K = X`` it is ``gathered_by_expert``). Compiled forms go through the runner's
+backend (Inductor with the single-row matmul pass). Bandwidth counts each distinct chosen
+expert's weights once.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ascend_graph.backends import resolve_backend
+from ascend_graph.config import GraphConfig
 from ascend_graph.models.moe import RoutedExperts
 from benchmarks.common import interleaved_medians
 from benchmarks.models import v2_lite_slice
@@ -25,6 +29,7 @@ def measure(tokens=(1, 8, 32), rounds: int = 5, calls: int = 2) -> dict:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     x_, k = config.n_routed_experts, config.num_experts_per_tok
     per_expert = 3 * config.hidden_size * config.moe_intermediate_size * 2
+    backend = resolve_backend(GraphConfig(enabled=True, backend="inductor"), "cpu")
     rows = []
     for t in tokens:
         x = torch.randn(t, config.hidden_size, generator=gen).to(torch.bfloat16)
@@ -33,7 +38,8 @@ def measure(tokens=(1, 8, 32), rounds: int = 5, calls: int = 2) -> dict:
         fns = {"eager gathered (before)": lambda: experts.gathered(x, w, ex),
                "eager sorted_by_expert (now)": lambda: experts.decode(x, w, ex)}
         for name, form in (("compiled gathered (before)", experts.gathered), ("compiled decode (now)", experts.decode)):
-            fns[name] = (lambda f: lambda: f(x, w, ex))(torch.compile(form, fullgraph=True, dynamic=False))
+            fns[name] = (lambda f: lambda: f(x, w, ex))(torch.compile(form, backend=backend, fullgraph=True,
+                                                                      dynamic=False))
         with torch.no_grad():
             times = interleaved_medians(fns, rounds=rounds, calls_per_round=calls, warmup=2)
         nbytes = int(ex.unique().numel()) * per_expert

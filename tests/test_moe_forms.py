@@ -15,7 +15,7 @@ def _moe(seed: int = 3) -> MoE:
     return DeepseekForCausalLM(DeepseekConfig.small_v3(), seed=seed).model.layers[1].mlp
 
 
-@pytest.mark.parametrize("form", ["gathered", "sorted_by_expert", "grouped", "decode"])
+@pytest.mark.parametrize("form", ["gathered", "gathered_by_expert", "sorted_by_expert", "grouped", "decode"])
 @pytest.mark.parametrize("tokens", [1, 3, 16])
 def test_each_expert_form_matches_per_token_loop(form, tokens):
     moe = _moe()
