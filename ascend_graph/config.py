@@ -67,14 +67,13 @@ class GraphConfig:
       torchair's ``cache_compile`` directory). ``None`` = the backend's own default.
     - ``parity_interval``: every N graph steps the runner checks graph against eager; 0 = off.
     - ``inductor_cpp_wrapper``: Inductor's C++ wrapper; ``None`` = the measured platform default.
-    - ``inductor_freezing_min_batch``: capture sizes of at least this many rows compile with
-      Inductor's freezing: the weights become constants of the graph, and on CPU the dense
-      matmuls' weights are pre-packed for oneDNN. It costs a packed copy of those weights per
-      frozen size, and weights changed after capture are not seen by the graph (the parity
-      check would report it). ``None`` = off. Measured on the V2-Lite slice at batch 8 (CPU):
-      105 -> 77 ms per step, +667 MB resident per frozen size (see benchmarks/levers.py).
-      Size 1 gains nothing from it on CPU (its matmuls become reductions, which read the
-      unpacked weights).
+    - ``inductor_freezing_min_batch``: CPU only. Capture sizes of at least this many rows
+      compile with Inductor's freezing: the weights become constants of the graph, and the
+      dense matmuls read weights pre-packed for oneDNN. It costs a packed copy of those
+      weights per frozen size, and weights changed after capture are not seen by the graph
+      (the parity check would report it). ``None`` = off. Figures: README, "Performance"
+      (``benchmarks/levers.py`` and the suite's decode and memory parts). Size 1 is better
+      left unfrozen: its matmuls become reductions over the unpacked weights.
     - ``torchair``: options of the torchair backend (``TorchairOptions``).
     """
 

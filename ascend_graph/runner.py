@@ -119,6 +119,10 @@ class GraphRunner:
         self.model = model
         self.config = config
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        if config.enabled and config.inductor_freezing_min_batch is not None and self.device.type != "cpu":
+            # Frozen graphs keep the caches as ordinary inputs (see _freezing): a CUDA graph
+            # would then copy them in on every replay, or not be recorded at all.
+            raise ValueError(f"inductor_freezing_min_batch is for CPU runners; this one runs on {self.device}")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len

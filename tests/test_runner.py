@@ -226,6 +226,12 @@ def test_inductor_freezing_from_min_batch_folds_weights_and_equals_eager(dtype):
     assert runner.stats.recompiles == 0
 
 
+def test_inductor_freezing_is_refused_off_cpu_before_anything_is_allocated():
+    model = small_model("llama")
+    with pytest.raises(ValueError, match="inductor_freezing_min_batch is for CPU runners; this one runs on meta"):
+        make_runner(model, graph_config(inductor_freezing_min_batch=2), device="meta")
+
+
 def test_torchair_contract_use_cached_graph_compiles_each_size_through_cache_compile(monkeypatch):
     """With torchair's graph cache on, each capture size goes to ``cache_compile`` as a module
     method with its own code name (no NPU here: platform and torchair are stand-ins)."""
