@@ -36,3 +36,25 @@ def test_compiled_decode_form_matches_eager(tokens, dtype):
     with torch.no_grad():
         compiled = torch.compile(moe, backend="inductor", fullgraph=True, dynamic=False)
         torch.testing.assert_close(compiled(x), moe(x), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_compiled_gathered_by_expert_matches_eager_and_decode_picks_it_for_large_experts(tokens, monkeypatch):
+    import ascend_graph.models.moe as moe_module
+
+    moe = _moe().to(torch.bfloat16)
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    with torch.no_grad():
+        weights, experts = moe.gate(x)
+        eager = moe.experts.gathered_by_expert(x, weights, experts)
+        form = torch.compile(moe.experts.gathered_by_expert, backend="inductor", fullgraph=True, dynamic=False)
+        torch.testing.assert_close(form(x, weights, experts), eager, atol=3e-2, rtol=3e-2)
+    picked = []
+    for name in ("gathered", "gathered_by_expert"):
+        monkeypatch.setattr(moe.experts, name, (lambda n: lambda *a: picked.append(n))(name))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the compiled branch of decode
+    small = moe.experts.expert_bytes
+    for threshold in (small + 1, small):
+        monkeypatch.setattr(moe_module, "SORT_PAIRS_MIN_EXPERT_BYTES", threshold)
+        moe.experts.decode(x, weights, experts)
+    assert picked == ["gathered", "gathered" if tokens == 1 else "gathered_by_expert"]
