@@ -4,7 +4,8 @@ machine's bfloat16 matmul rate, for the batches where reading the weights is not
 A decode step of B rows multiplies every dense weight by B rows and each routed expert's weights
 by the rows that chose it (B * K row-expert pairs in all); absorbed MLA adds per row and layer
 ``2 H (Dn C + T (C + R) + T C + C Dv)``. The rate is the median of a ``[B, 2048] x [2048, 10944]``
-bfloat16 matmul (the dense MLP's shape) timed interleaved with the copy probe.
+bfloat16 matmul (the dense MLP's shape) timed interleaved with the copy probe, with aten's
+weights and with weights pre-packed for oneDNN (what ``inductor_freezing_min_batch`` compiles to).
 """
 
 from __future__ import annotations
@@ -32,17 +33,35 @@ def step_flops(batch: int, context: int) -> float:
     return 2.0 * batch * per_row + batch * c.num_hidden_layers * absorbed
 
 
+def _packed_linear(x: torch.Tensor, w: torch.Tensor):
+    """``linear(x, w)`` with ``w`` pre-packed for oneDNN as Inductor's freezing packs it (packed
+    for ``x``'s row count), or None where this torch has no oneDNN linear."""
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0])
+        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except (AttributeError, RuntimeError):
+        return None
+    return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
 def measure(batches=(1, 8, 32, 64), context: int = 256, rounds: int = 7) -> dict:
     """FLOPs per step and the bf16 matmul rate (FLOP/s) at each batch, with copy bandwidth."""
     probe, rows = CopyProbe(), []
     w = torch.randn(10944, 2048).to(torch.bfloat16)
     for b in batches:
         x = torch.randn(b, 2048).to(torch.bfloat16)
-        t = interleaved_medians({"mm": lambda: torch.nn.functional.linear(x, w), "copy": probe},
-                                rounds=rounds, calls_per_round=3)
+        fns = {"mm": lambda: torch.nn.functional.linear(x, w), "copy": probe}
+        packed = _packed_linear(x, w)
+        if packed is not None:
+            fns["packed"] = packed
+        t = interleaved_medians(fns, rounds=rounds, calls_per_round=3)
         rate = 2 * b * w.numel() / t["mm"]
         rows.append({"batch": b, "step_flops": step_flops(b, context), "bf16_matmul_flops_per_s": rate,
                      "copy_bytes_per_s": probe.bytes / t["copy"]})
+        if "packed" in t:
+            rows[-1]["bf16_packed_matmul_flops_per_s"] = 2 * b * w.numel() / t["packed"]
         print(f"  compute batch {b}: step {rows[-1]['step_flops'] / 1e9:.1f} GFLOP, bf16 matmul "
-              f"{rate / 1e9:.1f} GFLOP/s -> {rows[-1]['step_flops'] / rate * 1e3:.0f} ms", flush=True)
+              f"{rate / 1e9:.1f} GFLOP/s -> {rows[-1]['step_flops'] / rate * 1e3:.0f} ms"
+              + (f"; pre-packed {rows[-1]['bf16_packed_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s" if "packed" in t else ""),
+              flush=True)
     return {"context": context, "rows": rows}

@@ -6,7 +6,7 @@ reductions), without the single-row pass, without the C++ wrapper, and with Indu
 (``GraphConfig.inductor_freezing_min_batch``: the weights become graph constants, pre-packed for
 oneDNN). Freezing has to be on while dynamo traces, not only while Inductor compiles: passed as a
 compile option alone it finds no constant to fold (parameters are graph inputs) and changes
-nothing. The resident memory each variant's capture added is recorded too.
+nothing. Freezing's memory cost is measured in ``benchmarks/memory.py`` (fresh processes).
 """
 
 from __future__ import annotations
@@ -35,16 +35,15 @@ def measure(batches=(1, 8), rounds: int = 5, quick: bool = False, names=None) ->
     model, rows = build(case), []
     for n in batches:
         config = GraphConfig(enabled=True, backend="inductor", capture_sizes=(n,), max_batch_size=n)
-        fns, rss = {}, {}
+        fns = {}
         for name, (variant, patches) in variants(config).items():
             if names is not None and name not in names:
                 continue
             runner = make_runner(model, variant, (n,), case.context, backend=InductorBackend(patches))
             runner.capture(show_progress=False)
-            rss[name] = runner.stats.capture[n]["memory_bytes"] / 2**20
             entries = decode_batch(runner, BlockManager(runner.num_blocks, runner.block_size), n, case.context)
             fns[name] = (lambda r, e: lambda: r.execute(e, mode="graph"))(runner, entries)
         t = interleaved_medians(fns, rounds=rounds, calls_per_round=1, warmup=2)
-        rows.append({"batch": n, **{k: v * 1e3 for k, v in t.items()}, "capture_rss_mib": rss})
+        rows.append({"batch": n, **{k: v * 1e3 for k, v in t.items()}})
         print(f"  levers batch {n}: " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items()), flush=True)
     return {"model": case.name, "context": case.context, "unit": "ms per step (median)", "rows": rows}

@@ -79,7 +79,8 @@ def targets(out: dict) -> list[dict]:
         "decode_v2", bound=_compute_bound(out, 32))
     if "graph_frozen_s" in (_row(out.get("decode_v2"), 32) or {}):
         add("V2-Lite slice batch 32: roofline time / step time, freezing on (opt-in)",
-            _roofline_fraction(out, 32, "graph_frozen_s"), 0.5, "decode_v2", bound=_frozen_cost(out))
+            _roofline_fraction(out, 32, "graph_frozen_s"), 0.5, "decode_v2",
+            bound=_compute_bound(out, 32, "bf16_packed_matmul_flops_per_s", "pre-packed"))
     frac, ratio = _attention(out)
     floor = next((x for x in (out.get("attention") or {}).get("rows", []) if x["step"].startswith("floor")), None)
     add("decode attention b32 ctx2048: bandwidth / copy bandwidth", frac, 0.5, "attention",
@@ -95,16 +96,17 @@ def targets(out: dict) -> list[dict]:
     return rows
 
 
-def _compute_bound(out: dict, batch: int) -> str:
-    """How long the step's FLOPs take at this machine's bf16 matmul rate, against its roofline time."""
+def _compute_bound(out: dict, batch: int, rate: str = "bf16_matmul_flops_per_s", kind: str = "bf16") -> str:
+    """How long the step's FLOPs take at this machine's bf16 matmul rate (``rate``: aten's, or
+    with weights pre-packed for oneDNN), against its roofline time."""
     row = _row(out.get("decode_v2"), batch)
     comp = next((r for r in (out.get("compute") or {}).get("rows", []) if r["batch"] == batch), None)
-    if not row or not comp or "bytes" not in row:
+    if not row or not comp or "bytes" not in row or rate not in comp:
         return ""
-    compute_s = comp["step_flops"] / comp["bf16_matmul_flops_per_s"]
+    compute_s = comp["step_flops"] / comp[rate]
     roofline_s = row["bytes"]["total"] / row["copy_bytes_per_s"]
-    return (f"{comp['step_flops'] / 1e9:.1f} GFLOP at the measured bf16 matmul rate "
-            f"({comp['bf16_matmul_flops_per_s'] / 1e9:.0f} GFLOP/s) take {compute_s * 1e3:.0f} ms vs "
+    return (f"{comp['step_flops'] / 1e9:.1f} GFLOP at the measured {kind} matmul rate "
+            f"({comp[rate] / 1e9:.0f} GFLOP/s) take {compute_s * 1e3:.0f} ms vs "
             f"{roofline_s * 1e3:.0f} ms of memory traffic: compute-bound, share at most {roofline_s / compute_s:.2f} "
             "at that rate")
 
@@ -245,14 +247,10 @@ def _levers_table(lv: dict | None) -> list[str]:
     if not lv:
         return []
     names = [k for k, v in lv["rows"][0].items() if k != "batch" and isinstance(v, (int, float))]
-    has_rss = any("capture_rss_mib" in r for r in lv["rows"])
-    lines = ["", f"### Inductor levers on the {lv['model']} graph step (context {lv['context']}), ms per step"
-             + (" (resident MiB the capture added)" if has_rss else ""), "",
+    lines = ["", f"### Inductor levers on the {lv['model']} graph step (context {lv['context']}), ms per step", "",
              "| batch | " + " | ".join(names) + " |", "| --- | " + "--- | " * len(names)]
     for r in lv["rows"]:
-        rss = r.get("capture_rss_mib", {})
-        lines.append(f"| {r['batch']} | " + " | ".join(
-            f"{r[n]:.1f}" + (f" ({rss[n]:.0f})" if n in rss else "") for n in names) + " |")
+        lines.append(f"| {r['batch']} | " + " | ".join(f"{r[n]:.1f}" for n in names) + " |")
     return lines + ["", "Default on CPU: C++ wrapper and the single-row matmul pass "
                     "(`ascend_graph/backends/inductor.py`); a lever is kept only where it wins here. Freezing "
                     "(`GraphConfig.inductor_freezing_min_batch`) is opt-in: it costs a pre-packed copy of the dense "
