@@ -66,7 +66,8 @@ def decode(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: bool
     extra = {"transformers": lambda n: hf.step_fn(n) if n in hf_sizes else None}
     frozen = None
     if frozen_sizes:
-        frozen = decode_step.RunnerVariant(model, case, tuple(frozen_sizes), inductor_freezing_min_batch=min(frozen_sizes))
+        frozen = decode_step.RunnerVariant(model, case, tuple(frozen_sizes),
+                                           inductor_freezing_min_batch=min(frozen_sizes))
         extra["graph_frozen"] = lambda n: frozen.step_fn(n) if n in frozen_sizes else None
     probe = None
     if case_name != "small":  # copy bandwidth timed in the same rounds as the steps it bounds
@@ -74,7 +75,8 @@ def decode(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: bool
         extra["copy"] = lambda n: probe
     res = decode_step.measure(case, sizes, rounds[0], rounds[1], model=model, extra=extra, roofline=probe is not None)
     if frozen is not None:
-        res["frozen"] = {"inductor_freezing_min_batch": min(frozen_sizes), "capture": frozen.runner.stats.to_dict()["capture"]}
+        res["frozen"] = {"inductor_freezing_min_batch": min(frozen_sizes),
+                         "capture": frozen.runner.stats.to_dict()["capture"]}
         for row in res["rows"]:
             row.pop("graph_vs_graph_frozen", None)  # graph_frozen_s itself is kept
     for row in res["rows"]:

@@ -60,8 +60,8 @@ def measure(batches=(1, 8, 32, 64), context: int = 256, rounds: int = 7) -> dict
                      "copy_bytes_per_s": probe.bytes / t["copy"]})
         if "packed" in t:
             rows[-1]["bf16_packed_matmul_flops_per_s"] = 2 * b * w.numel() / t["packed"]
+        packed_rate = rows[-1].get("bf16_packed_matmul_flops_per_s")
         print(f"  compute batch {b}: step {rows[-1]['step_flops'] / 1e9:.1f} GFLOP, bf16 matmul "
               f"{rate / 1e9:.1f} GFLOP/s -> {rows[-1]['step_flops'] / rate * 1e3:.0f} ms"
-              + (f"; pre-packed {rows[-1]['bf16_packed_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s" if "packed" in t else ""),
-              flush=True)
+              + (f"; pre-packed {packed_rate / 1e9:.1f} GFLOP/s" if packed_rate else ""), flush=True)
     return {"context": context, "rows": rows}

@@ -69,8 +69,8 @@ def targets(out: dict) -> list[dict]:
             bound=_bound(out, r, "transformers_s", 3.0))
     r = _row(out.get("decode_v2"), 8)
     if r and "graph_frozen_s" in r and "transformers_s" in r:
-        add("V2-Lite slice: graph / transformers, batch 8, freezing on (opt-in)", r["transformers_s"] / r["graph_frozen_s"],
-            3.0, "decode_v2", bound=_frozen_cost(out))
+        add("V2-Lite slice: graph / transformers, batch 8, freezing on (opt-in)",
+            r["transformers_s"] / r["graph_frozen_s"], 3.0, "decode_v2", bound=_frozen_cost(out))
     rb = out.get("read_bandwidth")
     add("V2-Lite slice batch 1: share of the copy-bandwidth roofline", _roofline_fraction(out, 1), 0.7, "decode_v2",
         bound=rb and (f"a read-only stream (a large float32 sum) reaches {rb['read_over_copy']:.2f} of the copy "

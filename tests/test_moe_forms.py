@@ -28,7 +28,7 @@ def test_each_expert_form_matches_per_token_loop(form, tokens):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 8])  # T*K below and above the expert count: both compiled forms
+@pytest.mark.parametrize("tokens", [1, 8, 16])  # T*K below and above 3x the expert count: both compiled forms
 def test_compiled_decode_form_matches_eager(tokens, dtype):
     moe = _moe().to(dtype)
     x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(7)).to(dtype)
