@@ -50,7 +50,7 @@ def plan(quick: bool) -> dict:
     return {"small_sizes": (1, 2, 4, 8, 16, 32, 64), "v2_sizes": (1, 8, 32, 64), "hf_sizes": (1, 8, 32),
             "small_rounds": (15, 5), "v2_rounds": (7, 1), "attention_reps": 7,
             "startup_sizes": (1, 2, 4, 8, 16, 32, 64), "memory_model": "v2_lite_slice", "memory_sizes": (1, 8),
-            "moe_tokens": (1, 8, 32), "levers": None, "lever_batches": (1, 8),
+            "moe_tokens": (1, 8, 16, 32), "levers": None, "lever_batches": (1, 8),
             "v2_frozen_sizes": (8, 32)}
 
 
