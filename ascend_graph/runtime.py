@@ -1,7 +1,9 @@
-"""Small runtime services of the runner: static-address tracking, memory readings, progress."""
+"""Small runtime services of the runner: static-address tracking, memory readings, huge-page
+weights, progress."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 
@@ -51,3 +53,43 @@ def progress(done: int, total: int, label: str, width: int = 24) -> None:
     end = "\n" if done >= total else ""
     sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label}\033[K{end}")
     sys.stderr.flush()
+
+
+HUGE_PAGE = 2 << 20
+
+
+def on_huge_pages(t: Tensor) -> Tensor:
+    """A copy of CPU tensor ``t`` in its own private anonymous mapping, 2 MiB aligned and advised
+    ``MADV_HUGEPAGE`` before its pages are first touched; the tensor keeps the mapping alive."""
+    nbytes = t.numel() * t.element_size()
+    # private: an anonymous shared mapping is shmem, which follows shmem_enabled, not madvise
+    region = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE,
+                       flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(region, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % HUGE_PAGE
+    out = raw[start:start + nbytes].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def weights_on_huge_pages(model: torch.nn.Module, min_bytes: int = HUGE_PAGE) -> int:
+    """Move every CPU parameter of ``min_bytes`` or more onto transparent huge pages; the bytes moved.
+
+    A decode step streams the weights: with 2 MiB pages the V2-Lite slice's batch-1 graph step
+    ran 1.11x faster and its eager step 1.05x (``python -m benchmarks --parts huge_pages``).
+    Call it before building a runner: the parameters are new tensors (same values), which
+    graphs compiled before would see as a change. Needs Linux with transparent huge pages set
+    to ``madvise`` or ``always``; elsewhere it moves nothing and returns 0.
+    """
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return 0
+    moved = 0
+    with torch.no_grad():
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is None or p.device.type != "cpu" or p.numel() * p.element_size() < min_bytes:
+                    continue
+                module._parameters[name] = torch.nn.Parameter(on_huge_pages(p.data), requires_grad=p.requires_grad)
+                moved += p.numel() * p.element_size()
+    return moved

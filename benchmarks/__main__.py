@@ -17,12 +17,13 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
 
-from benchmarks import (attention, compute, decode_step, levers, memory, moe_forms, overhead, report,  # noqa: E402
+from benchmarks import (attention, compute, decode_step, huge_pages, levers, memory, moe_forms, overhead, report,  # noqa: E402
                         roofline, startup)
 from benchmarks.common import conditions, set_malloc_keeps_freed_memory, write_json  # noqa: E402
 from benchmarks.models import build, cases  # noqa: E402
 
-PARTS = ("bandwidth", "decode_small", "overhead", "decode_v2", "compute", "moe_forms", "levers", "attention", "startup", "memory")
+PARTS = ("bandwidth", "decode_small", "overhead", "decode_v2", "compute", "moe_forms", "levers", "huge_pages",
+         "attention", "startup", "memory")
 NOTES = [
     "One torch thread (`--threads 1`): the 2 cores are shared with other jobs; with 2 threads every OpenMP "
     "region waits for a descheduled thread (a V2-Lite batch-1 graph step measured 0.40-0.54 s at 2 threads vs "
@@ -106,6 +107,8 @@ def run_part(part: str, p: dict, quick: bool, out: dict) -> None:
     elif part == "levers":
         out["levers"] = levers.measure(batches=p["lever_batches"], rounds=3 if quick else 5, quick=quick,
                                        names=p["levers"])
+    elif part == "huge_pages":
+        out["huge_pages"] = huge_pages.measure(rounds=3 if quick else 7, quick=quick)
     elif part == "attention":
         out["attention"] = attention.measure(reps=p["attention_reps"], malloc_keeps_freed=out["malloc_keeps_freed_memory"])
     elif part == "startup":

@@ -17,6 +17,7 @@ from ascend_graph.block_manager import BlockManager
 from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
 from ascend_graph.models.deepseek_config import RopeScaling
 from ascend_graph.runner import GraphRunner, SequenceStep
+from ascend_graph.runtime import weights_on_huge_pages
 
 V2_LITE_YARN = RopeScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
                            mscale=0.707, mscale_all_dim=0.707)
@@ -53,9 +54,13 @@ def cases(quick: bool) -> dict[str, ModelCase]:
             "v2_lite_slice": ModelCase("v2_lite_slice", v2_lite_slice(), torch.bfloat16, 128 if quick else 256)}
 
 
-def build(case: ModelCase) -> DeepseekForCausalLM:
-    """Our model of ``case`` with seeded random weights."""
-    return DeepseekForCausalLM(case.config, dtype=case.dtype, seed=0).eval()
+def build(case: ModelCase, huge_pages: bool = True) -> DeepseekForCausalLM:
+    """Our model of ``case`` with seeded random weights, on huge pages as ``load_deepseek`` puts
+    a checkpoint's (``huge_pages=False``: as torch allocated them)."""
+    model = DeepseekForCausalLM(case.config, dtype=case.dtype, seed=0).eval()
+    if huge_pages:
+        weights_on_huge_pages(model)
+    return model
 
 
 def make_runner(model: DeepseekForCausalLM, config, sizes: tuple[int, ...], context: int,
@@ -80,7 +85,8 @@ def decode_batch(runner: GraphRunner, blocks: BlockManager, n: int, context: int
 
 
 def hf_model(config: DeepseekConfig, dtype: torch.dtype):
-    """transformers' DeepseekV2ForCausalLM with the same configuration (random weights, sdpa)."""
+    """transformers' DeepseekV2ForCausalLM with the same configuration (random weights, sdpa),
+    its weights on huge pages like ours."""
     import transformers
 
     rope = {"rope_type": "yarn", "rope_theta": config.rope_theta, "factor": config.rope_scaling.factor,
@@ -103,4 +109,6 @@ def hf_model(config: DeepseekConfig, dtype: torch.dtype):
         model = transformers.DeepseekV2ForCausalLM(hf_config).eval()
     finally:
         torch.set_default_dtype(old)
-    return model.to(dtype)
+    model = model.to(dtype)
+    weights_on_huge_pages(model)  # the same pages as ours: the comparison is about the code, not the allocator
+    return model

@@ -179,6 +179,7 @@ def markdown(out: dict) -> str:
         lines += _decode_table(out.get(key), title, bw)
     lines += _moe_table(out.get("moe_forms"))
     lines += _levers_table(out.get("levers"))
+    lines += _huge_pages_table(out.get("huge_pages"))
     lines += _attention_table(out.get("attention"), bw)
     lines += _startup_table(out.get("startup"))
     if out.get("startup", {}).get("portable_artifacts"):
@@ -255,6 +256,23 @@ def _levers_table(lv: dict | None) -> list[str]:
                     "(`ascend_graph/backends/inductor.py`); a lever is kept only where it wins here. Freezing "
                     "(`GraphConfig.inductor_freezing_min_batch`) is opt-in: it costs a pre-packed copy of the dense "
                     "weights per frozen capture size, and at batch 1 it replaces the single-row reductions.", ""]
+
+
+def _huge_pages_table(h: dict | None) -> list[str]:
+    if not h or "ms" not in h:
+        return [] if not h else ["", f"Huge pages: {h['skipped']}.", ""]
+    ms = h["ms"]
+    lines = ["", f"### Weights on 2 MiB pages: {h['model']}, batch {h['batch']}, context {h['context']}, ms per step",
+             "", "| mode | 4 KiB pages | 2 MiB pages | 4 KiB / 2 MiB |", "| --- | --- | --- | --- |"]
+    for mode in ("graph", "eager"):
+        small, huge = ms[f"{mode}, 4 KiB pages"], ms[f"{mode}, 2 MiB pages"]
+        lines.append(f"| {mode} | {small:.1f} | {huge:.1f} | {small / huge:.2f} |")
+    ratio = [ms[f"eager, {p} pages"] / ms[f"graph, {p} pages"] for p in ("4 KiB", "2 MiB")]
+    return lines + ["", f"{h['bytes_moved'] / 2**20:.0f} MiB of weights copied onto advised memory "
+                    f"({h['anon_huge_bytes'] / 2**20:.0f} MiB of the process on huge pages at the end). Graph / "
+                    f"eager: {ratio[0]:.2f} with 4 KiB pages, {ratio[1]:.2f} with 2 MiB pages. Not the default: "
+                    "both modes gain alike. PyTorch's `THP_MEM_ALLOC_ENABLE=1` puts every CPU allocation of 2 MiB "
+                    "or more on huge pages for a whole process.", ""]
 
 
 def _attention_table(a: dict | None, bw: dict | None) -> list[str]:

@@ -23,6 +23,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from ..runtime import weights_on_huge_pages
 from .deepseek import DeepseekForCausalLM
 from .deepseek_config import DeepseekConfig
 
@@ -242,10 +243,12 @@ def _read(file: str, name: str, open_handle, open_file: str) -> Tensor:
 
 
 def load_deepseek(path: str | os.PathLike, dtype: Optional[torch.dtype] = None,
-                  device: torch.device | str = "cpu") -> DeepseekForCausalLM:
+                  device: torch.device | str = "cpu", huge_pages: bool = True) -> DeepseekForCausalLM:
     """Build a ``DeepseekForCausalLM`` from the checkpoint directory ``path``.
 
     ``dtype`` defaults to the checkpoint's ``dtype``/``torch_dtype`` (bfloat16 for FP8 or unknown).
+    ``huge_pages``: on CPU, weights of 2 MiB or more go onto transparent huge pages
+    (``ascend_graph.runtime.weights_on_huge_pages``; decode streams them faster).
     Raises ``CheckpointError`` naming the tensor on missing, unexpected or misshapen tensors.
     """
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
@@ -255,4 +258,6 @@ def load_deepseek(path: str | os.PathLike, dtype: Optional[torch.dtype] = None,
     files = checkpoint_files(path)
     model = DeepseekForCausalLM(config, dtype=dtype, device=device, init_weights=False)
     _fill(model, files, _plan(model, files))
+    if huge_pages:
+        weights_on_huge_pages(model)
     return model.eval()

@@ -1,0 +1,73 @@
+"""Weights moved onto huge pages keep their values and the model's outputs."""
+
+from __future__ import annotations
+
+import mmap
+
+import pytest
+import torch
+
+from runner_helpers import Schedule, make_runner
+
+from ascend_graph.config import GraphConfig
+from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
+from ascend_graph.runtime import HUGE_PAGE, on_huge_pages, weights_on_huge_pages
+
+needs_madvise = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no madvise(MADV_HUGEPAGE) here")
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+def _anon_huge_bytes() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("AnonHugePages:"))
+
+
+@needs_madvise
+def test_tensor_on_huge_pages_is_an_aligned_equal_copy_backed_by_huge_pages_where_the_kernel_allows():
+    t = torch.randn(3 * HUGE_PAGE // 4).to(torch.bfloat16).view(-1, 256)  # 1.5 MiB of bf16 -> 3 MiB region
+    before = _anon_huge_bytes()
+    h = on_huge_pages(t)
+    assert torch.equal(h, t) and h.shape == t.shape and h.dtype == t.dtype and h.is_contiguous()
+    assert h.data_ptr() % HUGE_PAGE == 0 and h.data_ptr() != t.data_ptr()
+    if _thp_mode() in ("always", "madvise"):  # the kernel grants the advice
+        assert _anon_huge_bytes() - before >= HUGE_PAGE
+    del t
+    h.add_(1)  # the mapping outlives the source and stays writable
+    assert torch.isfinite(h.float()).all()
+
+
+@needs_madvise
+def test_model_weights_moved_keep_outputs_and_only_large_cpu_parameters_move():
+    model = DeepseekForCausalLM(DeepseekConfig.small(), seed=0).eval()
+    params = dict(model.named_parameters())
+    values = {n: p.detach().clone() for n, p in params.items()}
+    ids = torch.tensor([3, 5, 7])
+    min_bytes = 64 * 1024
+    large = {n for n, p in params.items() if p.numel() * p.element_size() >= min_bytes}
+    assert large and len(large) < len(params)  # the test moves some parameters, not all
+    moved = weights_on_huge_pages(model, min_bytes=min_bytes)
+    after = dict(model.named_parameters())
+    assert moved == sum(values[n].numel() * values[n].element_size() for n in large)
+    for n, p in after.items():
+        assert torch.equal(p, values[n]) and isinstance(p, torch.nn.Parameter)
+        assert (p is not params[n]) == (n in large)
+        if n in large:
+            assert p.data_ptr() % HUGE_PAGE == 0
+    emb = model.model.embed_tokens.weight
+    assert emb is after["model.embed_tokens.weight"] and torch.equal(emb[ids], values["model.embed_tokens.weight"][ids])
+
+    # the same prompt through a twin left as torch allocated it: identical logits
+    twin = DeepseekForCausalLM(DeepseekConfig.small(), seed=0).eval()
+    logits = []
+    for m in (model, twin):
+        runner = make_runner(m, GraphConfig())
+        sched = Schedule()
+        logits.append(runner.execute([sched.add(0, [3, 5, 7, 11], new_tokens=1)]))
+    assert torch.equal(logits[0], logits[1])
