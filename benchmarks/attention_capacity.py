@@ -91,13 +91,16 @@ def variants(compile_too: bool) -> list[tuple[str, str, Callable]]:
     return rows
 
 
-def measure(args: argparse.Namespace, probes: dict[str, Callable] | None = None) -> list[dict]:
+def measure(args: argparse.Namespace, probes: dict[str, Callable] | None = None,
+            settle: dict[str, Callable] | None = None) -> list[dict]:
     """Every variant at every capacity, side by side in this process.
 
     Repetitions are interleaved (one call of each variant and capacity per round), so load from
     other processes falls on all of them alike instead of on whichever ran last. ``probes``
     (name -> function) are timed in the same rounds; their medians land in ``args.probe_ms``.
+    ``settle`` (probe name -> function) runs untimed right after that probe.
     """
+    settle = settle or {}
     inputs = {n: make_inputs(args, n) for n in args.num_blocks}
     rows = variants(not args.no_compile)
     for _, _, fn in rows:  # warm-up, which also compiles one static graph per capacity
@@ -117,6 +120,8 @@ def measure(args: argparse.Namespace, probes: dict[str, Callable] | None = None)
             start = time.perf_counter()
             fn()
             probe_times[name].append((time.perf_counter() - start) * 1e3)
+            if name in settle:  # untimed: leaves the process as the next timed call expects it
+                settle[name]()
     args.probe_ms = {name: statistics.median(ts) for name, ts in probe_times.items()}
     return [{"step": step, "mode": mode, "num_blocks": n, "median_ms": statistics.median(ts), "times_ms": ts}
             for (step, mode, n), ts in times.items()]

@@ -360,8 +360,15 @@ def plots(out: dict, results_dir: str) -> list[str]:
 
 
 def write_outputs(out: dict, json_path: str, results_dir: str) -> None:
-    """PERFORMANCE.md (PERFORMANCE_quick.md for a quick run) and the PNG plots."""
+    """PERFORMANCE.md (PERFORMANCE_quick.md for a quick run), the PNG plots and the README's
+    section; a JSON written elsewhere (``--json``) gets its markdown beside it and touches none."""
     quick = out["conditions"].get("quick")
+    if os.path.dirname(os.path.abspath(json_path)) != os.path.abspath(results_dir):
+        md = os.path.splitext(json_path)[0] + ".md"
+        with open(md, "w") as f:
+            f.write(markdown(out))
+        print(f"wrote {md}")
+        return
     md = os.path.join(results_dir, "PERFORMANCE_quick.md" if quick else "PERFORMANCE.md")
     with open(md, "w") as f:
         f.write(markdown(out))
