@@ -2,9 +2,9 @@
 
 Every variant is a runner over the same model (its own cache), captured at one batch size and
 timed interleaved with the others: the default backend (C++ wrapper, single-row matmuls as
-reductions), without the single-row pass, without the C++ wrapper, and with Inductor's freezing
-(``GraphConfig.inductor_freezing_min_batch``: the weights become graph constants, pre-packed for
-oneDNN). Freezing has to be on while dynamo traces, not only while Inductor compiles: passed as a
+reductions), without the single-row pass, without its split of long reductions, without the C++
+wrapper, and with Inductor's freezing (``GraphConfig.inductor_freezing_min_batch``: the weights
+become graph constants, pre-packed for oneDNN). Freezing has to be on while dynamo traces, not only while Inductor compiles: passed as a
 compile option alone it finds no constant to fold (parameters are graph inputs) and changes
 nothing. Freezing's memory cost is measured in ``benchmarks/memory.py`` (fresh processes).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ascend_graph.backends.inductor import InductorBackend, config_patches
+from ascend_graph.backends.inductor import InductorBackend, SingleRowMatmulPass, config_patches
 from ascend_graph.block_manager import BlockManager
 from ascend_graph.config import GraphConfig
 from benchmarks.common import interleaved_medians
@@ -25,7 +25,9 @@ def variants(config: GraphConfig) -> dict[str, tuple[GraphConfig, dict]]:
     default = config_patches(config, "cpu")
     no_pass = {k: v for k, v in default.items() if k != "post_grad_custom_post_pass"}
     frozen = replace(config, inductor_freezing_min_batch=1)
+    no_split = {**default, "post_grad_custom_post_pass": SingleRowMatmulPass(split_long_reductions=False)}
     return {"default": (config, default), "without single-row pass": (config, no_pass),
+            "without long-reduction split": (config, no_split),
             "without C++ wrapper": (config, {**default, "cpp_wrapper": False}), "with freezing": (frozen, default)}
 
 

@@ -37,7 +37,9 @@ def measure(tokens=(1, 8, 32), rounds: int = 5, calls: int = 2) -> dict:
         ex = torch.stack([torch.randperm(x_, generator=gen)[:k] for _ in range(t)])
         fns = {"eager gathered (before)": lambda: experts.gathered(x, w, ex),
                "eager sorted_by_expert (now)": lambda: experts.decode(x, w, ex)}
-        for name, form in (("compiled gathered (before)", experts.gathered), ("compiled decode (now)", experts.decode)):
+        for name, form in (("compiled gathered (before)", experts.gathered),
+                           ("compiled sorted_by_expert", experts.sorted_by_expert),
+                           ("compiled decode (now)", experts.decode)):
             fns[name] = (lambda f: lambda: f(x, w, ex))(torch.compile(form, backend=backend, fullgraph=True,
                                                                       dynamic=False))
         with torch.no_grad():

@@ -46,6 +46,11 @@ class SingleRowMatmulPass(CustomGraphPass):
     in L1 next to the weight stream.
     """
 
+    split_long_reductions = True
+
+    def __init__(self, split_long_reductions: bool = True) -> None:
+        self.split_long_reductions = split_long_reductions  # False: only for measuring the split
+
     def __call__(self, graph: torch.fx.Graph) -> None:
         import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
 
@@ -62,12 +67,11 @@ class SingleRowMatmulPass(CustomGraphPass):
             node.replace_all_uses_with(out)
             graph.erase_node(node)
 
-    @staticmethod
-    def _reduction(graph: torch.fx.Graph, x, w, dtype: torch.dtype, bias) -> torch.fx.Node:
+    def _reduction(self, graph: torch.fx.Graph, x, w, dtype: torch.dtype, bias) -> torch.fx.Node:
         aten, prims = torch.ops.aten, torch.ops.prims
         f32 = lambda n: _call(graph, prims.convert_element_type.default, n, torch.float32)  # noqa: E731
         k_dim = x.meta["val"].dim() - 2  # the one-row dim of x = the reduced dim of w: 0 (mm), 1 (bmm)
-        chunks = _reduction_chunks(x.meta["val"].shape[-1]) if k_dim == 0 else 1
+        chunks = _reduction_chunks(x.meta["val"].shape[-1]) if k_dim == 0 and self.split_long_reductions else 1
         if chunks > 1:
             k = x.meta["val"].shape[-1]
             n = w.meta["val"].shape[-1]
@@ -101,7 +105,7 @@ class SingleRowMatmulPass(CustomGraphPass):
                 and isinstance(rows, int) and rows == 1)
 
     def uuid(self) -> Optional[Any]:
-        return get_hash_for_files((__file__,))
+        return get_hash_for_files((__file__,)).hex() + f"-split{int(self.split_long_reductions)}"
 
 
 # Inductor's CPU reductions over more than 4096 elements go through its cascade-summation helper
