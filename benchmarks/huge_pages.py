@@ -12,11 +12,9 @@ process, so it cannot be compared side by side in one run; the copy here can. Li
 
 from __future__ import annotations
 
-import mmap
-
 from ascend_graph.block_manager import BlockManager
 from ascend_graph.config import GraphConfig
-from ascend_graph.runtime import weights_on_huge_pages
+from ascend_graph.runtime import huge_pages_supported, weights_on_huge_pages
 from benchmarks.common import interleaved_medians
 from benchmarks.models import build, cases, decode_batch, make_runner
 
@@ -29,7 +27,7 @@ def anon_huge_bytes() -> int:
 
 def measure(batch: int = 1, rounds: int = 7, quick: bool = False) -> dict:
     """Graph and eager step time with 4 KiB-page and huge-page weights, timed interleaved."""
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
+    if not huge_pages_supported():
         return {"skipped": "this platform has no madvise(MADV_HUGEPAGE)"}
     case = cases(quick)["v2_lite_slice"]
     config = GraphConfig(enabled=True, backend="inductor", capture_sizes=(batch,), max_batch_size=batch)

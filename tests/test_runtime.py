@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import mmap
-
 import pytest
 import torch
 
@@ -11,9 +9,9 @@ from runner_helpers import Schedule, make_runner
 
 from ascend_graph.config import GraphConfig
 from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
-from ascend_graph.runtime import HUGE_PAGE, on_huge_pages, weights_on_huge_pages
+from ascend_graph.runtime import HUGE_PAGE, huge_pages_supported, on_huge_pages, weights_on_huge_pages
 
-needs_madvise = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no madvise(MADV_HUGEPAGE) here")
+needs_madvise = pytest.mark.skipif(not huge_pages_supported(), reason="no madvise(MADV_HUGEPAGE) here")
 
 
 def _thp_mode() -> str:
