@@ -16,6 +16,7 @@ import torch
 from ascend_graph import allocate_kv_caches
 from ascend_graph.attention import build_attention_metadata, pad_decode
 from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM, load_deepseek, softmax_scale
+from ascend_graph.models.deepseek import kv_b_to_checkpoint
 from ascend_graph.models.loader import CheckpointError
 from ascend_graph.models.moe import MoE
 
@@ -266,6 +267,9 @@ def hf_named_tensors(model: DeepseekForCausalLM) -> dict[str, torch.Tensor]:
         elif leaf == "down_proj" and prefix.endswith("experts"):
             for x, w in enumerate(t):
                 out[f"{prefix}.{x}.down_proj.weight"] = w
+        elif name.endswith("kv_b_proj.weight"):  # checkpoints keep W_UK / W_UV rows per head
+            c = model.config
+            out[name] = kv_b_to_checkpoint(t, c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim)
         else:
             out[name] = t
     return {k: v.clone().contiguous() for k, v in out.items()}
@@ -383,3 +387,16 @@ def test_loader_without_safetensors_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "safetensors", None)
     with pytest.raises(ImportError, match="pip install safetensors"):
         load_deepseek(tmp_path)
+
+
+def test_kv_b_layout_round_trips_and_its_parts_are_the_checkpoints_per_head_slices():
+    from ascend_graph.models.deepseek import kv_b_from_checkpoint, kv_b_parts
+
+    h, dn, dv, c = 3, 4, 5, 6
+    ckpt = torch.randn(h * (dn + dv), c)
+    ours = kv_b_from_checkpoint(ckpt, h, dn, dv)
+    uk, uv = kv_b_parts(ours, h, dn, dv)
+    per_head = ckpt.view(h, dn + dv, c)
+    assert torch.equal(uk, per_head[:, :dn]) and torch.equal(uv, per_head[:, dn:])
+    assert uk.is_contiguous() and uv.is_contiguous()
+    assert torch.equal(kv_b_to_checkpoint(ours, h, dn, dv), ckpt)

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ..runtime import weights_on_huge_pages
-from .deepseek import DeepseekForCausalLM
+from .deepseek import DeepseekForCausalLM, kv_b_from_checkpoint
 from .deepseek_config import DeepseekConfig
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -232,6 +232,9 @@ def _fill(model: DeepseekForCausalLM, files: dict[str, str], plan: _Plan) -> Non
                 tensor = f.get_tensor(name)
                 if scale is not None:
                     tensor = dequantize_fp8(tensor, _read(files[scale], scale, f, file), block)
+                if target.name.endswith("self_attn.kv_b_proj.weight"):
+                    c = model.config
+                    tensor = kv_b_from_checkpoint(tensor, c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim)
                 _piece(state[target.name], target).copy_(tensor)
 
 
