@@ -128,7 +128,8 @@ class GraphRunner:
         self.max_model_len = max_model_len
         self.table_width = math.ceil(max_model_len / block_size)
         self.capture_sizes = config.resolved_capture_sizes() if config.enabled else ()
-        self.kv_caches = allocate_kv_caches(model.kv_cache_specs(), num_blocks, block_size, self.device)
+        self.kv_caches = allocate_kv_caches(model.kv_cache_specs(), num_blocks, block_size, self.device,
+                                            huge_pages=self.device.type == "cpu")
         self.stats = RunnerStats()
         self._backend = backend
         self._graphs: dict[int, Callable] = {}

@@ -68,7 +68,7 @@ def make_inputs(args: argparse.Namespace, num_blocks: int) -> tuple:
     """
     dtype = getattr(torch, args.dtype)
     (cache,) = allocate_kv_caches([MLACacheSpec(args.kv_lora_rank, args.rope, dtype)], num_blocks,
-                                  args.block_size)
+                                  args.block_size, huge_pages=not args.no_huge_pages)
     gen = torch.Generator().manual_seed(0)
     per_seq = -(-args.context // args.block_size)
     ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
@@ -176,6 +176,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (0: torch's default); one thread is least disturbed by other load")
     p.add_argument("--no-compile", action="store_true", help="eager rows only")
+    p.add_argument("--no-huge-pages", action="store_true",
+                   help="caches on 4 KiB pages (default: huge pages, as the GraphRunner allocates them on CPU)")
     p.add_argument("--json", help="write conditions and results here")
     return p.parse_args(argv)
 

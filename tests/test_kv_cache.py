@@ -242,3 +242,18 @@ def test_write_of_one_slot_twice_is_rejected_before_writing():
     with pytest.raises(ValueError, match=r"slot_mapping\[1\]=5 is also slot_mapping\[0\]"):
         write_kv_cache(cache, torch.ones(2, 2, 4), torch.ones(2, 2, 4), torch.tensor([5, 5]))
     assert all(torch.equal(t, b) for t, b in zip(cache, before))
+
+
+def test_caches_on_huge_pages_are_zeroed_aligned_separate_allocations():
+    from ascend_graph.runtime import HUGE_PAGE, huge_pages_supported
+
+    if not huge_pages_supported():
+        pytest.skip("no madvise(MADV_HUGEPAGE) here")
+    specs = [MLACacheSpec(16, 4, torch.bfloat16), KVCacheSpec(2, 8, torch.float32)]
+    caches = allocate_kv_caches(specs, num_blocks=5, block_size=4, huge_pages=True)
+    plain = allocate_kv_caches(specs, num_blocks=5, block_size=4)
+    tensors = [t for cache in caches for t in cache]
+    for t, ref in zip(tensors, (t for cache in plain for t in cache)):
+        assert t.shape == ref.shape and t.dtype == ref.dtype and t.is_contiguous()
+        assert t.data_ptr() % HUGE_PAGE == 0 and not t.any()
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors)
