@@ -88,7 +88,7 @@ def weights_on_huge_pages(model: torch.nn.Module, min_bytes: int = HUGE_PAGE) ->
     """Move every CPU parameter of ``min_bytes`` or more onto transparent huge pages; the bytes moved.
 
     A decode step streams the weights: with 2 MiB pages the V2-Lite slice's batch-1 steps ran
-    faster in both modes, graph 1.01-1.11x and eager 1.05-1.06x over three suite runs on this
+    faster in both modes, graph 1.01-1.11x and eager 1.05-1.06x over five suite runs on this
     shared machine (``python -m benchmarks --parts huge_pages``).
     Call it before building a runner: the parameters are new tensors (same values), which
     graphs compiled before would see as a change. Needs Linux with transparent huge pages set
