@@ -72,6 +72,15 @@ def huge_page_buffer(nbytes: int, align: int = HUGE_PAGE) -> Tensor:
     return raw[start:start + nbytes]
 
 
+def anon_huge_page_bytes() -> int:
+    """Bytes of this process's anonymous memory on huge pages (``/proc/self/smaps_rollup``; 0 where unreadable)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("AnonHugePages:")), 0)
+    except OSError:
+        return 0
+
+
 def huge_pages_supported() -> bool:
     """Whether this platform's mmap has ``MADV_HUGEPAGE`` (Linux)."""
     return hasattr(mmap, "MADV_HUGEPAGE")

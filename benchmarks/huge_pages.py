@@ -14,15 +14,9 @@ from __future__ import annotations
 
 from ascend_graph.block_manager import BlockManager
 from ascend_graph.config import GraphConfig
-from ascend_graph.runtime import huge_pages_supported, weights_on_huge_pages
+from ascend_graph.runtime import anon_huge_page_bytes, huge_pages_supported, weights_on_huge_pages
 from benchmarks.common import interleaved_medians
 from benchmarks.models import build, cases, decode_batch, make_runner
-
-
-def anon_huge_bytes() -> int:
-    """Bytes of this process's anonymous memory on huge pages (``/proc/self/smaps_rollup``)."""
-    with open("/proc/self/smaps_rollup") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("AnonHugePages:"))
 
 
 def measure(batch: int = 1, rounds: int = 7, quick: bool = False) -> dict:
@@ -44,4 +38,4 @@ def measure(batch: int = 1, rounds: int = 7, quick: bool = False) -> dict:
     t = interleaved_medians(fns, rounds=rounds, calls_per_round=1, warmup=2)
     print(f"  huge pages batch {batch}: " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items()), flush=True)
     return {"model": case.name, "context": case.context, "batch": batch, "bytes_moved": moved,
-            "anon_huge_bytes": anon_huge_bytes(), "ms": {k: v * 1e3 for k, v in t.items()}}
+            "anon_huge_bytes": anon_huge_page_bytes(), "ms": {k: v * 1e3 for k, v in t.items()}}

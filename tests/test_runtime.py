@@ -9,7 +9,8 @@ from runner_helpers import Schedule, make_runner
 
 from ascend_graph.config import GraphConfig
 from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
-from ascend_graph.runtime import HUGE_PAGE, huge_pages_supported, on_huge_pages, weights_on_huge_pages
+from ascend_graph.runtime import (HUGE_PAGE, anon_huge_page_bytes, huge_pages_supported, on_huge_pages,
+                                  weights_on_huge_pages)
 
 needs_madvise = pytest.mark.skipif(not huge_pages_supported(), reason="no madvise(MADV_HUGEPAGE) here")
 
@@ -22,20 +23,15 @@ def _thp_mode() -> str:
         return "never"
 
 
-def _anon_huge_bytes() -> int:
-    with open("/proc/self/smaps_rollup") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("AnonHugePages:"))
-
-
 @needs_madvise
 def test_tensor_on_huge_pages_is_an_aligned_equal_copy_backed_by_huge_pages_where_the_kernel_allows():
     t = torch.randn(3 * HUGE_PAGE // 4).to(torch.bfloat16).view(-1, 256)  # 1.5 MiB of bf16 -> 3 MiB region
-    before = _anon_huge_bytes()
+    before = anon_huge_page_bytes()
     h = on_huge_pages(t)
     assert torch.equal(h, t) and h.shape == t.shape and h.dtype == t.dtype and h.is_contiguous()
     assert h.data_ptr() % HUGE_PAGE == 0 and h.data_ptr() != t.data_ptr()
     if _thp_mode() in ("always", "madvise"):  # the kernel grants the advice
-        assert _anon_huge_bytes() - before >= HUGE_PAGE
+        assert anon_huge_page_bytes() - before >= HUGE_PAGE
     del t
     h.add_(1)  # the mapping outlives the source and stays writable
     assert torch.isfinite(h.float()).all()

@@ -46,6 +46,7 @@ def test_pass_replaces_only_single_row_low_precision_matmuls():
 
 class _Recording(SingleRowMatmulPass):
     def __init__(self, fn):
+        super().__init__()
         self.fn = fn
 
     def __call__(self, graph: torch.fx.Graph) -> None:

@@ -46,8 +46,6 @@ class SingleRowMatmulPass(CustomGraphPass):
     in L1 next to the weight stream.
     """
 
-    split_long_reductions = True
-
     def __init__(self, split_long_reductions: bool = True) -> None:
         self.split_long_reductions = split_long_reductions  # False: only for measuring the split
 
