@@ -3,7 +3,8 @@
 Every variant is a runner over the same model (its own cache), captured at one batch size and
 timed interleaved with the others: the default backend (C++ wrapper, single-row matmuls as
 reductions), without the single-row pass, without its split of long reductions, without the C++
-wrapper, and with Inductor's freezing (``GraphConfig.inductor_freezing_min_batch``: the weights
+wrapper, with the weights of long rows row-major instead of chunk-major (``ChunkedLinear``; in
+graph and in eager mode), and with Inductor's freezing (``GraphConfig.inductor_freezing_min_batch``: the weights
 become graph constants, pre-packed for oneDNN). Freezing has to be on while dynamo traces, not only while Inductor compiles: passed as a
 compile option alone it finds no constant to fold (parameters are graph inputs) and changes
 nothing. Freezing's memory cost is measured in ``benchmarks/memory.py`` (fresh processes).
@@ -17,34 +18,41 @@ from ascend_graph.backends.inductor import InductorBackend, SingleRowMatmulPass,
 from ascend_graph.block_manager import BlockManager
 from ascend_graph.config import GraphConfig
 from benchmarks.common import interleaved_medians
-from benchmarks.models import build, cases, decode_batch, make_runner
+from benchmarks.models import build, cases, decode_batch, make_runner, with_row_major_long_rows
+
+ROW_MAJOR = "row-major long rows"
 
 
-def variants(config: GraphConfig) -> dict[str, tuple[GraphConfig, dict]]:
-    """Name -> (graph config, Inductor config patches)."""
+def variants(config: GraphConfig) -> dict[str, tuple[GraphConfig, dict, bool, str]]:
+    """Name -> (graph config, Inductor config patches, on the row-major copy of the model, mode)."""
     default = config_patches(config, "cpu")
     no_pass = {k: v for k, v in default.items() if k != "post_grad_custom_post_pass"}
     frozen = replace(config, inductor_freezing_min_batch=1)
     no_split = {**default, "post_grad_custom_post_pass": SingleRowMatmulPass(split_long_reductions=False)}
-    return {"default": (config, default), "without single-row pass": (config, no_pass),
-            "without long-reduction split": (config, no_split),
-            "without C++ wrapper": (config, {**default, "cpp_wrapper": False}), "with freezing": (frozen, default)}
+    return {"default": (config, default, False, "graph"), "without single-row pass": (config, no_pass, False, "graph"),
+            "without long-reduction split": (config, no_split, False, "graph"),
+            "without C++ wrapper": (config, {**default, "cpp_wrapper": False}, False, "graph"),
+            ROW_MAJOR: (config, default, True, "graph"), "with freezing": (frozen, default, False, "graph"),
+            "eager": (config, default, False, "eager"), f"eager, {ROW_MAJOR}": (config, default, True, "eager")}
 
 
 def measure(batches=(1, 8), rounds: int = 5, quick: bool = False, names=None) -> dict:
     """Median step time of every variant (or of ``names``) at every batch size."""
     case = cases(quick)["v2_lite_slice"]
     model, rows = build(case), []
+    row_major = with_row_major_long_rows(model)
     for n in batches:
         config = GraphConfig(enabled=True, backend="inductor", capture_sizes=(n,), max_batch_size=n)
         fns = {}
-        for name, (variant, patches) in variants(config).items():
+        for name, (variant, patches, on_row_major, mode) in variants(config).items():
             if names is not None and name not in names:
                 continue
-            runner = make_runner(model, variant, (n,), case.context, backend=InductorBackend(patches))
-            runner.capture(show_progress=False)
+            runner = make_runner(row_major if on_row_major else model, variant, (n,), case.context,
+                                 backend=InductorBackend(patches))
+            if mode == "graph":
+                runner.capture(show_progress=False)
             entries = decode_batch(runner, BlockManager(runner.num_blocks, runner.block_size), n, case.context)
-            fns[name] = (lambda r, e: lambda: r.execute(e, mode="graph"))(runner, entries)
+            fns[name] = (lambda r, e, m: lambda: r.execute(e, mode=m))(runner, entries, mode)
         t = interleaved_medians(fns, rounds=rounds, calls_per_round=1, warmup=2)
         rows.append({"batch": n, **{k: v * 1e3 for k, v in t.items()}})
         print(f"  levers batch {n}: " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items()), flush=True)

@@ -9,6 +9,8 @@ project), and the decode batches both are timed on.
 
 from __future__ import annotations
 
+import copy
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -16,8 +18,9 @@ import torch
 from ascend_graph.block_manager import BlockManager
 from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
 from ascend_graph.models.deepseek_config import RopeScaling
+from ascend_graph.models.layers import ChunkedLinear
 from ascend_graph.runner import GraphRunner, SequenceStep
-from ascend_graph.runtime import weights_on_huge_pages
+from ascend_graph.runtime import on_huge_pages, weights_on_huge_pages
 
 V2_LITE_YARN = RopeScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
                            mscale=0.707, mscale_all_dim=0.707)
@@ -61,6 +64,24 @@ def build(case: ModelCase, huge_pages: bool = True) -> DeepseekForCausalLM:
     if huge_pages:
         weights_on_huge_pages(model)
     return model
+
+
+def with_row_major_long_rows(model: DeepseekForCausalLM) -> DeepseekForCausalLM:
+    """A copy of ``model`` sharing every tensor, except that each ``ChunkedLinear`` is an
+    ``nn.Linear`` holding its weight row-major (``[N, K]``, on huge pages): the layout before
+    chunk-major weights, for measuring them."""
+    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    out = copy.deepcopy(model, shared)  # new modules, same tensors
+    for parent in out.modules():
+        for name, child in list(parent.named_children()):
+            if isinstance(child, ChunkedLinear):
+                row_major = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                                            device="meta")
+                row_major.weight = torch.nn.Parameter(on_huge_pages(child.weight.detach().flatten(1)),
+                                                      requires_grad=False)
+                row_major.bias = child.bias
+                setattr(parent, name, row_major)
+    return out
 
 
 def make_runner(model: DeepseekForCausalLM, config, sizes: tuple[int, ...], context: int,

@@ -19,29 +19,31 @@ def _yarn(mscale: float, mscale_all_dim: float) -> dict:
             "beta_fast": 32, "beta_slow": 1, "mscale": mscale, "mscale_all_dim": mscale_all_dim}
 
 
-def _common() -> dict:
+def _common(**overrides) -> dict:
     # initializer_range well above the default 0.02, so that logits differ clearly between tokens.
     return dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
                 num_experts_per_tok=3, first_k_dense_replace=1, max_position_embeddings=2560,
-                initializer_range=0.2)
+                initializer_range=0.2) | overrides
 
 
-def tiny_hf_model(flavour: str):
+def tiny_hf_model(flavour: str, **overrides):
     """A random float32 transformers DeepSeek model: ``v2_greedy``, ``v2_group_limited`` or ``v3``.
 
     Three layers, the first dense. V3: query low-rank, sigmoid ``noaux_tc`` grouped routing.
+    ``overrides`` replace the shared sizes (``intermediate_size=8200``: a dense MLP whose down
+    projection is chunk-major in our model).
     """
     if flavour.startswith("v2"):
         method = "greedy" if flavour == "v2_greedy" else "group_limited_greedy"
         config = transformers.DeepseekV2Config(
-            **_common(), q_lora_rank=None, n_shared_experts=2, n_group=4, topk_group=2, topk_method=method,
+            **_common(**overrides), q_lora_rank=None, n_shared_experts=2, n_group=4, topk_group=2, topk_method=method,
             routed_scaling_factor=1.5, norm_topk_prob=False, rope_parameters=_yarn(0.707, 0.707))
         cls = transformers.DeepseekV2ForCausalLM
     else:  # V3: query low-rank, sigmoid noaux_tc grouped routing; mscale != mscale_all_dim scales cos/sin
         config = transformers.DeepseekV3Config(
-            **_common(), q_lora_rank=24, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+            **_common(**overrides), q_lora_rank=24, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
             norm_topk_prob=True, rope_parameters=_yarn(1.0, 0.8))
         cls = transformers.DeepseekV3ForCausalLM
     config._attn_implementation = "eager"

@@ -14,13 +14,16 @@ NUM_BLOCKS, BLOCK_SIZE, MAX_MODEL_LEN = 96, 4, 64
 
 
 def small_model(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
-    """A seeded small model: ``"llama"`` (paged GQA attention) or ``"mla"`` (DeepSeek MLA + MoE)."""
+    """A seeded small model: ``"llama"`` (paged GQA attention), ``"mla"`` (DeepSeek MLA + MoE),
+    or ``"mla_long_rows"`` (the same with a dense MLP of 8200, whose down projection is a
+    chunk-major ``ChunkedLinear``)."""
     torch.manual_seed(seed)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig())
     else:
         from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
-        model = DeepseekForCausalLM(DeepseekConfig.small())
+        sizes = {"intermediate_size": 8200} if kind == "mla_long_rows" else {}
+        model = DeepseekForCausalLM(DeepseekConfig.small(**sizes))
     return model.to(dtype).eval()
 
 

@@ -24,6 +24,7 @@ from ascend_graph import allocate_kv_caches  # noqa: E402
 from ascend_graph.attention import build_attention_metadata  # noqa: E402
 from ascend_graph.models import DeepseekForCausalLM, load_deepseek  # noqa: E402
 from ascend_graph.models.deepseek import kv_b_from_checkpoint  # noqa: E402
+from ascend_graph.models.layers import ChunkedLinear  # noqa: E402
 from hf_models import random_prompts, tiny_hf_model  # noqa: E402
 
 NEW_TOKENS = 32
@@ -77,11 +78,15 @@ def hf_logits_for(hf_model, prompt: list[int], continuation: list[int]) -> torch
     return logits[len(prompt) - 1:len(prompt) - 1 + len(continuation)]
 
 
-@pytest.mark.parametrize("flavour", ["v2_greedy", "v2_group_limited", "v3"])
-def test_greedy_decode_matches_transformers_step_by_step(flavour, tmp_path):
-    hf = tiny_hf_model(flavour)
+@pytest.mark.parametrize("flavour, sizes", [("v2_greedy", {}), ("v2_group_limited", {}), ("v3", {}),
+                                           ("v3", {"intermediate_size": 8200})],
+                         ids=["v2_greedy", "v2_group_limited", "v3", "v3_chunk_major_down_proj"])
+def test_greedy_decode_matches_transformers_step_by_step(flavour, sizes, tmp_path):
+    hf = tiny_hf_model(flavour, **sizes)
     hf.save_pretrained(tmp_path)
     ours = load_deepseek(tmp_path, dtype=torch.float32)
+    if sizes:  # the dense layer's down projection (K = 8200) is read chunk-major
+        assert isinstance(ours.model.layers[0].mlp.down_proj, ChunkedLinear)
     prompts = random_prompts()
     gen = generate_greedy(ours, prompts, NEW_TOKENS)
     for i, prompt in enumerate(prompts):

@@ -271,7 +271,7 @@ def hf_named_tensors(model: DeepseekForCausalLM) -> dict[str, torch.Tensor]:
             c = model.config
             out[name] = kv_b_to_checkpoint(t, c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim)
         else:
-            out[name] = t
+            out[name] = t.flatten(1) if t.dim() == 3 else t  # a ChunkedLinear's [N, C, K/C] weight
     return {k: v.clone().contiguous() for k, v in out.items()}
 
 
@@ -308,6 +308,19 @@ def test_sharded_checkpoint_with_mtp_layer_loads_every_weight(tmp_path, small_mo
     tensors["model.layers.2.eh_proj.weight"] = torch.zeros(4, 4)  # a V3 multi-token-prediction layer
     write_checkpoint(tmp_path, tensors, shards=3)
     assert_same_weights(load_deepseek(tmp_path), small_model)
+
+
+def test_long_checkpoint_rows_load_into_a_chunk_major_weight(tmp_path):
+    config = {**SMALL_JSON, "intermediate_size": 8200}  # the dense down projection: 4 chunks of 2050
+    model = DeepseekForCausalLM(DeepseekConfig.from_dict(config), seed=3)
+    tensors = hf_named_tensors(model)
+    assert tensors["model.layers.0.mlp.down_proj.weight"].shape == (160, 8200)
+    write_checkpoint(tmp_path, tensors, config=config)
+    loaded = load_deepseek(tmp_path, huge_pages=True)
+    assert_same_weights(loaded, model)
+    down = loaded.model.layers[0].mlp.down_proj.weight
+    assert down.shape == (160, 4, 2050) and down.permute(1, 0, 2).is_contiguous()
+    assert torch.equal(down[:, 1], tensors["model.layers.0.mlp.down_proj.weight"][:, 2050:4100])
 
 
 def test_stacked_expert_tensors_load_like_per_expert_ones(tmp_path, small_model):

@@ -188,7 +188,7 @@ def test_parity_sampling_runs_at_the_configured_interval():
     assert runner.stats.parity_checks == 2 and runner.stats.parity_failures == 0
 
 
-@pytest.mark.parametrize("kind", ["llama", "mla"])
+@pytest.mark.parametrize("kind", ["llama", "mla", "mla_long_rows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inductor_graph_equals_eager_for_every_size_and_between(kind, dtype):
     model = small_model(kind, dtype)

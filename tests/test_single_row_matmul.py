@@ -105,9 +105,9 @@ def test_long_reduction_is_split_into_chunks_and_matches_reference(k, chunks):
     cascade-summation helper, and keeps the result of the float64 product."""
     from torch._inductor.utils import run_and_get_code
 
-    from ascend_graph.backends.inductor import LONG_REDUCTION, _reduction_chunks
+    from ascend_graph.runtime import LONG_REDUCTION, reduction_chunks
 
-    assert _reduction_chunks(k) == chunks
+    assert reduction_chunks(k) == chunks
     assert chunks == 1 or k // chunks <= LONG_REDUCTION < k
     gen = torch.Generator().manual_seed(3)
     w = (torch.randn(40, k, generator=gen) * 0.05).to(torch.bfloat16)

@@ -16,6 +16,8 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from ..config import GraphConfig
+from .. import runtime
+from ..runtime import reduction_chunks
 
 # ``inductor_cpp_wrapper=None`` resolves to these. CPU: measured with
 # benchmarks/inductor_options.py (torch 2.13, 2-layer decode step, batch 1/4/8): the C++ wrapper
@@ -69,7 +71,7 @@ class SingleRowMatmulPass(CustomGraphPass):
         aten, prims = torch.ops.aten, torch.ops.prims
         f32 = lambda n: _call(graph, prims.convert_element_type.default, n, torch.float32)  # noqa: E731
         k_dim = x.meta["val"].dim() - 2  # the one-row dim of x = the reduced dim of w: 0 (mm), 1 (bmm)
-        chunks = _reduction_chunks(x.meta["val"].shape[-1]) if k_dim == 0 and self.split_long_reductions else 1
+        chunks = reduction_chunks(x.meta["val"].shape[-1]) if k_dim == 0 and self.split_long_reductions else 1
         if chunks > 1:
             k = x.meta["val"].shape[-1]
             n = w.meta["val"].shape[-1]
@@ -103,26 +105,7 @@ class SingleRowMatmulPass(CustomGraphPass):
                 and isinstance(rows, int) and rows == 1)
 
     def uuid(self) -> Optional[Any]:
-        return get_hash_for_files((__file__,)).hex() + f"-split{int(self.split_long_reductions)}"
-
-
-# Inductor's CPU reductions over more than 4096 elements go through its cascade-summation helper
-# (torch/_inductor/codegen/cpp.py, need_use_acc_helper). Measured (torch 2.13, 1 thread,
-# [1, 10944] x [10944, 2048] bfloat16, last-level cache flushed before each call): 5.12 ms as one
-# reduction with a float32 row, 3.79 ms split in 3 chunks with a bfloat16 row (4.60 with a
-# float32 row), aten 4.69 ms; the same bytes as rows of 2048 take 2.53 ms. V2-Lite slice batch-1
-# graph step, timed interleaved in one process: 32.6 -> 31.9 ms.
-LONG_REDUCTION = 4096
-
-
-def _reduction_chunks(k: int) -> int:
-    """The fewest equal chunks of at most ``LONG_REDUCTION`` that ``k`` splits into (1: no split)."""
-    if not isinstance(k, int) or k <= LONG_REDUCTION:
-        return 1
-    for chunks in range(-(-k // LONG_REDUCTION), k // 32 + 1):
-        if k % chunks == 0:
-            return chunks
-    return 1
+        return get_hash_for_files((__file__, runtime.__file__)).hex() + f"-split{int(self.split_long_reductions)}"
 
 
 def _call(graph: torch.fx.Graph, target, *args) -> torch.fx.Node:

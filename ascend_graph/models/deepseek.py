@@ -7,6 +7,9 @@ Q q_lora_rank, V vocabulary.
 Parameter names are the checkpoint's (``model.layers.N.self_attn.kv_b_proj.weight``, ...), except
 that routed experts are stacked per layer (``mlp.experts.gate_up_proj [X, 2I, E]``,
 ``mlp.experts.down_proj [X, E, I]``); ``loader.py`` maps checkpoint tensors onto them.
+On CPU a linear with more than ``runtime.LONG_REDUCTION`` input features (V2-Lite's dense
+down projection, most of V3's) is a ``layers.ChunkedLinear``: its ``weight`` is ``[N, C, K/C]``,
+the checkpoint's ``[N, K]`` viewed, stored chunk-major.
 ``kv_b_proj.weight`` keeps its name and shape but groups its rows by part: every head's ``W_UK``
 rows, then every head's ``W_UV`` rows (``[H*Dn + H*Dv, C]``; checkpoints interleave them per
 head, ``[H, Dn + Dv, C]``, see ``kv_b_from_checkpoint``). Each part is then a contiguous
@@ -19,7 +22,6 @@ The model never chooses graph or eager: the runner compiles ``forward`` or not.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import AttentionMetadata, mla_decode, mla_prefill
@@ -158,7 +160,8 @@ class DeepseekForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DeepseekModel(config, dtype, device)
-        self.lm_head = linear(config.hidden_size, config.vocab_size, dtype, device)
+        self.lm_head = linear(config.hidden_size, config.vocab_size, dtype, device,
+                              chunked=not config.tie_word_embeddings)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if init_weights:
@@ -185,7 +188,7 @@ class DeepseekForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """``hidden [T, E]`` (from ``forward``) -> float32 logits ``[T, V]``."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        return self.lm_head(hidden).float()
 
     @torch.no_grad()
     def init_random_weights_(self, seed: int = 0, std: float | None = None) -> None:

@@ -16,6 +16,7 @@ is read, so a bad checkpoint fails fast with an error naming the tensor.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from typing import NamedTuple, Optional
@@ -26,6 +27,7 @@ from torch import Tensor
 from ..runtime import weights_on_huge_pages
 from .deepseek import DeepseekForCausalLM, kv_b_from_checkpoint
 from .deepseek_config import DeepseekConfig
+from .layers import ChunkedLinear
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -85,7 +87,8 @@ def _target(name: str, config: DeepseekConfig) -> Optional[_Target]:
 
 
 def _piece(model_tensor: Tensor, target: _Target) -> Tensor:
-    """The view of ``model_tensor`` that ``target`` writes."""
+    """The view of ``model_tensor`` that ``target`` writes (a ``ChunkedLinear``'s ``[N, C, K/C]``
+    weight is written from the checkpoint's ``[N, K]`` viewed, see ``_chunk_major_weights``)."""
     if target.expert is None:
         return model_tensor
     w = model_tensor[target.expert]
@@ -107,6 +110,11 @@ def _expected_names(model: DeepseekForCausalLM) -> dict[str, list[str]]:
     return out
 
 
+def _chunk_major_weights(model: DeepseekForCausalLM) -> set[str]:
+    """Names of the ``ChunkedLinear`` weights: ``[N, C, K/C]`` in the model, ``[N, K]`` in a checkpoint."""
+    return {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, ChunkedLinear)}
+
+
 class _Plan(NamedTuple):
     """Checked assignments: checkpoint name -> (target, scale name or None)."""
 
@@ -116,7 +124,7 @@ class _Plan(NamedTuple):
 def _plan(model: DeepseekForCausalLM, files: dict[str, str]) -> _Plan:
     """Match checkpoint names to model tensors; check shapes and dtypes from the headers."""
     config, state = model.config, model.state_dict()
-    headers = _headers(files)
+    headers, chunk_major = _headers(files), _chunk_major_weights(model)
     entries, unexpected, filled = {}, [], set()
     for name in sorted(files):
         if name.endswith("_scale_inv"):
@@ -129,6 +137,8 @@ def _plan(model: DeepseekForCausalLM, files: dict[str, str]) -> _Plan:
             continue
         shape, dtype = headers[name]
         expected = tuple(_piece(state[target.name], target).shape)
+        if target.name in chunk_major:
+            expected = (expected[0], math.prod(expected[1:]))
         if shape != expected:
             raise CheckpointError(f"tensor {name} has shape {list(shape)}, the model expects {list(expected)}")
         entries[name] = (target, _scale_name(name, dtype, files, headers, config))
@@ -235,7 +245,8 @@ def _fill(model: DeepseekForCausalLM, files: dict[str, str], plan: _Plan) -> Non
                 if target.name.endswith("self_attn.kv_b_proj.weight"):
                     c = model.config
                     tensor = kv_b_from_checkpoint(tensor, c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim)
-                _piece(state[target.name], target).copy_(tensor)
+                piece = _piece(state[target.name], target)
+                piece.copy_(tensor.view(piece.shape))
 
 
 def _read(file: str, name: str, open_handle, open_file: str) -> Tensor:
