@@ -6,12 +6,14 @@ by the rows that chose it (B * K row-expert pairs in all); absorbed MLA adds per
 ``2 H (Dn C + T (C + R) + T C + C Dv)``. The rate is the median of a ``[B, 2048] x [2048, 10944]``
 bfloat16 matmul (the dense MLP's shape) timed interleaved with the copy probe, with aten's
 weights and with weights pre-packed for oneDNN (what ``inductor_freezing_min_batch`` compiles to).
+Above every matmul rate: the core's peak multiply-add rate (``benchmarks/peak.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from benchmarks import peak
 from benchmarks.common import interleaved_medians
 from benchmarks.models import v2_lite_slice
 from benchmarks.roofline import CopyProbe
@@ -64,4 +66,8 @@ def measure(batches=(1, 8, 32, 64), context: int = 256, rounds: int = 7) -> dict
         print(f"  compute batch {b}: step {rows[-1]['step_flops'] / 1e9:.1f} GFLOP, bf16 matmul "
               f"{rate / 1e9:.1f} GFLOP/s -> {rows[-1]['step_flops'] / rate * 1e3:.0f} ms"
               + (f"; pre-packed {packed_rate / 1e9:.1f} GFLOP/s" if packed_rate else ""), flush=True)
-    return {"context": context, "rows": rows}
+    core = peak.measure()
+    if core.get("bf16_dot_flops_per_s"):
+        print(f"  compute: one core's peak bf16 dot-product rate {core['bf16_dot_flops_per_s'] / 1e9:.0f} GFLOP/s, "
+              f"float32 FMA {core['fp32_fma_flops_per_s'] / 1e9:.0f} GFLOP/s", flush=True)
+    return {"context": context, "rows": rows, "core_peak": core}

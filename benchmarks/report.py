@@ -113,7 +113,16 @@ def _compute_bound(out: dict, batch: int, rate: str = "bf16_matmul_flops_per_s",
     return (f"{comp['step_flops'] / 1e9:.1f} GFLOP at the measured {kind} matmul rate "
             f"({comp[rate] / 1e9:.0f} GFLOP/s) take {compute_s * 1e3:.0f} ms vs "
             f"{roofline_s * 1e3:.0f} ms of memory traffic: compute-bound, share at most {roofline_s / compute_s:.2f} "
-            "at that rate")
+            "at that rate" + _at_peak(out, comp["step_flops"], roofline_s, "share"))
+
+
+def _at_peak(out: dict, flops: float, memory_s: float, what: str) -> str:
+    """``memory_s`` over the time ``flops`` take at one core's peak bf16 dot-product rate (``peak.py``)."""
+    rate = ((out.get("compute") or {}).get("core_peak") or {}).get("bf16_dot_flops_per_s")
+    if not rate:
+        return ""
+    return (f"; even at this core's peak bf16 dot-product rate ({rate / 1e9:.0f} GFLOP/s, `benchmarks/peak.py`) "
+            f"the {what} would be at most {memory_s / (flops / rate):.2f}")
 
 
 def _attention_bound(out: dict, floor: dict | None) -> str:
@@ -126,9 +135,10 @@ def _attention_bound(out: dict, floor: dict | None) -> str:
     if rates:
         flops = 2 * d["batch"] * d["heads"] * d["context"] * (2 * d["kv_lora_rank"] + d["rope"])
         best_s = flops / max(rates)
+        memory_s = floor["share_of_copy_bandwidth"] * floor["median_ms"] / 1e3  # its bytes at copy bandwidth
         text += (f"; its {flops / 1e9:.2f} GFLOP at the best measured bf16 matmul rate ({max(rates) / 1e9:.0f} "
-                 f"GFLOP/s) take {best_s * 1e3:.0f} ms, i.e. at most "
-                 f"{floor['share_of_copy_bandwidth'] * floor['median_ms'] / 1e3 / best_s:.2f} of copy bandwidth")
+                 f"GFLOP/s) take {best_s * 1e3:.0f} ms, i.e. at most {memory_s / best_s:.2f} of copy bandwidth"
+                 + _at_peak(out, flops, memory_s, "share"))
     return text
 
 
@@ -253,12 +263,15 @@ def _levers_table(lv: dict | None) -> list[str]:
     if not lv:
         return []
     names = [k for k, v in lv["rows"][0].items() if k != "batch" and isinstance(v, (int, float))]
-    lines = ["", f"### Inductor levers on the {lv['model']} graph step (context {lv['context']}), ms per step", "",
+    lines = ["", f"### Inductor levers on the {lv['model']} step (context {lv['context']}), ms per step", "",
              "| batch | " + " | ".join(names) + " |", "| --- | " + "--- | " * len(names)]
     for r in lv["rows"]:
         lines.append(f"| {r['batch']} | " + " | ".join(f"{r[n]:.1f}" for n in names) + " |")
     return lines + ["", "Default on CPU: C++ wrapper and the single-row matmul pass "
-                    "(`ascend_graph/backends/inductor.py`); a lever is kept only where it wins here. Freezing "
+                    "(`ascend_graph/backends/inductor.py`); a lever is kept only where it wins here. `row-major long "
+                    "rows`: the dense MLP's down projection (rows of 10944) stored row-major, as before, instead of "
+                    "chunk-major (`ascend_graph/models/layers.py`, `ChunkedLinear`); the eager columns run the "
+                    "eager step on either layout. Freezing "
                     "(`GraphConfig.inductor_freezing_min_batch`) is opt-in: it costs a pre-packed copy of the dense "
                     "weights per frozen capture size, and at batch 1 it replaces the single-row reductions.", ""]
 
