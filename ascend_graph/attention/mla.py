@@ -29,9 +29,7 @@ def mla_decode(q_nope: Tensor, q_pe: Tensor, cache: MLACache, decode: DecodeMeta
     q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w_uk)  # [B, H, C]
     kv = gather_rows(cache.kv_c, decode.block_tables).squeeze(2)  # [B, T, C]
     pe = gather_rows(cache.k_pe, decode.block_tables).squeeze(2)  # [B, T, R]
-    # [B, T, H] then viewed [B, H, T]: the gathered KV is the matmul's row-major operand, read in
-    # place; as the transposed operand of [B, H, C] x [B, C, T] the CPU bmm copied it first.
-    scores = (torch.bmm(kv, q_lat.transpose(1, 2)) + torch.bmm(pe, q_pe.transpose(1, 2))).transpose(1, 2)
+    scores = torch.einsum("bhc,btc->bht", q_lat, kv) + torch.einsum("bhr,btr->bht", q_pe, pe)
     mask = valid_slots(decode.context_lens, kv.shape[1])[:, None, :]  # [B, 1, T]
     probs = masked_softmax(scores, mask, scale).to(kv.dtype)  # [B, H, T]
     o_lat = torch.einsum("bht,btc->bhc", probs, kv)  # [B, H, C]
