@@ -57,10 +57,11 @@ def progress(done: int, total: int, label: str, width: int = 24) -> None:
 
 # A one-row matmul on CPU streams its weight at the memory's rate only while its input row stays
 # in L1 beside the weight stream. Measured (torch 2.13, 1 thread, this Zen 4 with a 32 KiB L1,
-# weights on huge pages, a hand-written AVX-512 kernel with a float32 row): rows of 2048-3648
-# elements read 29-33 GB/s; rows of 7168 read 14 GB/s, of 10944 13 GB/s. Reading a 10944-long row
-# in chunks of a chunk-major weight ([C, N, K/C], see ``models.layers.ChunkedLinear``) read
-# 33 GB/s; the same chunks of a row-major weight (stride jumps between rows) read 11 GB/s.
+# weights on huge pages, a hand-written AVX-512 kernel with a float32 row, shared machine):
+# rows of 2048-3648 elements read 22-33 GB/s over runs; in one run side by side, rows of 3072
+# read 29 GB/s, of 7168 14 GB/s, of 8192 13.5 GB/s. A 10944-long row read in 3 chunks of a
+# chunk-major weight ([C, N, K/C], ``models.layers.ChunkedLinear``) streamed 33 GB/s, in one
+# piece 13 GB/s, and in the same chunks of a row-major weight (a stride jump per chunk) 11 GB/s.
 # Inductor also accumulates CPU reductions over more than 4096 elements through its
 # cascade-summation helper (torch/_inductor/codegen/cpp.py, need_use_acc_helper), whose
 # accumulator lives in memory. ``SingleRowMatmulPass`` splits such reductions; models store such

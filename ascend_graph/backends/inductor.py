@@ -15,9 +15,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from ..config import GraphConfig
 from .. import runtime
-from ..runtime import reduction_chunks
+from ..config import GraphConfig
 
 # ``inductor_cpp_wrapper=None`` resolves to these. CPU: measured with
 # benchmarks/inductor_options.py (torch 2.13, 2-layer decode step, batch 1/4/8): the C++ wrapper
@@ -41,8 +40,9 @@ class SingleRowMatmulPass(CustomGraphPass):
     gathered experts of a MoE decode) into the same loop instead of copying the weights first.
     A decode step at batch 1 is made of these.
 
-    A reduction longer than ``LONG_REDUCTION`` elements (the dense MLP's down projection, 10944
-    in V2-Lite) is split into equal chunks: Inductor otherwise accumulates it through its
+    A reduction longer than ``runtime.LONG_REDUCTION`` elements (a row-major weight of long rows;
+    the DeepSeek models keep theirs chunk-major on CPU, ``models.layers.ChunkedLinear``, and
+    never reach this) is split into equal chunks: Inductor otherwise accumulates it through its
     cascade-summation helper, which keeps the accumulator in memory. Its row is stored in the
     matmul's own dtype, as the unrewritten matmul reads it: as float32 it would no longer stay
     in L1 next to the weight stream.
@@ -71,7 +71,7 @@ class SingleRowMatmulPass(CustomGraphPass):
         aten, prims = torch.ops.aten, torch.ops.prims
         f32 = lambda n: _call(graph, prims.convert_element_type.default, n, torch.float32)  # noqa: E731
         k_dim = x.meta["val"].dim() - 2  # the one-row dim of x = the reduced dim of w: 0 (mm), 1 (bmm)
-        chunks = reduction_chunks(x.meta["val"].shape[-1]) if k_dim == 0 and self.split_long_reductions else 1
+        chunks = runtime.reduction_chunks(x.meta["val"].shape[-1]) if k_dim == 0 and self.split_long_reductions else 1
         if chunks > 1:
             k = x.meta["val"].shape[-1]
             n = w.meta["val"].shape[-1]
