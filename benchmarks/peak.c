@@ -5,29 +5,29 @@
 #define CHAINS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 #define KEEP(v) __asm__ volatile("" : "+v"(v)) /* distinct, opaque starts: no chain can be merged */
 
+#if defined(__AVX512F__)
+typedef __m512 vf;
+#define SET1 _mm512_set1_ps
+#define FMADD _mm512_fmadd_ps
+#define LANES 16
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 vf;
+#define SET1 _mm256_set1_ps
+#define FMADD _mm256_fmadd_ps
+#define LANES 8
+#endif
+
 /* FLOPs done by n rounds of float32 fused multiply-adds (0 where the ISA has none). */
 double fma_f32(long n) {
-#if defined(__AVX512F__)
-#define INIT(i) __m512 a##i = _mm512_set1_ps((float)(i)); KEEP(a##i);
-#define STEP(i) a##i = _mm512_fmadd_ps(a##i, x, y);
+#ifdef LANES
+#define INIT(i) vf a##i = SET1((float)(i)); KEEP(a##i);
+#define STEP(i) a##i = FMADD(a##i, x, y);
 #define SINK(i) KEEP(a##i);
-    __m512 x = _mm512_set1_ps(0.999f), y = _mm512_set1_ps(0.001f);
+    vf x = SET1(0.999f), y = SET1(0.001f);
     CHAINS(INIT)
     for (long r = 0; r < n; r++) { CHAINS(STEP) }
     CHAINS(SINK)
-    return (double)n * 12 * 16 * 2;
-#undef INIT
-#undef STEP
-#undef SINK
-#elif defined(__AVX2__) && defined(__FMA__)
-#define INIT(i) __m256 a##i = _mm256_set1_ps((float)(i)); KEEP(a##i);
-#define STEP(i) a##i = _mm256_fmadd_ps(a##i, x, y);
-#define SINK(i) KEEP(a##i);
-    __m256 x = _mm256_set1_ps(0.999f), y = _mm256_set1_ps(0.001f);
-    CHAINS(INIT)
-    for (long r = 0; r < n; r++) { CHAINS(STEP) }
-    CHAINS(SINK)
-    return (double)n * 12 * 8 * 2;
+    return (double)n * 12 * LANES * 2;
 #undef INIT
 #undef STEP
 #undef SINK
