@@ -13,6 +13,7 @@ nothing. Freezing's memory cost is measured in ``benchmarks/memory.py`` (fresh p
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 from ascend_graph.backends.inductor import InductorBackend, SingleRowMatmulPass, config_patches
 from ascend_graph.block_manager import BlockManager
@@ -23,17 +24,27 @@ from benchmarks.models import build, cases, decode_batch, make_runner, with_row_
 ROW_MAJOR = "row-major long rows"
 
 
-def variants(config: GraphConfig) -> dict[str, tuple[GraphConfig, dict, bool, str]]:
-    """Name -> (graph config, Inductor config patches, on the row-major copy of the model, mode)."""
+class Variant(NamedTuple):
+    """One lever: the graph config and Inductor patches, on which copy of the model, in which mode."""
+
+    config: GraphConfig
+    patches: dict
+    row_major: bool = False  # on ``with_row_major_long_rows(model)``
+    mode: str = "graph"
+
+
+def variants(config: GraphConfig) -> dict[str, Variant]:
+    """Name -> the lever's variant."""
     default = config_patches(config, "cpu")
     no_pass = {k: v for k, v in default.items() if k != "post_grad_custom_post_pass"}
     frozen = replace(config, inductor_freezing_min_batch=1)
     no_split = {**default, "post_grad_custom_post_pass": SingleRowMatmulPass(split_long_reductions=False)}
-    return {"default": (config, default, False, "graph"), "without single-row pass": (config, no_pass, False, "graph"),
-            "without long-reduction split": (config, no_split, False, "graph"),
-            "without C++ wrapper": (config, {**default, "cpp_wrapper": False}, False, "graph"),
-            ROW_MAJOR: (config, default, True, "graph"), "with freezing": (frozen, default, False, "graph"),
-            "eager": (config, default, False, "eager"), f"eager, {ROW_MAJOR}": (config, default, True, "eager")}
+    return {"default": Variant(config, default), "without single-row pass": Variant(config, no_pass),
+            "without long-reduction split": Variant(config, no_split),
+            "without C++ wrapper": Variant(config, {**default, "cpp_wrapper": False}),
+            ROW_MAJOR: Variant(config, default, row_major=True), "with freezing": Variant(frozen, default),
+            "eager": Variant(config, default, mode="eager"),
+            f"eager, {ROW_MAJOR}": Variant(config, default, row_major=True, mode="eager")}
 
 
 def measure(batches=(1, 8), rounds: int = 5, quick: bool = False, names=None) -> dict:
@@ -44,15 +55,15 @@ def measure(batches=(1, 8), rounds: int = 5, quick: bool = False, names=None) ->
     for n in batches:
         config = GraphConfig(enabled=True, backend="inductor", capture_sizes=(n,), max_batch_size=n)
         fns = {}
-        for name, (variant, patches, on_row_major, mode) in variants(config).items():
+        for name, v in variants(config).items():
             if names is not None and name not in names:
                 continue
-            runner = make_runner(row_major if on_row_major else model, variant, (n,), case.context,
-                                 backend=InductorBackend(patches))
-            if mode == "graph":
+            runner = make_runner(row_major if v.row_major else model, v.config, (n,), case.context,
+                                 backend=InductorBackend(v.patches))
+            if v.mode == "graph":
                 runner.capture(show_progress=False)
             entries = decode_batch(runner, BlockManager(runner.num_blocks, runner.block_size), n, case.context)
-            fns[name] = (lambda r, e, m: lambda: r.execute(e, mode=m))(runner, entries, mode)
+            fns[name] = (lambda r, e, m: lambda: r.execute(e, mode=m))(runner, entries, v.mode)
         t = interleaved_medians(fns, rounds=rounds, calls_per_round=1, warmup=2)
         rows.append({"batch": n, **{k: v * 1e3 for k, v in t.items()}})
         print(f"  levers batch {n}: " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items()), flush=True)
