@@ -23,7 +23,8 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .attention import AttentionMetadata, DecodeMetadata, build_attention_metadata, pad_decode
+from .attention import AttentionMetadata, DecodeMetadata, build_attention_metadata
+from .attention.metadata import DECODE_PADDING
 from .config import GraphConfig
 from .kv_cache import allocate_kv_caches
 from .runtime import StaticAddresses, memory_in_use, progress
@@ -258,12 +259,13 @@ class GraphRunner:
 
     def _run_graph(self, step: PreparedStep, size: int) -> Tensor:
         n = step.meta.num_decode_tokens
-        positions, meta = pad_decode(step.positions, step.meta, size)
-        input_ids = torch.cat([step.input_ids, step.input_ids.new_zeros(size - n)])
+        live = {"input_ids": step.input_ids, "positions": step.positions, "slot_mapping": step.meta.slot_mapping,
+                "block_tables": step.meta.decode.block_tables, "context_lens": step.meta.decode.context_lens}
+        for name, buf in self._static.items():  # live rows in place, the rest padding (pad_decode's rows)
+            buf[:n].copy_(live[name], non_blocking=True)
+            if n < size:
+                buf[n:size].fill_(DECODE_PADDING[name])
         ids_v, pos_v, meta_v = self._views(size)
-        for dst, src in zip((ids_v, pos_v, meta_v.slot_mapping, *meta_v.decode),
-                            (input_ids, positions, meta.slot_mapping, *meta.decode)):
-            dst.copy_(src, non_blocking=True)
         try:
             with torch.inference_mode():
                 logits = self._graphs[size](ids_v, pos_v, self.kv_caches, meta_v)
@@ -376,10 +378,8 @@ class GraphRunner:
         return views[size]
 
     def _fill_padding(self, size: int) -> None:
-        ids_v, pos_v, meta_v = self._views(size)
-        for t, value in ((ids_v, 0), (pos_v, 0), (meta_v.slot_mapping, -1),
-                         (meta_v.decode.block_tables, 0), (meta_v.decode.context_lens, 1)):
-            t.fill_(value)
+        for name, buf in self._static.items():
+            buf[:size].fill_(DECODE_PADDING[name])
 
     def _cache_tensors_by_name(self) -> dict[str, Tensor]:
         named = {}

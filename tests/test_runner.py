@@ -86,6 +86,24 @@ def test_padded_rows_leave_live_blocks_untouched():
                     assert torch.equal(t[block], s[block]), f"block {block} changed"
 
 
+def test_padding_rows_after_a_larger_batch_do_not_replay_its_rows():
+    """Size-2 graph: a batch of 2 (Z, X), then X's block goes to a new sequence Y, then Z alone
+    runs padded. The padding row (row 1) must not repeat X's row: its write would land in Y's block."""
+    model = small_model("llama")
+    runner = make_runner(model, graph_config(capture_sizes=(2,), max_batch_size=2))
+    x, y, z = [5, 6, 7], [9, 10, 11, 12], [13, 14, 15]
+    for prompt, table in ((x, [1]), (z, [2])):
+        runner.execute([SequenceStep(prompt, 0, [table[0]])])
+    runner.execute([SequenceStep([16], 3, [2]), SequenceStep([8], 3, [1])])  # row 1: X writes slot 1*4 + 3
+    runner.execute([SequenceStep(y, 0, [1])])  # X finished; Y's prefill fills block 1, slot 7 included
+    before = snapshot(runner)
+    runner.execute([SequenceStep([17], 4, [2, 3])])  # Z alone: one padding row, writes block 3 only
+    assert runner.stats.graph_steps == 2
+    for cache, layer in zip(runner.kv_caches, before):
+        for t, saved in zip(cache, layer):
+            assert torch.equal(t[1], saved[1]), "Y's block 1 was written by a padding row"
+
+
 def test_long_run_has_no_recompiles_after_warmup_and_expected_split():
     model = small_model("llama")
     graph, eager = make_runner(model, graph_config()), make_runner(model, GraphConfig(enabled=False))

@@ -120,12 +120,15 @@ def build_attention_metadata(
     return torch.tensor(positions, dtype=torch.int64, device=device), meta
 
 
-def pad_decode(positions: Tensor, meta: AttentionMetadata, size: int) -> tuple[Tensor, AttentionMetadata]:
-    """Pad a decode-only batch to ``size`` rows.
+# What a padding row of a decode batch holds, per input: token 0 at position 0, written with
+# slot -1 (into the null block), reading only the null block (context length 1). It produces
+# finite values that the caller drops.
+DECODE_PADDING = {"input_ids": 0, "positions": 0, "slot_mapping": -1, "block_tables": NULL_BLOCK,
+                  "context_lens": 1}
 
-    Padded rows read only the null block (context length 1), write with slot -1 (into the
-    null block), sit at position 0, and so produce finite values that the caller drops.
-    """
+
+def pad_decode(positions: Tensor, meta: AttentionMetadata, size: int) -> tuple[Tensor, AttentionMetadata]:
+    """Pad a decode-only batch to ``size`` rows with ``DECODE_PADDING``."""
     if not meta.is_decode_only:
         raise ValueError("meta must describe a decode-only batch (no prefill sequences) to be padded")
     n = meta.num_decode_tokens
@@ -134,7 +137,8 @@ def pad_decode(positions: Tensor, meta: AttentionMetadata, size: int) -> tuple[T
     extra = size - n
     dec = meta.decode
     pad = lambda t, value: torch.cat([t, t.new_full((extra, *t.shape[1:]), value)])  # noqa: E731
-    padded = AttentionMetadata(pad(meta.slot_mapping, -1),
-                               DecodeMetadata(pad(dec.block_tables, NULL_BLOCK), pad(dec.context_lens, 1)),
-                               None)
-    return pad(positions, 0), padded
+    p = DECODE_PADDING
+    padded = AttentionMetadata(pad(meta.slot_mapping, p["slot_mapping"]),
+                               DecodeMetadata(pad(dec.block_tables, p["block_tables"]),
+                                              pad(dec.context_lens, p["context_lens"])), None)
+    return pad(positions, p["positions"]), padded
