@@ -139,12 +139,13 @@ def main(argv=None) -> dict:
             out = json.load(f)
     out.update({"conditions": {**conditions(), "quick": args.quick}, "malloc_keeps_freed_memory": keep,
                 "command": "python -m benchmarks" + (" --quick" if args.quick else ""), "notes": NOTES})
-    p = plan(args.quick)
+    p, started = plan(args.quick), time.strftime("%Y-%m-%d %H:%M:%S")
     for part in args.parts:
         start = time.perf_counter()
         print(f"[{part}]", flush=True)
         run_part(part, p, args.quick, out)
         out.setdefault("part_seconds", {})[part] = round(time.perf_counter() - start, 1)
+        out.setdefault("part_run", {})[part] = started
         out["targets"] = report.targets(out)
         write_json(path, out)
     report.write_outputs(out, path, RESULTS)

@@ -167,6 +167,18 @@ def _fmt(v, digits: int = 2) -> str:
     return "—" if v is None else f"{v:.{digits}f}"
 
 
+def _merged(out: dict) -> str:
+    """Where parts come from different runs (``--merge``), which run each is from."""
+    started = out.get("part_run") or {}
+    runs: dict[str, list[str]] = {}
+    for part in out.get("part_seconds", {}):
+        runs.setdefault(started.get(part, "an earlier run"), []).append(part)
+    if len(runs) < 2:
+        return ""
+    return " Parts come from different runs (`--merge`): " + "; ".join(
+        f"{', '.join(parts)} from the run started {when}" for when, parts in sorted(runs.items())) + "."
+
+
 def markdown(out: dict) -> str:
     """The README's performance section."""
     c = out["conditions"]
@@ -174,7 +186,7 @@ def markdown(out: dict) -> str:
              f"Measured with `{out.get('command', 'python -m benchmarks')}` on {c['cpu']} ({c['cores']} cores, "
              f"torch threads: {c['torch_threads']}), torch {c['torch']}, Python {c['python']}, {c['when']}. "
              "The machine was shared with other jobs: every comparison is timed interleaved (round robin), "
-             "medians; read ratios, not absolute times. CPU only (Inductor, C++ wrapper).", ""]
+             "medians; read ratios, not absolute times. CPU only (Inductor, C++ wrapper)." + _merged(out), ""]
     bw = out.get("copy_bandwidth")
     if bw:
         lines += [f"Copy bandwidth (a {bw['mib']} MiB `copy_` into allocated memory, bytes read + written): "
