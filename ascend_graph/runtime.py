@@ -56,12 +56,11 @@ def progress(done: int, total: int, label: str, width: int = 24) -> None:
 
 
 # A one-row matmul on CPU streams its weight at the memory's rate only while its input row stays
-# in L1 beside the weight stream. Measured (torch 2.13, 1 thread, this Zen 4 with a 32 KiB L1,
-# weights on huge pages, a hand-written AVX-512 kernel with a float32 row, shared machine):
-# rows of 2048-3648 elements read 22-33 GB/s over runs; in one run side by side, rows of 3072
-# read 29 GB/s, of 7168 14 GB/s, of 8192 13.5 GB/s. A 10944-long row read in 3 chunks of a
-# chunk-major weight ([C, N, K/C], ``models.layers.ChunkedLinear``) streamed 33 GB/s, in one
-# piece 13 GB/s, and in the same chunks of a row-major weight (a stride jump per chunk) 11 GB/s.
+# in L1 beside the weight stream. ``python -m benchmarks.peak`` measures it with a hand-written
+# AVX-512 kernel (float32 row, bf16 weights on huge pages, 1 thread); on this Zen 4 (32 KiB L1),
+# three runs: rows of 2048 read 28-29 GB/s, of 3648 25-26, of 7168 13, of 10944 12.5-12.7; a
+# 10944-long row read in 3 chunks of a chunk-major weight ([C, N, K/C], ``ChunkedLinear``)
+# 25-26 GB/s, in the same chunks of a row-major weight (a stride jump per chunk) 11.
 # Inductor also accumulates CPU reductions over more than 4096 elements through its
 # cascade-summation helper (torch/_inductor/codegen/cpp.py, need_use_acc_helper), whose
 # accumulator lives in memory. ``SingleRowMatmulPass`` splits such reductions; models store such

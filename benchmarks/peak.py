@@ -5,6 +5,10 @@ system C compiler for this CPU (``-march=native``) and called through ctypes: fl
 multiply-add and, where the CPU has AVX512-BF16, the bfloat16 pair dot product (``vdpbf16ps``)
 that oneDNN's bf16 matmuls use. The best of a few runs (noise only lowers a peak).
 
+``python -m benchmarks.peak`` also prints how fast one core streams a bfloat16 weight through a
+one-row product (a hand-written kernel, weights on huge pages) by row length and layout: the
+measurement behind ``runtime.LONG_REDUCTION`` and ``models.layers.ChunkedLinear``.
+
     python -m benchmarks.peak
 """
 
@@ -32,6 +36,8 @@ def _build(out_dir: str) -> ctypes.CDLL | None:
     dll = ctypes.CDLL(lib)
     for name in ("fma_f32", "dot_bf16"):
         getattr(dll, name).restype, getattr(dll, name).argtypes = ctypes.c_double, [ctypes.c_long]
+    dll.row_times_matrix.restype = ctypes.c_double
+    dll.row_times_matrix.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
     return dll
 
 
@@ -63,10 +69,46 @@ def measure() -> dict:
         return {"fp32_fma_flops_per_s": _rate(dll.fma_f32), "bf16_dot_flops_per_s": _rate(dll.dot_bf16)}
 
 
+def row_streams(weight_mib: int = 48, runs: int = 9) -> list[dict]:
+    """GB/s of weight read by a one-row product, median of ``runs``, per (row length, chunk, layout)."""
+    import torch
+
+    from ascend_graph.runtime import huge_page_buffer
+
+    shapes = [(2048, 2048, False), (3648, 3648, False), (7168, 7168, False), (10944, 10944, False),
+              (10944, 3648, False), (10944, 3648, True)]
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        dll = _build(d)
+        if dll is None:
+            return rows
+        buf = huge_page_buffer(3 * weight_mib << 20).view(torch.bfloat16)
+        buf.normal_()
+        x, out = torch.ones(16384), torch.empty(1 << 16)
+        for k, chunk, chunk_major in shapes:
+            n = (weight_mib << 20) // (2 * k)
+            times = []
+            for r in range(runs):  # three weights in turn: none is in the last-level cache
+                w = buf[(r % 3) * (weight_mib << 19):]
+                t = time.perf_counter()
+                nbytes = dll.row_times_matrix(w.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, chunk, chunk_major)
+                times.append(time.perf_counter() - t)
+            if nbytes == 0.0:
+                return []
+            rows.append({"row": k, "chunk": chunk, "chunk_major": chunk_major,
+                         "bytes_per_s": nbytes / sorted(times)[runs // 2]})
+    return rows
+
+
 def main() -> None:
     r = measure()
     for k, v in r.items():
         print(f"{k}: {v / 1e9:.1f} GFLOP/s" if isinstance(v, float) else f"{k}: {v}")
+    for row in row_streams():
+        layout = "chunk-major" if row["chunk_major"] else "row-major"
+        piece = "whole rows" if row["chunk"] == row["row"] else f"chunks of {row['chunk']}"
+        print(f"one-row product, rows of {row['row']:5d}, {piece:15s}, {layout:11s}: "
+              f"{row['bytes_per_s'] / 1e9:.1f} GB/s")
 
 
 if __name__ == "__main__":

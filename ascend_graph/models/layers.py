@@ -30,9 +30,9 @@ class ChunkedLinear(nn.Module):
     chunks (``weight.flatten(1)`` is the checkpoint tensor; ``view`` a checkpoint tensor to fill
     it). Its storage is ``[C, N, K/C]`` contiguous, so each chunk is a contiguous ``[N, K/C]``
     matrix and the output is the sum of ``C`` linears, accumulated in float32. A one-row product
-    then streams each chunk with its piece of the input row held in L1: the V2-Lite dense MLP's
-    down projection (K = 10944, C = 3) read 13 GB/s row-major and 33 GB/s chunk-major
-    (``runtime.LONG_REDUCTION``). Eager computes the same sum.
+    then streams each chunk with its piece of the input row held in L1: rows of 10944 (the V2-Lite
+    dense MLP's down projection, C = 3) read 12.5-13 GB/s row-major and 25-33 GB/s chunk-major
+    over runs (``runtime.LONG_REDUCTION``). Eager computes the same sum.
     """
 
     def __init__(self, in_features: int, out_features: int, chunks: int, dtype: torch.dtype,
