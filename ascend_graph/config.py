@@ -64,7 +64,11 @@ class GraphConfig:
     - ``fallback_on_compile_error``: a failed compile runs eager (True) or raises (False).
     - ``on_recompile``: what a compile after warm-up does: ``"error"`` or ``"warn"``.
     - ``compile_cache_dir``: persistent compile cache (Inductor's FX graph cache directory;
-      torchair's ``cache_compile`` directory). ``None`` = the backend's own default.
+      torchair's ``cache_compile`` directory). ``None`` = the backend's own default. On CPU it
+      also holds the compiled C++ kernels: copied whole to a node with the same CPU and torch,
+      it gives that node a warm start. ``torch.compiler.save_cache_artifacts()`` does not:
+      it carries the generated source only, and the C++ compiler runs again (README,
+      "Performance", start-up).
     - ``parity_interval``: every N graph steps the runner checks graph against eager; 0 = off.
     - ``inductor_cpp_wrapper``: Inductor's C++ wrapper; ``None`` = the measured platform default.
     - ``inductor_freezing_min_batch``: CPU only. Capture sizes of at least this many rows

@@ -209,11 +209,7 @@ def markdown(out: dict) -> str:
     lines += _huge_pages_table(out.get("huge_pages"))
     lines += _attention_table(out.get("attention"), bw)
     lines += _startup_table(out.get("startup"))
-    if out.get("startup", {}).get("portable_artifacts"):
-        lines += ["`portable_artifacts`: the cold run's `torch.compiler.save_cache_artifacts()` loaded with "
-                  "`load_cache_artifacts` into an empty cache directory of a fresh process. Here it did not "
-                  "turn into cache hits (capture stayed near cold); not investigated further. The warm row is "
-                  "`GraphConfig.compile_cache_dir` reused as is.", ""]
+    lines += _portable_note(out.get("startup"))
     lines += _memory_table(out.get("memory"))
     if out.get("notes"):
         lines += ["### Notes", ""] + [f"- {n}" for n in out["notes"]] + [""]
@@ -323,14 +319,33 @@ def _startup_table(s: dict | None) -> list[str]:
     if not s:
         return []
     lines = ["", f"### Start-up: capture sizes {s['sizes']} of the {s['model']} model, fresh process each", "",
-             "| variant | capture s | total process s | compiles |", "| --- | --- | --- | --- |"]
+             "| variant | capture s | total process s | compiles | C++ compiler runs (s) |",
+             "| --- | --- | --- | --- | --- |"]
     for k in ("cold", "warm", "portable_artifacts"):
         if k not in s:
             continue
         v = s[k]
         extra = f" (+ {v['load_artifacts_s']:.1f} s loading)" if v.get("load_artifacts_s", 0) > 0.05 else ""
-        lines.append(f"| {k} | {v['capture_s']:.1f}{extra} | {v['total_s']:.1f} | {v['compiles']} |")
+        cpp = f"{v['cpp_compiler_runs']} ({v['cpp_compiler_s']:.1f})" if "cpp_compiler_runs" in v else ""
+        lines.append(f"| {k} | {v['capture_s']:.1f}{extra} | {v['total_s']:.1f} | {v['compiles']} | {cpp} |")
     return lines + [""]
+
+
+def _portable_note(s: dict | None) -> list[str]:
+    p = (s or {}).get("portable_artifacts")
+    if not p:
+        return []
+    text = ("`portable_artifacts`: the cold run's `torch.compiler.save_cache_artifacts()` loaded with "
+            "`load_cache_artifacts` into an empty cache directory of a fresh process. The warm row is "
+            "`GraphConfig.compile_cache_dir` reused as is.")
+    if "cpp_compiler_runs" in p:
+        text += (f" Inductor's FX graph and AOTAutograd caches hit, but on CPU the artifacts carry the "
+                 f"generated C++ source, not the compiled kernels: the loading run still ran the C++ "
+                 f"compiler {p['cpp_compiler_runs']} times ({p['cpp_compiler_s']:.1f} s of its "
+                 f"{p['capture_s']:.1f} s capture; the warm run: {s['warm'].get('cpp_compiler_runs', 0)}). "
+                 f"To start warm on another node with the same CPU and torch, copy the compile cache "
+                 f"directory itself.")
+    return [text, ""]
 
 
 def _memory_table(m: dict | None) -> list[str]:

@@ -6,6 +6,10 @@ with an empty directory, warm with the directory a cold run filled (Inductor's F
 and AOTAutograd cache live there). A third variant packs the cold run's caches with
 ``torch.compiler.save_cache_artifacts()`` and a fresh process loads them into an empty
 directory with ``load_cache_artifacts`` first (the portable form, for shipping to another node).
+
+Each child also counts the C++ compiler runs Inductor makes and their seconds: on CPU the
+portable artifacts hold the generated source, not the compiled kernels, so a run that loads
+them still rebuilds every kernel and the C++ wrapper with the compiler.
 """
 
 from __future__ import annotations
@@ -19,10 +23,31 @@ import tempfile
 import time
 
 
+def count_cpp_compiles() -> dict:
+    """Wrap Inductor's C++ build step; the returned dict counts its runs and their seconds."""
+    from torch._inductor import cpp_builder
+
+    seen = {"runs": 0, "seconds": 0.0}
+    build = cpp_builder.CppBuilder.build
+
+    def timed_build(self) -> None:
+        t = time.perf_counter()
+        try:
+            build(self)
+        finally:
+            seen["runs"] += 1
+            seen["seconds"] += time.perf_counter() - t
+
+    cpp_builder.CppBuilder.build = timed_build
+    return seen
+
+
 def child(args: argparse.Namespace) -> dict:
     """Build the model, capture every size; report the phases' seconds."""
     t0 = time.perf_counter()
     import torch
+
+    cpp = count_cpp_compiles()
 
     from ascend_graph.backends.inductor import cache_dir_for_compile
     from ascend_graph.config import GraphConfig
@@ -43,7 +68,8 @@ def child(args: argparse.Namespace) -> dict:
     runner.capture(show_progress=False)
     t_capture = time.perf_counter()
     out = {"import_s": t_import - t0, "build_s": t_build - t_import, "load_artifacts_s": t_load - t_build,
-           "capture_s": t_capture - t_load, "total_s": t_capture - t0, "compiles": runner.stats.compiles}
+           "capture_s": t_capture - t_load, "total_s": t_capture - t0, "compiles": runner.stats.compiles,
+           "cpp_compiler_runs": cpp["runs"], "cpp_compiler_s": cpp["seconds"]}
     if args.save_artifacts:
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None:
