@@ -78,6 +78,13 @@ class GraphConfig:
       (the parity check would report it). ``None`` = off. Figures: README, "Performance"
       (``benchmarks/levers.py`` and the suite's decode and memory parts). Size 1 is better
       left unfrozen: its matmuls become reductions over the unpacked weights.
+    - ``aot_inductor``: CPU only, Inductor backend. Each capture size is compiled ahead of
+      time (torch.export + AOTInductor) into a package under ``compile_cache_dir`` (else
+      Inductor's cache directory); a later process with the same model, shapes, options and
+      code loads it without compiling, and replays skip dynamo's guard check. The weights
+      stay the model's tensors (not copied into the package). No recompile detection: a
+      package is only ever loaded for the inputs it was built for
+      (``ascend_graph.backends.aot_inductor``). Not combinable with freezing.
     - ``torchair``: options of the torchair backend (``TorchairOptions``).
     """
 
@@ -91,10 +98,11 @@ class GraphConfig:
     parity_interval: int = 0
     inductor_cpp_wrapper: Optional[bool] = None
     inductor_freezing_min_batch: Optional[int] = None
+    aot_inductor: bool = False
     torchair: TorchairOptions = field(default_factory=TorchairOptions)
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "fallback_on_compile_error"):
+        for name in ("enabled", "fallback_on_compile_error", "aot_inductor"):
             object.__setattr__(self, name, _check_bool(name, getattr(self, name)))
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("on_recompile", self.on_recompile, RECOMPILE_POLICIES)
@@ -105,6 +113,9 @@ class GraphConfig:
                                _check_bool("inductor_cpp_wrapper", self.inductor_cpp_wrapper))
         if self.inductor_freezing_min_batch is not None:
             _check_int("inductor_freezing_min_batch", self.inductor_freezing_min_batch, minimum=1)
+            if self.aot_inductor:
+                raise ValueError("aot_inductor=True cannot be combined with inductor_freezing_min_batch: "
+                                 "a package keeps the weights out of its code, freezing folds them in")
         if self.compile_cache_dir is not None:
             path = self.compile_cache_dir
             if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
@@ -198,6 +209,7 @@ _TYPES = {
     "enabled": "bool", "backend": "str", "max_batch_size": "int", "capture_sizes": "sizes",
     "fallback_on_compile_error": "bool", "on_recompile": "str", "compile_cache_dir": "str|None",
     "parity_interval": "int", "inductor_cpp_wrapper": "bool|None", "inductor_freezing_min_batch": "int|None",
+    "aot_inductor": "bool",
 }
 _TORCHAIR_TYPES = {
     "mode": "str", "enable_frozen_parameter": "bool", "enable_view_optimize": "bool",

@@ -58,6 +58,7 @@ class RunnerStats:
     compiles: int = 0
     recompiles: int = 0
     compile_failures: int = 0
+    packages_loaded: int = 0  # capture sizes loaded from AOTInductor packages without compiling
     capture_seconds: float = 0.0
     capture: dict = field(default_factory=dict)  # size -> {"seconds": .., "memory_bytes": ..}
     parity_checks: int = 0
@@ -69,6 +70,7 @@ class RunnerStats:
             "graph_steps": self.graph_steps, "eager_steps": dict(self.eager_steps),
             "eager_steps_total": sum(self.eager_steps.values()), "compiles": self.compiles,
             "recompiles": self.recompiles, "compile_failures": self.compile_failures,
+            "packages_loaded": self.packages_loaded,
             "capture_seconds": round(self.capture_seconds, 3),
             "capture": {str(k): v for k, v in sorted(self.capture.items())},
             "parity_checks": self.parity_checks, "parity_failures": self.parity_failures,
@@ -124,6 +126,8 @@ class GraphRunner:
             # Frozen graphs keep the caches as ordinary inputs (see _freezing): a CUDA graph
             # would then copy them in on every replay, or not be recorded at all.
             raise ValueError(f"inductor_freezing_min_batch is for CPU runners; this one runs on {self.device}")
+        if config.enabled and config.aot_inductor:
+            self._check_aot_inductor(backend)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
@@ -278,10 +282,10 @@ class GraphRunner:
 
     def _capture_size(self, size: int, backend: Optional[Callable]) -> None:
         start, mem0 = time.perf_counter(), memory_in_use(self.device)
-        compiled = self._compile_for_size(size, backend)
         ids_v, pos_v, meta_v = self._views(size)
         self._fill_padding(size)
         try:
+            compiled = self._compile_for_size(size, backend)
             with torch.inference_mode(), self._freezing(size):
                 for _ in range(2):  # compile, then a warm run (device graphs record on it)
                     compiled(ids_v, pos_v, self.kv_caches, meta_v)
@@ -299,6 +303,14 @@ class GraphRunner:
                                     "memory_bytes": memory_in_use(self.device) - mem0}
 
     def _compile_for_size(self, size: int, backend: Optional[Callable]) -> Callable:
+        if self.config.aot_inductor:
+            from .backends.aot_inductor import load_or_compile
+
+            ids_v, pos_v, meta_v = self._views(size)
+            model, compiled = load_or_compile(self._step, f"decode_step_{size}", (ids_v, pos_v, self.kv_caches, meta_v),
+                                              self.config, "cpu", on_compile=self._count_compile)
+            self.stats.packages_loaded += not compiled
+            return model
         method = step_for_size(self._step, size)
         if self._uses_torchair_graph_cache():
             from .backends.torchair import cache_compile
@@ -347,16 +359,30 @@ class GraphRunner:
 
     def _counting_backend(self, backend: Callable) -> Callable:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: list, **kwargs):
-            self.stats.compiles += 1
-            if self._warm:
-                self.stats.recompiles += 1
-                msg = (f"a captured step compiled again after warm-up (recompile #{self.stats.recompiles}); "
-                       "an input's shape, dtype, device or address changed")
-                if self.config.on_recompile == "error":
-                    raise RecompileError(msg)
-                log.warning(msg)
+            self._count_compile()
             return backend(gm, example_inputs, **kwargs)
         return compile_graph
+
+    def _count_compile(self) -> None:
+        self.stats.compiles += 1
+        if self._warm:
+            self.stats.recompiles += 1
+            msg = (f"a captured step compiled again after warm-up (recompile #{self.stats.recompiles}); "
+                   "an input's shape, dtype, device or address changed")
+            if self.config.on_recompile == "error":
+                raise RecompileError(msg)
+            log.warning(msg)
+
+    def _check_aot_inductor(self, backend: Optional[Callable]) -> None:
+        """``aot_inductor`` needs a CPU runner on the Inductor backend (raises ValueError)."""
+        from .backends import backend_name
+
+        if self.device.type != "cpu":
+            raise ValueError(f"aot_inductor=True is for CPU runners; this one runs on {self.device}")
+        if backend is not None or backend_name(self.config, "cpu") != "inductor":
+            raise ValueError("aot_inductor=True compiles with Inductor: it needs backend 'auto' or 'inductor' "
+                             f"and no backend callable, got backend={self.config.backend!r}"
+                             + (" and a backend callable" if backend is not None else ""))
 
     # -- static inputs --------------------------------------------------------------------
 

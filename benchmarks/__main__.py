@@ -112,7 +112,7 @@ def run_part(part: str, p: dict, quick: bool, out: dict) -> None:
     elif part == "attention":
         out["attention"] = attention.measure(reps=p["attention_reps"], malloc_keeps_freed=out["malloc_keeps_freed_memory"])
     elif part == "startup":
-        out["startup"] = startup.measure("small", p["startup_sizes"], quick, portable=not quick)
+        out["startup"] = startup.measure("small", p["startup_sizes"], quick, portable=not quick, aot=not quick)
     elif part == "memory":
         out["memory"] = memory.measure(p["memory_model"], p["memory_sizes"], 3, quick, frozen=not quick)
 

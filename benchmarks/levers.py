@@ -8,10 +8,13 @@ graph and in eager mode), and with Inductor's freezing (``GraphConfig.inductor_f
 become graph constants, pre-packed for oneDNN). Freezing has to be on while dynamo traces, not only while Inductor compiles: passed as a
 compile option alone it finds no constant to fold (parameters are graph inputs) and changes
 nothing. Freezing's memory cost is measured in ``benchmarks/memory.py`` (fresh processes).
+``AOTInductor package``: ``GraphConfig.aot_inductor`` (torch.export + AOTInductor, compiled
+into a temporary directory; the same Inductor options as the default).
 """
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -22,6 +25,7 @@ from benchmarks.common import interleaved_medians
 from benchmarks.models import build, cases, decode_batch, make_runner, with_row_major_long_rows
 
 ROW_MAJOR = "row-major long rows"
+AOT = "AOTInductor package"
 
 
 class Variant(NamedTuple):
@@ -33,8 +37,8 @@ class Variant(NamedTuple):
     mode: str = "graph"
 
 
-def variants(config: GraphConfig) -> dict[str, Variant]:
-    """Name -> the lever's variant."""
+def variants(config: GraphConfig, package_dir: str) -> dict[str, Variant]:
+    """Name -> the lever's variant (``package_dir``: where the AOTInductor variant compiles to)."""
     default = config_patches(config, "cpu")
     no_pass = {k: v for k, v in default.items() if k != "post_grad_custom_post_pass"}
     frozen = replace(config, inductor_freezing_min_batch=1)
@@ -43,6 +47,7 @@ def variants(config: GraphConfig) -> dict[str, Variant]:
             "without long-reduction split": Variant(config, no_split),
             "without C++ wrapper": Variant(config, {**default, "cpp_wrapper": False}),
             ROW_MAJOR: Variant(config, default, row_major=True), "with freezing": Variant(frozen, default),
+            AOT: Variant(replace(config, aot_inductor=True, compile_cache_dir=package_dir), default),
             "eager": Variant(config, default, mode="eager"),
             f"eager, {ROW_MAJOR}": Variant(config, default, row_major=True, mode="eager")}
 
@@ -54,17 +59,18 @@ def measure(batches=(1, 8), rounds: int = 5, quick: bool = False, names=None) ->
     row_major = with_row_major_long_rows(model)
     for n in batches:
         config = GraphConfig(enabled=True, backend="inductor", capture_sizes=(n,), max_batch_size=n)
-        fns = {}
-        for name, v in variants(config).items():
+        fns, packages = {}, tempfile.TemporaryDirectory(prefix="ag-levers-aoti-")
+        for name, v in variants(config, packages.name).items():
             if names is not None and name not in names:
                 continue
-            runner = make_runner(row_major if v.row_major else model, v.config, (n,), case.context,
-                                 backend=InductorBackend(v.patches))
+            backend = None if v.config.aot_inductor else InductorBackend(v.patches)  # it compiles its own way
+            runner = make_runner(row_major if v.row_major else model, v.config, (n,), case.context, backend=backend)
             if v.mode == "graph":
                 runner.capture(show_progress=False)
             entries = decode_batch(runner, BlockManager(runner.num_blocks, runner.block_size), n, case.context)
             fns[name] = (lambda r, e, m: lambda: r.execute(e, mode=m))(runner, entries, v.mode)
         t = interleaved_medians(fns, rounds=rounds, calls_per_round=1, warmup=2)
+        packages.cleanup()
         rows.append({"batch": n, **{k: v * 1e3 for k, v in t.items()}})
         print(f"  levers batch {n}: " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items()), flush=True)
     return {"model": case.name, "context": case.context, "unit": "ms per step (median)", "rows": rows}

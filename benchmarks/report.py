@@ -59,6 +59,9 @@ def targets(out: dict) -> list[dict]:
             bound = (f"of a {ov['execute_us']:.0f} us graph step, the compiled call is {ov['compiled_call_us']:.0f} us, "
                      f"of which {ov['write_slots_us']:.0f} us is the cache-write custom op "
                      f"({ov['layers']} layers) and {ov['guard_us']:.0f} us dynamo's guards")
+            if "aot_execute_us" in ov:
+                bound += (f"; the same step from an AOTInductor package (`aot_inductor`, opt-in) takes "
+                          f"{ov['aot_execute_us']:.0f} us")
         add(f"small model: graph / eager step time, batch {b}", r and r["speedup"], goal, "decode_small", bound=bound)
     r = _row(out.get("decode_v2"), 1)
     add("V2-Lite slice: graph / eager, batch 1", r and r["speedup"], 2.5, "decode_v2",
@@ -281,7 +284,9 @@ def _levers_table(lv: dict | None) -> list[str]:
                     "chunk-major (`ascend_graph/models/layers.py`, `ChunkedLinear`); the eager columns run the "
                     "eager step on either layout. Freezing "
                     "(`GraphConfig.inductor_freezing_min_batch`) is opt-in: it costs a pre-packed copy of the dense "
-                    "weights per frozen capture size, and at batch 1 it replaces the single-row reductions.", ""]
+                    "weights per frozen capture size, and at batch 1 it replaces the single-row reductions. "
+                    "`AOTInductor package` (`GraphConfig.aot_inductor`, opt-in): the step compiled ahead of time "
+                    "with torch.export and AOTInductor, run on the model's own weights, without dynamo's guards.", ""]
 
 
 def _huge_pages_table(h: dict | None) -> list[str]:
@@ -321,7 +326,7 @@ def _startup_table(s: dict | None) -> list[str]:
     lines = ["", f"### Start-up: capture sizes {s['sizes']} of the {s['model']} model, fresh process each", "",
              "| variant | capture s | total process s | compiles | C++ compiler runs (s) |",
              "| --- | --- | --- | --- | --- |"]
-    for k in ("cold", "warm", "portable_artifacts"):
+    for k in ("cold", "warm", "portable_artifacts", "aot_cold", "aot_warm"):
         if k not in s:
             continue
         v = s[k]
@@ -345,6 +350,12 @@ def _portable_note(s: dict | None) -> list[str]:
                  f"{p['capture_s']:.1f} s capture; the warm run: {s['warm'].get('cpp_compiler_runs', 0)}). "
                  f"To start warm on another node with the same CPU and torch, copy the compile cache "
                  f"directory itself.")
+    a = s.get("aot_warm")
+    if a:
+        text += (f" `aot_cold` / `aot_warm`: `GraphConfig.aot_inductor` (opt-in), each size exported and compiled "
+                 f"by AOTInductor into a package; warm, {a['packages_loaded']} packages were loaded with "
+                 f"{a.get('cpp_compiler_runs', 0)} C++ compiler runs. A package is a file: it can be shipped to "
+                 f"another node with the same CPU and torch.")
     return [text, ""]
 
 

@@ -10,6 +10,9 @@ directory with ``load_cache_artifacts`` first (the portable form, for shipping t
 Each child also counts the C++ compiler runs Inductor makes and their seconds: on CPU the
 portable artifacts hold the generated source, not the compiled kernels, so a run that loads
 them still rebuilds every kernel and the C++ wrapper with the compiler.
+
+``aot_cold`` / ``aot_warm``: the same with ``GraphConfig.aot_inductor`` (each size exported and
+compiled by AOTInductor into a package in the cache directory; warm, the packages are loaded).
 """
 
 from __future__ import annotations
@@ -63,13 +66,14 @@ def child(args: argparse.Namespace) -> dict:
             torch.compiler.load_cache_artifacts(f.read())
     t_load = time.perf_counter()
     config = GraphConfig(enabled=True, backend="inductor", capture_sizes=sizes, max_batch_size=max(sizes),
-                         compile_cache_dir=args.cache_dir)
+                         compile_cache_dir=args.cache_dir, aot_inductor=args.aot)
     runner = make_runner(model, config, sizes, case.context)
     runner.capture(show_progress=False)
     t_capture = time.perf_counter()
     out = {"import_s": t_import - t0, "build_s": t_build - t_import, "load_artifacts_s": t_load - t_build,
            "capture_s": t_capture - t_load, "total_s": t_capture - t0, "compiles": runner.stats.compiles,
-           "cpp_compiler_runs": cpp["runs"], "cpp_compiler_s": cpp["seconds"]}
+           "cpp_compiler_runs": cpp["runs"], "cpp_compiler_s": cpp["seconds"],
+           "packages_loaded": runner.stats.packages_loaded}
     if args.save_artifacts:
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None:
@@ -79,19 +83,20 @@ def child(args: argparse.Namespace) -> dict:
     return out
 
 
-def run_child(model: str, sizes: str, cache_dir: str, quick: bool, **flags: str) -> dict:
+def run_child(model: str, sizes: str, cache_dir: str, quick: bool, **flags) -> dict:
     """One fresh process; its JSON line."""
     cmd = [sys.executable, "-m", "benchmarks.startup", "--child", "--model", model, "--sizes", sizes,
            "--cache-dir", cache_dir] + (["--quick"] if quick else [])
     for k, v in flags.items():
-        cmd += [f"--{k.replace('_', '-')}", v]
+        cmd += [f"--{k.replace('_', '-')}"] + ([] if v is True else [v])
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def measure(model: str, sizes: tuple[int, ...], quick: bool, portable: bool = True) -> dict:
-    """Cold, warm (same cache directory) and (``portable``) portable-artifact start-up of ``model``."""
+def measure(model: str, sizes: tuple[int, ...], quick: bool, portable: bool = True, aot: bool = True) -> dict:
+    """Cold, warm (same cache directory), (``portable``) portable-artifact and (``aot``) AOTInductor
+    cold and warm start-up of ``model``."""
     s = ",".join(map(str, sizes))
     with tempfile.TemporaryDirectory(prefix="ag-startup-") as tmp:
         art = os.path.join(tmp, "artifacts.bin")
@@ -102,6 +107,9 @@ def measure(model: str, sizes: tuple[int, ...], quick: bool, portable: bool = Tr
         if portable:
             p = res["portable_artifacts"] = run_child(model, s, os.path.join(tmp, "fresh"), quick, load_artifacts=art)
             res["portable_speedup_capture"] = cold["capture_s"] / (p["capture_s"] + p["load_artifacts_s"])
+        if aot:
+            res["aot_cold"] = run_child(model, s, os.path.join(tmp, "aot"), quick, aot=True)
+            res["aot_warm"] = run_child(model, s, os.path.join(tmp, "aot"), quick, aot=True)
     print(f"  start-up {model}: capture cold {cold['capture_s']:.1f} s, warm {warm['capture_s']:.1f} s "
           f"({res['warm_speedup_capture']:.1f}x)", flush=True)
     return res
@@ -116,6 +124,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--save-artifacts", default=None)
     p.add_argument("--load-artifacts", default=None)
+    p.add_argument("--aot", action="store_true", help="GraphConfig.aot_inductor")
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args)))

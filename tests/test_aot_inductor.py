@@ -1,0 +1,111 @@
+"""AOTInductor packages of the decode step (``GraphConfig.aot_inductor``, CPU).
+
+Oracle: the eager path of the same runner on the same caches (``compare_step``): logits, the
+written cache slots, and every block the step must not touch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from runner_helpers import BLOCK_SIZE, MAX_MODEL_LEN, Schedule, make_runner, small_model
+
+from ascend_graph.backends.aot_inductor import PACKAGE_SUBDIR, inductor_options, package_key
+from ascend_graph.config import GraphConfig
+from ascend_graph.parity import compare_step
+from ascend_graph.runner import GraphRunner
+
+SIZES = (1, 2)
+
+
+def aot_config(cache_dir, **kw) -> GraphConfig:
+    base = dict(enabled=True, backend="inductor", capture_sizes=SIZES, max_batch_size=max(SIZES),
+                aot_inductor=True, compile_cache_dir=str(cache_dir))
+    return GraphConfig(**{**base, **kw})
+
+
+def decoding_runner(config: GraphConfig):
+    """A bfloat16 MLA + MoE runner with two sequences prefilled (eagerly), ready to decode."""
+    model = small_model("mla", torch.bfloat16)
+    runner, sched = make_runner(model, config), Schedule()
+    for s in range(2):
+        entry = sched.add(s, sched.random_prompt(model.config.vocab_size), new_tokens=100)
+        sched.advance([s], [entry], runner.execute([entry]))
+    return model, runner, sched
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """One runner that compiled a package per capture size, and its cache directory."""
+    cache_dir = tmp_path_factory.mktemp("aoti")
+    model, runner, sched = decoding_runner(aot_config(cache_dir))
+    return cache_dir, model, runner, sched
+
+
+def check_every_size(runner, sched) -> None:
+    for n in (1, 2):
+        report = compare_step(runner, sched.decode_entries()[:n])
+        assert report.ok and report.untouched_ok, report.summary()
+
+
+def test_packages_equal_eager_for_every_size(compiled):
+    cache_dir, _, runner, sched = compiled
+    check_every_size(runner, sched)
+    assert runner.graph_sizes == SIZES
+    assert (runner.stats.compiles, runner.stats.packages_loaded) == (2, 0)
+    packages = sorted(os.listdir(os.path.join(cache_dir, PACKAGE_SUBDIR)))
+    assert [p.split("-")[0] for p in packages] == ["decode_step_1", "decode_step_2"]
+    assert all(p.endswith(".pt2") for p in packages)  # no partial package left behind
+
+
+def test_a_second_runner_loads_the_packages_without_compiling(compiled):
+    cache_dir = compiled[0]
+    _, runner, sched = decoding_runner(aot_config(cache_dir))
+    runner.capture(show_progress=False)
+    assert (runner.stats.compiles, runner.stats.packages_loaded) == (0, 2)
+    check_every_size(runner, sched)
+
+
+def test_the_package_runs_on_the_models_own_weights(compiled):
+    """An in-place weight update reaches the next graph step: the package holds no copy."""
+    _, model, runner, sched = compiled
+    entries = sched.decode_entries()[:2]
+    before = compare_step(runner, entries).graph_logits
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)
+    try:
+        report = compare_step(runner, entries)
+        assert report.ok, report.summary()
+        assert not torch.allclose(report.graph_logits, before, atol=0.1)
+    finally:
+        with torch.no_grad():
+            model.lm_head.weight.div_(1.5)
+
+
+def test_a_different_cache_geometry_gets_a_different_package(tmp_path):
+    """The package key covers the step's input shapes (here the number of cache blocks) and
+    the model's weights' shapes; the same runner twice gives the same key."""
+    def key(runner):
+        ids, pos, meta = runner._views(1)
+        return package_key(runner._step, (ids, pos, runner.kv_caches, meta), inductor_options(runner.config, "cpu"))
+
+    config = aot_config(tmp_path)
+    model = small_model("mla", torch.bfloat16)
+    same = key(make_runner(model, config))
+    assert key(make_runner(model, config)) == same
+    assert key(GraphRunner(model, config, num_blocks=200, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN)) != same
+    assert key(make_runner(small_model("mla", torch.float32), config)) != same
+
+
+def test_bad_aot_inductor_settings_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="aot_inductor=True cannot be combined with inductor_freezing_min_batch"):
+        aot_config(tmp_path, inductor_freezing_min_batch=2)
+    with pytest.raises(TypeError, match="aot_inductor must be a bool"):
+        GraphConfig.from_dict({"aot_inductor": "yes"})
+    model = small_model("llama")
+    with pytest.raises(ValueError, match="aot_inductor=True is for CPU runners; this one runs on meta"):
+        make_runner(model, aot_config(tmp_path), device="meta")
+    with pytest.raises(ValueError, match="aot_inductor=True compiles with Inductor.*backend='aot_eager'"):
+        make_runner(model, aot_config(tmp_path, backend="aot_eager"))
