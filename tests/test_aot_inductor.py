@@ -6,7 +6,10 @@ written cache slots, and every block the step must not touch.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -66,6 +69,23 @@ def test_a_second_runner_loads_the_packages_without_compiling(compiled):
     runner.capture(show_progress=False)
     assert (runner.stats.compiles, runner.stats.packages_loaded) == (0, 2)
     check_every_size(runner, sched)
+
+
+def test_a_fresh_process_loads_the_packages_without_compiling(compiled):
+    """What a restarted server does: a new interpreter, the same model and cache directory."""
+    script = f"""
+import sys, json
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+import test_aot_inductor as t
+_, runner, sched = t.decoding_runner(t.aot_config({str(compiled[0])!r}))
+runner.capture(show_progress=False)
+t.check_every_size(runner, sched)
+print(json.dumps([runner.stats.compiles, runner.stats.packages_loaded]))
+"""
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [0, 2]
 
 
 def test_the_package_runs_on_the_models_own_weights(compiled):
