@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
 
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
@@ -47,18 +48,20 @@ def plan(quick: bool) -> dict:
         return {"small_sizes": (1, 8, 32), "v2_sizes": (1,), "hf_sizes": (1, 8), "small_rounds": (7, 3),
                 "v2_rounds": (3, 1), "attention_reps": 3, "startup_sizes": (1,), "memory_model": "small",
                 "memory_sizes": (1, 8), "moe_tokens": (1, 32), "levers": ("default", "without single-row pass"),
-                "lever_batches": (1,), "v2_frozen_sizes": ()}
+                "lever_batches": (1,), "v2_frozen_sizes": (), "small_aot_sizes": ()}
     return {"small_sizes": (1, 2, 4, 8, 16, 32, 64), "v2_sizes": (1, 8, 32, 64), "hf_sizes": (1, 8, 32),
             "small_rounds": (15, 5), "v2_rounds": (7, 1), "attention_reps": 7,
             "startup_sizes": (1, 2, 4, 8, 16, 32, 64), "memory_model": "v2_lite_slice", "memory_sizes": (1, 8),
             "moe_tokens": (1, 8, 16, 32), "levers": None, "lever_batches": (1, 8),
-            "v2_frozen_sizes": (8, 32)}
+            "v2_frozen_sizes": (8, 32), "small_aot_sizes": (1, 8, 32, 64)}
 
 
-def decode(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: bool, frozen_sizes=()) -> dict:
+def decode(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: bool, frozen_sizes=(),
+           aot_sizes=()) -> dict:
     """Graph vs eager vs transformers for one model case; ``frozen_sizes`` also get a graph
-    compiled with Inductor's freezing (``inductor_freezing_min_batch``), its own runner over the
-    same weights, timed in the same rounds."""
+    compiled with Inductor's freezing (``inductor_freezing_min_batch``), and ``aot_sizes`` one
+    from AOTInductor packages (``aot_inductor``), each its own runner over the same weights,
+    timed in the same rounds."""
     from benchmarks.transformers_decode import HFDecoder
 
     case = cases(quick)[case_name]
@@ -70,6 +73,11 @@ def decode(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: bool
         frozen = decode_step.RunnerVariant(model, case, tuple(frozen_sizes),
                                            inductor_freezing_min_batch=min(frozen_sizes))
         extra["graph_frozen"] = lambda n: frozen.step_fn(n) if n in frozen_sizes else None
+    aot, packages = None, tempfile.TemporaryDirectory(prefix="ag-decode-aoti-")
+    if aot_sizes:
+        aot = decode_step.RunnerVariant(model, case, tuple(aot_sizes), aot_inductor=True,
+                                        compile_cache_dir=packages.name)
+        extra["graph_aot"] = lambda n: aot.step_fn(n) if n in aot_sizes else None
     probe = None
     if case_name != "small":  # copy bandwidth timed in the same rounds as the steps it bounds
         probe = roofline.CopyProbe()
@@ -80,6 +88,9 @@ def decode(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: bool
                          "capture": frozen.runner.stats.to_dict()["capture"]}
         for row in res["rows"]:
             row.pop("graph_vs_graph_frozen", None)  # graph_frozen_s itself is kept
+    packages.cleanup()
+    for row in res["rows"]:
+        row.pop("graph_vs_graph_aot", None)  # graph_aot_s itself is kept
     for row in res["rows"]:
         if probe is not None:
             row["copy_bytes_per_s"] = probe.bytes / row.pop("copy_s")
@@ -93,7 +104,8 @@ def run_part(part: str, p: dict, quick: bool, out: dict) -> None:
         out["read_bandwidth"] = roofline.read_vs_copy(rounds=5 if quick else 9)
         print(f"  copy bandwidth {out['copy_bandwidth']['bytes_per_s'] / 1e9:.2f} GB/s (read + written)", flush=True)
     elif part == "decode_small":
-        out["decode_small"] = decode("small", p["small_sizes"], p["hf_sizes"], p["small_rounds"], quick)
+        out["decode_small"] = decode("small", p["small_sizes"], p["hf_sizes"], p["small_rounds"], quick,
+                                     aot_sizes=p["small_aot_sizes"])
     elif part == "decode_v2":
         out["decode_v2"] = decode("v2_lite_slice", p["v2_sizes"], p["hf_sizes"], p["v2_rounds"], quick,
                                   frozen_sizes=p["v2_frozen_sizes"])

@@ -233,6 +233,10 @@ def _decode_table(d: dict | None, title: str, bw: dict | None) -> list[str]:
     if has_frozen:
         head += " graph, frozen ms | frozen/transformers |"
         sep += " --- | --- |"
+    has_aot = any("graph_aot_s" in r for r in d["rows"])
+    if has_aot:
+        head += " graph, AOTInductor ms | AOTInductor/eager |"
+        sep += " --- | --- |"
     if has_bytes:
         head += " MB read | copy GB/s | roofline share |"
         sep += " --- | --- | --- |"
@@ -247,6 +251,9 @@ def _decode_table(d: dict | None, title: str, bw: dict | None) -> list[str]:
             fz = r.get("graph_frozen_s")
             hf = r.get("transformers_s")
             line += f" {_fmt(fz and fz * 1e3)} | {_fmt(fz and hf and hf / fz)} |"
+        if has_aot:
+            aot = r.get("graph_aot_s")
+            line += f" {_fmt(aot and aot * 1e3)} | {_fmt(aot and r['eager_s'] / aot)} |"
         if has_bytes:
             share = r["bytes"]["total"] / r["graph_s"] / r["copy_bytes_per_s"]
             line += f" {r['bytes']['total'] / 1e6:.0f} | {r['copy_bytes_per_s'] / 1e9:.1f} | {_fmt(share)} |"
@@ -255,6 +262,9 @@ def _decode_table(d: dict | None, title: str, bw: dict | None) -> list[str]:
         lines += ["", f"\"graph, frozen\": a second runner over the same weights with "
                   f"`inductor_freezing_min_batch={d['frozen']['inductor_freezing_min_batch']}` (opt-in), timed in "
                   "the same rounds; its memory cost is in the memory table."]
+    if has_aot:
+        lines += ["", "\"graph, AOTInductor\": a second runner over the same weights with `aot_inductor=True` "
+                  "(opt-in), its packages compiled into a temporary directory, timed in the same rounds."]
     return lines + [""]
 
 
