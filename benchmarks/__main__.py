@@ -73,8 +73,8 @@ def decode(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: bool
         frozen = decode_step.RunnerVariant(model, case, tuple(frozen_sizes),
                                            inductor_freezing_min_batch=min(frozen_sizes))
         extra["graph_frozen"] = lambda n: frozen.step_fn(n) if n in frozen_sizes else None
-    aot, packages = None, tempfile.TemporaryDirectory(prefix="ag-decode-aoti-")
-    if aot_sizes:
+    packages = tempfile.TemporaryDirectory(prefix="ag-decode-aoti-") if aot_sizes else None
+    if packages is not None:
         aot = decode_step.RunnerVariant(model, case, tuple(aot_sizes), aot_inductor=True,
                                         compile_cache_dir=packages.name)
         extra["graph_aot"] = lambda n: aot.step_fn(n) if n in aot_sizes else None
@@ -88,9 +88,10 @@ def decode(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: bool
                          "capture": frozen.runner.stats.to_dict()["capture"]}
         for row in res["rows"]:
             row.pop("graph_vs_graph_frozen", None)  # graph_frozen_s itself is kept
-    packages.cleanup()
-    for row in res["rows"]:
-        row.pop("graph_vs_graph_aot", None)  # graph_aot_s itself is kept
+    if packages is not None:
+        packages.cleanup()
+        for row in res["rows"]:
+            row.pop("graph_vs_graph_aot", None)  # graph_aot_s itself is kept
     for row in res["rows"]:
         if probe is not None:
             row["copy_bytes_per_s"] = probe.bytes / row.pop("copy_s")

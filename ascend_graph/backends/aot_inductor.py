@@ -72,16 +72,9 @@ def inductor_options(config: GraphConfig, platform: str) -> dict[str, Any]:
 
 def package_key(step: nn.Module, inputs: Sequence[Any], options: dict[str, Any]) -> str:
     """A hex digest over everything the compiled code depends on (see the module docstring)."""
-    import ascend_graph
-
     h = hashlib.sha256()
     add = lambda *parts: h.update(repr(parts).encode())  # noqa: E731
-    add(torch.__version__, ascend_graph.__version__, torch.backends.cpu.get_cpu_capability())
-    root = os.path.dirname(os.path.abspath(ascend_graph.__file__))
-    for folder, _, files in sorted(os.walk(root)):
-        for name in sorted(f for f in files if f.endswith(".py")):
-            with open(os.path.join(folder, name), "rb") as f:
-                add(os.path.relpath(os.path.join(folder, name), root), hashlib.sha256(f.read()).hexdigest())
+    add(torch.__version__, torch.backends.cpu.get_cpu_capability(), _source_digest())
     model = getattr(step, "model", step)
     add(type(model).__module__, type(model).__qualname__, repr(getattr(model, "config", None)))
     for name, t in _constants(step).items():
@@ -93,6 +86,21 @@ def package_key(step: nn.Module, inputs: Sequence[Any], options: dict[str, Any])
     for k in sorted(options):
         v = options[k]
         add(k, v.uuid() if hasattr(v, "uuid") else v)
+    return h.hexdigest()
+
+
+@functools.cache
+def _source_digest() -> str:
+    """This package's version and a digest of its Python sources (read once per process)."""
+    import ascend_graph
+
+    h = hashlib.sha256(ascend_graph.__version__.encode())
+    root = os.path.dirname(os.path.abspath(ascend_graph.__file__))
+    for folder, _, files in sorted(os.walk(root)):
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                h.update(os.path.relpath(path, root).encode() + hashlib.sha256(f.read()).digest())
     return h.hexdigest()
 
 
