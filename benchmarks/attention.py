@@ -16,6 +16,9 @@ from benchmarks.common import with_malloc
 from benchmarks.roofline import CopyProbe
 
 
+LLC_FLUSH_BYTES = 128 << 20  # read before a call: four times this machine's 32 MiB last-level cache
+
+
 def _floor(q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale):
     """The decode attention's matmuls alone, over KV gathered beforehand: a bound on the step."""
     kv = ac.gather_rows(cache.kv_c, meta.decode.block_tables).squeeze(2).contiguous()  # [B, T, C]
@@ -46,10 +49,19 @@ def measure(batch: int = 32, context: int = 2048, num_blocks=(256, 32768), reps:
     small_pages = argparse.Namespace(**{**vars(args), "no_huge_pages": True})
     for n in num_blocks:  # the compiled tuple step over caches on 4 KiB pages (the runner's are on huge pages)
         probes[f"compiled, cache on 4 KiB pages, N={n}"] = (lambda i: lambda: step(*i))(ac.make_inputs(small_pages, n))
+    # At N=256 the batch's 4096 block-table entries share the cache's few blocks: its 4.5 MiB
+    # stay in the last-level cache between calls, where N=32768's 80 MB of KV cannot. Evicting it
+    # before each call puts both capacities on the same footing.
+    flush, cold = torch.ones(LLC_FLUSH_BYTES // 4), {}
+    for n in num_blocks:
+        name = f"compiled, last-level cache evicted before each call, N={n}"
+        probes[name] = (lambda i: lambda: step(*i))(ac.make_inputs(args, n))
+        cold[name] = lambda: flush.sum()
     probes["compiled, glibc default malloc"] = with_malloc(False, lambda: step(*floor_inputs), malloc_keeps_freed)
     # glibc's default returns the step's temporaries to the kernel: without a call under the
     # suite's setting after it, the next timed call would pay their page faults again
-    results = ac.measure(args, probes, settle={"compiled, glibc default malloc": lambda: step(*floor_inputs)})
+    results = ac.measure(args, probes, settle={"compiled, glibc default malloc": lambda: step(*floor_inputs)},
+                         before=cold)
     copy_bw = probe.bytes / (args.probe_ms["copy"] / 1e3)
     print(ac.table(results, args), flush=True)
     item = 2 if dtype in ("bfloat16", "float16") else 4
@@ -67,6 +79,8 @@ def measure(batch: int = 32, context: int = 2048, num_blocks=(256, 32768), reps:
             ratios[f"{r['step']}/{r['mode']}"] = r["median_ms"] / base["median_ms"]
     pages = [args.probe_ms[f"compiled, cache on 4 KiB pages, N={n}"] for n in (small, big)]
     ratios["tuple (kv_c, k_pe)/compiled, cache on 4 KiB pages"] = pages[1] / pages[0]
+    evicted = [args.probe_ms[f"compiled, last-level cache evicted before each call, N={n}"] for n in (small, big)]
+    ratios["tuple (kv_c, k_pe)/compiled, last-level cache evicted"] = evicted[1] / evicted[0]
     extra = [{"step": name, "mode": "probe", "num_blocks": int(name.rsplit("N=", 1)[1]) if "N=" in name else small,
               "median_ms": ms,
               "bytes": kv + weights, "bytes_per_s": (kv + weights) / (ms / 1e3),

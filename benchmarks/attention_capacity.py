@@ -92,15 +92,16 @@ def variants(compile_too: bool) -> list[tuple[str, str, Callable]]:
 
 
 def measure(args: argparse.Namespace, probes: dict[str, Callable] | None = None,
-            settle: dict[str, Callable] | None = None) -> list[dict]:
+            settle: dict[str, Callable] | None = None, before: dict[str, Callable] | None = None) -> list[dict]:
     """Every variant at every capacity, side by side in this process.
 
     Repetitions are interleaved (one call of each variant and capacity per round), so load from
     other processes falls on all of them alike instead of on whichever ran last. ``probes``
     (name -> function) are timed in the same rounds; their medians land in ``args.probe_ms``.
-    ``settle`` (probe name -> function) runs untimed right after that probe.
+    ``settle`` (probe name -> function) runs untimed right after that probe, ``before`` right
+    before it.
     """
-    settle = settle or {}
+    settle, before = settle or {}, before or {}
     inputs = {n: make_inputs(args, n) for n in args.num_blocks}
     rows = variants(not args.no_compile)
     for _, _, fn in rows:  # warm-up, which also compiles one static graph per capacity
@@ -117,6 +118,8 @@ def measure(args: argparse.Namespace, probes: dict[str, Callable] | None = None,
                 fn(*inputs[n])
                 times[step, mode, n].append((time.perf_counter() - start) * 1e3)
         for name, fn in probes.items():
+            if name in before:
+                before[name]()
             start = time.perf_counter()
             fn()
             probe_times[name].append((time.perf_counter() - start) * 1e3)
