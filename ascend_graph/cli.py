@@ -74,6 +74,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="torch.compile backend (default: auto = Inductor on CPU/CUDA, torchair on NPU)")
     g.add_argument("--capture-sizes", type=positive_ints, default=(1, 2, 4, 8), metavar="N,N,...",
                    help="decode batch sizes captured as graphs (default: 1,2,4,8)")
+    g.add_argument("--aot-inductor", action="store_true",
+                   help="CPU: compile each capture size ahead of time into an AOTInductor package, loaded "
+                        "instead of compiled by later runs with the same --compile-cache-dir (GraphConfig.aot_inductor)")
+    g.add_argument("--compile-cache-dir", default=None, metavar="PATH",
+                   help="persistent compile cache and AOTInductor packages (default: the backend's own)")
     g.add_argument("--block-size", type=positive_int, default=16, help="tokens per cache block (default: 16)")
     g.add_argument("--max-model-len", type=positive_int, default=512,
                    help="longest prompt + generation (default: 512)")

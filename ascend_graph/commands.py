@@ -60,7 +60,8 @@ def make_engine(model: nn.Module, args: argparse.Namespace, graph: bool, max_num
                 **kwargs) -> Engine:
     """An engine with the flags' cache geometry; graph mode ``graph``."""
     sizes = tuple(sorted(set(args.capture_sizes)))
-    config = GraphConfig(enabled=graph, backend=args.backend, capture_sizes=sizes, max_batch_size=max(sizes))
+    config = GraphConfig(enabled=graph, backend=args.backend, capture_sizes=sizes, max_batch_size=max(sizes),
+                         aot_inductor=args.aot_inductor, compile_cache_dir=args.compile_cache_dir)
     seats = max_num_seqs or getattr(args, "max_num_seqs", None) or max(sizes)
     return Engine(model, graph_config=config, block_size=args.block_size, max_model_len=args.max_model_len,
                   max_num_seqs=seats, device=args.device, **kwargs)

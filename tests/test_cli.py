@@ -51,6 +51,22 @@ def test_demo_json_reports_capture_throughput_parity_and_counters(capsys):
     assert r["eager_counters"]["graph_steps"] == 0 and r["eager_counters"]["eager_steps"]["disabled"] > 0
 
 
+def test_demo_with_aot_inductor_loads_its_packages_on_the_second_run(capsys, tmp_path):
+    argv = ["demo", "--backend", "inductor", "--aot-inductor", "--compile-cache-dir", str(tmp_path),
+            "--capture-sizes", "2", "--max-model-len", "64", "--no-progress", "--json", "--num-requests", "2",
+            "--max-new-tokens", "4", "--rounds", "1"]
+    for compiles, loaded in ((1, 0), (0, 1)):
+        code, r = run_json(capsys, argv)
+        assert code == 0 and r["parity"]["ok"] and r["parity"]["compare_step"]["failures"] == 0
+        c = r["counters"]
+        assert (c["compiles"], c["packages_loaded"]) == (compiles, loaded) and c["graph_steps"] > 0
+
+
+def test_aot_inductor_on_another_backend_exits_2_naming_it(capsys):
+    assert main(["demo", *QUICK, "--aot-inductor"]) == 2
+    assert "aot_inductor=True compiles with Inductor" in capsys.readouterr().err
+
+
 def test_parity_on_the_builtin_model_passes(capsys):
     code, r = run_json(capsys, ["parity", *QUICK, "--model", "small-v3", "--num-requests", "3",
                                 "--max-new-tokens", "5"])
