@@ -127,7 +127,7 @@ def run_part(part: str, p: dict, quick: bool, out: dict) -> None:
     elif part == "startup":
         out["startup"] = startup.measure("small", p["startup_sizes"], quick, portable=not quick, aot=not quick)
     elif part == "memory":
-        out["memory"] = memory.measure(p["memory_model"], p["memory_sizes"], 3, quick, frozen=not quick)
+        out["memory"] = memory.measure(p["memory_model"], p["memory_sizes"], 3, quick, frozen=not quick, aot=not quick)
 
 
 def main(argv=None) -> dict:

@@ -4,7 +4,8 @@ per-step allocations at two cache capacities.
 Peak RSS is measured in fresh processes (``python -m benchmarks.memory --child graph|eager``),
 each building the model, allocating the runner's caches (once), prefilling the same prompts and
 decoding the same steps (``graph_frozen``: graph mode with sizes from 2 rows frozen,
-``GraphConfig.inductor_freezing_min_batch=2``). The kernel's peak mark is reset after the model is built (its float32
+``GraphConfig.inductor_freezing_min_batch=2``; ``graph_aot``: graph mode from AOTInductor packages,
+``GraphConfig.aot_inductor``, compiled in that process into a temporary directory). The kernel's peak mark is reset after the model is built (its float32
 init temporaries would otherwise set the peak for both); ``VmHWM`` is read at the end. Per-step allocations are the bytes the
 CPU allocator hands out during one decode step (``torch.profiler`` memory events), graph and
 eager, with the cache at two capacities: they must not grow with the capacity.
@@ -19,6 +20,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 
 
 def child(mode: str, model_name: str, sizes: tuple[int, ...], steps: int, quick: bool) -> dict:
@@ -31,8 +33,10 @@ def child(mode: str, model_name: str, sizes: tuple[int, ...], steps: int, quick:
     model = build(case)
     gc.collect()
     rss_model = _reset_peak_rss()  # building the model (float32 temporaries) must not set the peak
+    packages = tempfile.TemporaryDirectory(prefix="ag-memory-aoti-") if mode == "graph_aot" else None
     config = GraphConfig(enabled=mode != "eager", backend="inductor", capture_sizes=sizes, max_batch_size=max(sizes),
-                         inductor_freezing_min_batch=2 if mode == "graph_frozen" else None)
+                         inductor_freezing_min_batch=2 if mode == "graph_frozen" else None,
+                         aot_inductor=packages is not None, compile_cache_dir=packages and packages.name)
     runner = make_runner(model, config, sizes, case.context)
     ptrs = [t.data_ptr() for c in runner.kv_caches for t in c]
     runner.capture(show_progress=False)
@@ -42,6 +46,8 @@ def child(mode: str, model_name: str, sizes: tuple[int, ...], steps: int, quick:
         for _ in range(steps):
             runner.execute(entries, mode="eager" if mode == "eager" else "graph")
     same = ptrs == [t.data_ptr() for c in runner.kv_caches for t in c]
+    if packages is not None:
+        packages.cleanup()
     return {"mode": mode, "peak_rss_bytes": _status_bytes("VmHWM"), "peak_rss_whole_process_bytes":
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "rss_after_build_bytes": rss_model, "cache_addresses_unchanged": same,
@@ -92,9 +98,10 @@ def run_child(mode: str, model: str, sizes: tuple[int, ...], steps: int, quick: 
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def measure(model: str, sizes: tuple[int, ...], steps: int, quick: bool, frozen: bool = False) -> dict:
-    """Peak RSS of graph and eager runs of the same requests (and of a run with freezing), and
-    per-step allocations."""
+def measure(model: str, sizes: tuple[int, ...], steps: int, quick: bool, frozen: bool = False,
+            aot: bool = False) -> dict:
+    """Peak RSS of graph and eager runs of the same requests (and of runs with freezing and
+    from AOTInductor packages), and per-step allocations."""
     graph, eager = (run_child(m, model, sizes, steps, quick) for m in ("graph", "eager"))
     res = {"model": model, "sizes": list(sizes), "steps_per_size": steps, "graph": graph, "eager": eager,
            "peak_ratio": graph["peak_rss_bytes"] / eager["peak_rss_bytes"],
@@ -102,6 +109,9 @@ def measure(model: str, sizes: tuple[int, ...], steps: int, quick: bool, frozen:
     if frozen:
         res["graph_frozen"] = run_child("graph_frozen", model, sizes, steps, quick)
         res["frozen_peak_ratio"] = res["graph_frozen"]["peak_rss_bytes"] / eager["peak_rss_bytes"]
+    if aot:
+        res["graph_aot"] = run_child("graph_aot", model, sizes, steps, quick)
+        res["aot_peak_ratio"] = res["graph_aot"]["peak_rss_bytes"] / eager["peak_rss_bytes"]
     print(f"  memory {model}: peak RSS graph {graph['peak_rss_bytes'] / 2**20:.0f} MiB, eager "
           f"{eager['peak_rss_bytes'] / 2**20:.0f} MiB ({res['peak_ratio']:.2f}x)", flush=True)
     return res
@@ -109,7 +119,7 @@ def measure(model: str, sizes: tuple[int, ...], steps: int, quick: bool, frozen:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--child", choices=["graph", "graph_frozen", "eager"])
+    p.add_argument("--child", choices=["graph", "graph_frozen", "graph_aot", "eager"])
     p.add_argument("--model", default="small")
     p.add_argument("--sizes", default="1,8")
     p.add_argument("--steps", type=int, default=4)

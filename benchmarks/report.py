@@ -380,7 +380,7 @@ def _memory_table(m: dict | None) -> list[str]:
     lines = ["", f"### Memory: {m['model']}, batch sizes {m['sizes']}, {m['steps_per_size']} steps each", "",
              "| mode | peak RSS MiB | RSS after building the model MiB | cache addresses unchanged |",
              "| --- | --- | --- | --- |"]
-    for v in (g, m.get("graph_frozen"), e):
+    for v in (g, m.get("graph_frozen"), m.get("graph_aot"), e):
         if v is None:
             continue
         lines.append(f"| {v['mode']} | {v['peak_rss_bytes'] / 2**20:.0f} | {v['rss_after_build_bytes'] / 2**20:.0f} | "
