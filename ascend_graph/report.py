@@ -57,7 +57,8 @@ def counter_lines(stats: dict) -> list[str]:
     sizes = " ".join(f"{k}x{v}" for k, v in stats["decode_batch_sizes"].items())
     return [f"  graph steps {stats['graph_steps']} | eager steps: {eager} | compiles {stats['compiles']} | "
             f"recompiles {stats['recompiles']} | compile failures {stats['compile_failures']} | "
-            f"capture {stats['capture_seconds']:.1f} s",
+            + (f"packages loaded {stats['packages_loaded']} | " if stats.get("packages_loaded") else "")
+            + f"capture {stats['capture_seconds']:.1f} s",
             f"  requests {stats['requests']} | prompt tokens {stats['prompt_tokens']} | generated tokens "
             f"{stats['generated_tokens']} | prefill steps {stats['prefill_steps']} | "
             f"decode steps {stats['decode_steps']}",
