@@ -105,8 +105,8 @@ def test_the_package_runs_on_the_models_own_weights(compiled):
 
 
 def test_a_different_cache_geometry_gets_a_different_package(tmp_path):
-    """The package key covers the step's input shapes (here the number of cache blocks) and
-    the model's weights' shapes; the same runner twice gives the same key."""
+    """The package key covers the step's input shapes (here the number of cache blocks), the
+    model's weights' shapes and the thread count; the same runner twice gives the same key."""
     def key(runner):
         ids, pos, meta = runner._views(1)
         return package_key(runner._step, (ids, pos, runner.kv_caches, meta), inductor_options(runner.config, "cpu"))
@@ -117,6 +117,12 @@ def test_a_different_cache_geometry_gets_a_different_package(tmp_path):
     assert key(make_runner(model, config)) == same
     assert key(GraphRunner(model, config, num_blocks=200, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN)) != same
     assert key(make_runner(small_model("mla", torch.float32), config)) != same
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)  # Inductor's kernels are generated for the thread count
+    try:
+        assert key(make_runner(model, config)) != same
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_bad_aot_inductor_settings_are_refused_by_name(tmp_path):

@@ -11,7 +11,8 @@ seen by the next step. Replacing a parameter by a new tensor after capture is no
 dynamo graph would recompile instead); the parity check reports it.
 
 A package is found by a key over everything that shapes the compiled code: torch's version,
-this package's version and source files, the model's class, config, parameter and buffer
+the CPU's vector capability and the thread count the kernels are generated for, this package's
+version and source files, the model's class, config, parameter and buffer
 shapes, dtypes and strides, the step's input shapes (capture size, caches, block table), and
 the Inductor options. Anything else that differs makes a new package; nothing is ever loaded
 for inputs it was not compiled for.
@@ -74,7 +75,10 @@ def package_key(step: nn.Module, inputs: Sequence[Any], options: dict[str, Any])
     """A hex digest over everything the compiled code depends on (see the module docstring)."""
     h = hashlib.sha256()
     add = lambda *parts: h.update(repr(parts).encode())  # noqa: E731
-    add(torch.__version__, torch.backends.cpu.get_cpu_capability(), _source_digest())
+    # Inductor's C++ kernels are generated for the thread count they are compiled under.
+    from torch._inductor.utils import parallel_num_threads
+
+    add(torch.__version__, torch.backends.cpu.get_cpu_capability(), parallel_num_threads(), _source_digest())
     model = getattr(step, "model", step)
     add(type(model).__module__, type(model).__qualname__, repr(getattr(model, "config", None)))
     for name, t in _constants(step).items():
