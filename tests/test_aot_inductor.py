@@ -74,7 +74,8 @@ def test_a_second_runner_loads_the_packages_without_compiling(compiled):
 def test_a_fresh_process_loads_the_packages_without_compiling(compiled):
     """What a restarted server does: a new interpreter, the same model and cache directory."""
     script = f"""
-import sys, json
+import sys, json, torch
+torch.set_num_threads({torch.get_num_threads()})  # part of the package key, as in the compiling process
 sys.path.insert(0, {os.path.dirname(__file__)!r})
 import test_aot_inductor as t
 _, runner, sched = t.decoding_runner(t.aot_config({str(compiled[0])!r}))
