@@ -168,13 +168,15 @@ _LIB = torch.library.Library("ascend_graph", "DEF")
 _LIB.define("write_slots(Tensor(a!) cache_a, Tensor(b!) cache_b, Tensor a, Tensor b, Tensor slot_mapping) -> ()")
 
 
-def _write_slots_impl(cache_a: Tensor, cache_b: Tensor, a: Tensor, b: Tensor, slot_mapping: Tensor) -> None:
+def write_slots_aten(cache_a: Tensor, cache_b: Tensor, a: Tensor, b: Tensor, slot_mapping: Tensor) -> None:
+    """The op's body in aten ops: its kernel, and what a graph compiler that generates the write
+    itself traces instead of calling the op (``backends.inductor.inline_cache_writes``)."""
     idx = slot_mapping.clamp(min=0)  # [T]; padding lands in slot 0 of NULL_BLOCK
     cache_a.view(-1, *cache_a.shape[2:]).index_copy_(0, idx, a.to(cache_a.dtype))
     cache_b.view(-1, *cache_b.shape[2:]).index_copy_(0, idx, b.to(cache_b.dtype))
 
 
-_LIB.impl("write_slots", _write_slots_impl, "CompositeExplicitAutograd")
+_LIB.impl("write_slots", write_slots_aten, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("ascend_graph::write_slots")

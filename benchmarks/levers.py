@@ -2,8 +2,9 @@
 
 Every variant is a runner over the same model (its own cache), captured at one batch size and
 timed interleaved with the others: the default backend (C++ wrapper, single-row matmuls as
-reductions), without the single-row pass, without its split of long reductions, without the C++
-wrapper, with the weights of long rows row-major instead of chunk-major (``ChunkedLinear``; in
+reductions, the cache write generated), without the single-row pass, without its split of long
+reductions, without the C++ wrapper, with the cache write called as the custom op (as before
+``inline_cache_writes``), with the weights of long rows row-major instead of chunk-major (``ChunkedLinear``; in
 graph and in eager mode), and with Inductor's freezing (``GraphConfig.inductor_freezing_min_batch``: the weights
 become graph constants, pre-packed for oneDNN). Freezing has to be on while dynamo traces, not only while Inductor compiles: passed as a
 compile option alone it finds no constant to fold (parameters are graph inputs) and changes
@@ -26,6 +27,7 @@ from benchmarks.models import build, cases, decode_batch, make_runner, with_row_
 
 ROW_MAJOR = "row-major long rows"
 AOT = "AOTInductor package"
+OP_WRITE = "cache write as the op's call"
 
 
 class Variant(NamedTuple):
@@ -35,6 +37,7 @@ class Variant(NamedTuple):
     patches: dict
     row_major: bool = False  # on ``with_row_major_long_rows(model)``
     mode: str = "graph"
+    inline_writes: bool = True  # the cache write generated (the default on CPU), or the op called
 
 
 def variants(config: GraphConfig, package_dir: str) -> dict[str, Variant]:
@@ -46,6 +49,7 @@ def variants(config: GraphConfig, package_dir: str) -> dict[str, Variant]:
     return {"default": Variant(config, default), "without single-row pass": Variant(config, no_pass),
             "without long-reduction split": Variant(config, no_split),
             "without C++ wrapper": Variant(config, {**default, "cpp_wrapper": False}),
+            OP_WRITE: Variant(config, default, inline_writes=False),
             ROW_MAJOR: Variant(config, default, row_major=True), "with freezing": Variant(frozen, default),
             AOT: Variant(replace(config, aot_inductor=True, compile_cache_dir=package_dir), default),
             "eager": Variant(config, default, mode="eager"),
@@ -63,7 +67,8 @@ def measure(batches=(1, 8), rounds: int = 5, quick: bool = False, names=None) ->
         for name, v in variants(config, packages.name).items():
             if names is not None and name not in names:
                 continue
-            backend = None if v.config.aot_inductor else InductorBackend(v.patches)  # it compiles its own way
+            # the AOTInductor variant compiles its own way
+            backend = None if v.config.aot_inductor else InductorBackend(v.patches, inline_writes=v.inline_writes)
             runner = make_runner(row_major if v.row_major else model, v.config, (n,), case.context, backend=backend)
             if v.mode == "graph":
                 runner.capture(show_progress=False)

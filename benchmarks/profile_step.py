@@ -18,7 +18,7 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
 
-from ascend_graph.backends.inductor import InductorBackend, config_patches  # noqa: E402
+from ascend_graph.backends.inductor import INLINE_CACHE_WRITES, InductorBackend, config_patches  # noqa: E402
 from ascend_graph.block_manager import BlockManager  # noqa: E402
 from ascend_graph.config import GraphConfig  # noqa: E402
 from benchmarks.common import set_malloc_keeps_freed_memory  # noqa: E402
@@ -38,7 +38,8 @@ def main(argv=None) -> None:
     n = args.batch
     config = GraphConfig(enabled=True, backend="inductor", capture_sizes=(n,), max_batch_size=n,
                          inductor_freezing_min_batch=n if args.frozen else None)
-    backend = InductorBackend({**config_patches(config, "cpu"), "cpp.enable_kernel_profile": True})
+    backend = InductorBackend({**config_patches(config, "cpu"), "cpp.enable_kernel_profile": True},
+                              inline_writes=INLINE_CACHE_WRITES["cpu"])
     runner = make_runner(build(case), config, (n,), case.context, backend=backend)
     runner.capture(show_progress=False)
     entries = decode_batch(runner, BlockManager(runner.num_blocks, runner.block_size), n, case.context)

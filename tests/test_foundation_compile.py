@@ -2,7 +2,9 @@
 
 Each test runs the compiled function on one cache and the eager function on a clone of it, and
 compares outputs and entire caches. The generated code is also read: the write must mutate the
-cache tensors passed in, with no cache-sized buffer and no copy back into the cache.
+cache tensors passed in, with no cache-sized buffer and no copy back into the cache. Each runs
+under torch's own Inductor backend (the write stays a call of the custom op) and under this
+project's CPU Inductor backend (the write is generated code, ``inline_cache_writes``).
 """
 
 import re
@@ -13,11 +15,29 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 from ascend_graph.attention import build_attention_metadata, mla_decode, pad_decode, paged_decode
+from ascend_graph.backends.inductor import make_backend
+from ascend_graph.config import GraphConfig
 from ascend_graph.kv_cache import KVCacheSpec, MLACacheSpec, allocate_kv_caches, write_slots
 
 N, S = 256, 4  # the cache (1024 slots) is much larger than anything a step of 3-4 rows touches
 H, DN, R, DV, C = 4, 16, 8, 16, 32
 SCALE = (DN + R) ** -0.5
+
+
+@pytest.fixture(params=[False, True], ids=["torch_inductor", "ascend_graph_cpu"])
+def inlined(request):
+    """False: torch's own Inductor backend (the op is called); True: this project's CPU backend
+    (the op's aten body is traced and generated)."""
+    return request.param
+
+
+def _compile(fn, inlined: bool):
+    if not inlined:
+        return torch.compile(fn, fullgraph=True)
+    # the Python wrapper, so that the code can be read like torch's
+    backend = make_backend("inductor", GraphConfig(enabled=True, inductor_cpp_wrapper=False), "cpu", None)
+    assert backend.inline_writes
+    return torch.compile(fn, fullgraph=True, backend=backend)
 
 
 @pytest.fixture(autouse=True)
@@ -40,14 +60,16 @@ def _clone(cache):
     return type(cache)(*(t.clone() for t in cache))
 
 
-def _assert_no_cache_copy(code: str, cache) -> None:
-    """No buffer of a cache's size is allocated and nothing is copied back into an input."""
+def _assert_no_cache_copy(code: str, cache, inlined: bool) -> None:
+    """No buffer of a cache's size is allocated and nothing is copied back into an input; the
+    write is the op's call, or (``inlined``) generated code."""
     sizes = [int(torch.Size(eval(shape)).numel())
              for shape in re.findall(r"empty_strided_\w+\((\([^)]*\))", code)]
     biggest = max(sizes, default=0)
     assert biggest < min(t.numel() for t in cache), f"a cache-sized buffer ({biggest}) is allocated"
     assert ".copy_(" not in code, "the compiled code copies into an input"
-    assert "ascend_graph.write_slots" in code
+    assert ("torch.ops.ascend_graph.write_slots" in code) == (not inlined)
+    assert ("index_copy" in code) == inlined  # a generated kernel, named after the ops it fuses
 
 
 def _assert_no_graph_breaks():
@@ -81,26 +103,26 @@ def paged_step(q, k, v, cache, meta):
     return paged_decode(q, cache, meta.decode, SCALE)
 
 
-def test_compiled_write_mutates_the_cache_in_place_like_eager():
+def test_compiled_write_mutates_the_cache_in_place_like_eager(inlined):
     cache, gen = _filled(MLACacheSpec(C, R), seed=0)
     reference = _clone(cache)
     ptrs = [t.data_ptr() for t in cache]
     a, b = torch.randn(3, 1, C, generator=gen), torch.randn(3, 1, R, generator=gen)
     slots = torch.tensor([9 * S + 1, -1, 30 * S + 3])
     write_step(reference, a, b, slots)
-    _, (code,) = run_and_get_code(torch.compile(write_step, fullgraph=True), cache, a, b, slots)
+    _, (code,) = run_and_get_code(_compile(write_step, inlined), cache, a, b, slots)
     _assert_no_graph_breaks()
     assert [t.data_ptr() for t in cache] == ptrs
     assert torch.equal(cache.kv_c, reference.kv_c) and torch.equal(cache.k_pe, reference.k_pe)
     assert torch.equal(cache.kv_c[9, 1], a[0]) and torch.equal(cache.k_pe[30, 3], b[2])
-    _assert_no_cache_copy(code, cache)
+    _assert_no_cache_copy(code, cache, inlined)
 
 
-def test_compiled_mla_decode_step_equals_eager_without_recompiling():
+def test_compiled_mla_decode_step_equals_eager_without_recompiling(inlined):
     cache, gen = _filled(MLACacheSpec(C, R), seed=1)
     reference = _clone(cache)
     w_uk, w_uv = torch.randn(H, DN, C, generator=gen) / C ** 0.5, torch.randn(H, DV, C, generator=gen) / C ** 0.5
-    step = torch.compile(mla_step, fullgraph=True)
+    step = _compile(mla_step, inlined)
     for call, lens in enumerate([[5, 1, 12], [6, 2, 13]]):  # the second step crosses a block edge
         _, meta = _decode_batch(lens, torch.Generator().manual_seed(9))  # same tables each step
         args = (torch.randn(4, H, DN, generator=gen), torch.randn(4, H, R, generator=gen),
@@ -111,17 +133,17 @@ def test_compiled_mla_decode_step_equals_eager_without_recompiling():
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
         assert torch.equal(cache.kv_c, reference.kv_c) and torch.equal(cache.k_pe, reference.k_pe)
     _assert_no_graph_breaks()
-    _assert_no_cache_copy(code, cache)
+    _assert_no_cache_copy(code, cache, inlined)
 
 
-def test_compiled_paged_decode_step_equals_eager():
+def test_compiled_paged_decode_step_equals_eager(inlined):
     cache, gen = _filled(KVCacheSpec(2, DN), seed=2)
     reference = _clone(cache)
     _, meta = _decode_batch([7, 3, 4], gen)
     args = (torch.randn(4, 8, DN, generator=gen), torch.randn(4, 2, DN, generator=gen),
             torch.randn(4, 2, DN, generator=gen))
-    out, (code,) = run_and_get_code(torch.compile(paged_step, fullgraph=True), *args, cache, meta)
+    out, (code,) = run_and_get_code(_compile(paged_step, inlined), *args, cache, meta)
     _assert_no_graph_breaks()
     torch.testing.assert_close(out, paged_step(*args, reference, meta), rtol=1e-5, atol=1e-5)
     assert torch.equal(cache.k, reference.k) and torch.equal(cache.v, reference.v)
-    _assert_no_cache_copy(code, cache)
+    _assert_no_cache_copy(code, cache, inlined)

@@ -125,11 +125,13 @@ def load_or_compile(step: nn.Module, name: str, inputs: Sequence[Any], config: G
     if compiled:
         if on_compile is not None:
             on_compile()
-        from .inductor import cache_dir_for_compile
+        from .inductor import INLINE_CACHE_WRITES, cache_dir_for_compile, inline_cache_writes
 
         os.makedirs(folder, exist_ok=True)
         with torch.no_grad():
             program = torch.export.export(step, tuple(inputs), strict=False)
+            if INLINE_CACHE_WRITES[platform] and inline_cache_writes(program.graph_module):
+                program = program.run_decompositions({})  # retraced: the write's aten ops, functional
         partial = f"{path[:-len('.pt2')]}.partial{os.getpid()}.pt2"  # AOTInductor wants the suffix
         with cache_dir_for_compile(config.compile_cache_dir):
             torch._inductor.aoti_compile_and_package(program, package_path=partial, inductor_configs=options)
