@@ -5,7 +5,7 @@
 once without a host sync; ``decode`` is what the model now runs (see ``ascend_graph.models.moe``;
 compiled below ``T*K = X`` it is ``gathered_by_expert``). Compiled forms go through the runner's
 backend (Inductor with the single-row matmul pass). Bandwidth counts each distinct chosen
-expert's weights once.
+expert's weights once; the copy bandwidth is timed in the same rounds (the MoE's roofline).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from ascend_graph.config import GraphConfig
 from ascend_graph.models.moe import RoutedExperts
 from benchmarks.common import interleaved_medians
 from benchmarks.models import v2_lite_slice
+from benchmarks.roofline import CopyProbe
 
 
 def measure(tokens=(1, 8, 32), rounds: int = 5, calls: int = 2) -> dict:
@@ -30,7 +31,7 @@ def measure(tokens=(1, 8, 32), rounds: int = 5, calls: int = 2) -> dict:
     x_, k = config.n_routed_experts, config.num_experts_per_tok
     per_expert = 3 * config.hidden_size * config.moe_intermediate_size * 2
     backend = resolve_backend(GraphConfig(enabled=True, backend="inductor"), "cpu")
-    rows = []
+    rows, probe = [], CopyProbe()
     for t in tokens:
         x = torch.randn(t, config.hidden_size, generator=gen).to(torch.bfloat16)
         w = torch.rand(t, k, generator=gen)
@@ -42,10 +43,13 @@ def measure(tokens=(1, 8, 32), rounds: int = 5, calls: int = 2) -> dict:
                            ("compiled decode (now)", experts.decode)):
             fns[name] = (lambda f: lambda: f(x, w, ex))(torch.compile(form, backend=backend, fullgraph=True,
                                                                       dynamic=False))
+        fns["copy"] = probe
         with torch.no_grad():
             times = interleaved_medians(fns, rounds=rounds, calls_per_round=calls, warmup=2)
+        copy_s = times.pop("copy")
         nbytes = int(ex.unique().numel()) * per_expert
         rows.append({"tokens": t, "experts_used": int(ex.unique().numel()), "bytes": nbytes,
+                     "copy_bytes_per_s": probe.bytes / copy_s,
                      **{name: {"ms": s * 1e3, "GB_per_s": nbytes / s / 1e9} for name, s in times.items()}})
         print(f"  MoE T={t}: " + "  ".join(f"{n} {s * 1e3:.1f} ms" for n, s in times.items()), flush=True)
     return {"rows": rows}

@@ -88,7 +88,16 @@ def targets(out: dict) -> list[dict]:
     if "graph_frozen_s" in (_row(out.get("decode_v2"), 32) or {}):
         add("V2-Lite slice batch 32: roofline time / step time, freezing on (opt-in)",
             _roofline_fraction(out, 32, "graph_frozen_s"), 0.5, "decode_v2",
-            bound=_compute_bound(out, 32, "bf16_packed_matmul_flops_per_s", "pre-packed"))
+            bound=_compute_bound(out, 32, "bf16_packed_matmul_flops_per_s", "pre-packed", "graph_frozen_s"))
+    moe = next((r for r in (out.get("moe_forms") or {}).get("rows", []) if r["tokens"] == 32), None)
+    if moe and "copy_bytes_per_s" in moe:
+        now = moe["compiled decode (now)"]
+        add("V2-Lite MoE layer alone, 32 tokens: roofline time / time (each chosen expert read once)",
+            now["GB_per_s"] * 1e9 / moe["copy_bytes_per_s"], 0.5, "moe_forms",
+            bound=(f"the routed experts of one layer as the compiled step runs them: {moe['experts_used']} distinct "
+                   f"experts, {moe['bytes'] / 1e6:.0f} MB, in {now['ms']:.1f} ms; copy bandwidth in the same rounds "
+                   f"{moe['copy_bytes_per_s'] / 1e9:.1f} GB/s. The whole step's row above is bound by the dense "
+                   "layers' and the LM head's compute instead"))
     frac, ratio = _attention(out)
     floor = next((x for x in (out.get("attention") or {}).get("rows", []) if x["step"].startswith("floor")), None)
     add("decode attention b32 ctx2048: bandwidth / copy bandwidth", frac, 0.5, "attention",
@@ -113,9 +122,11 @@ def targets(out: dict) -> list[dict]:
     return rows
 
 
-def _compute_bound(out: dict, batch: int, rate: str = "bf16_matmul_flops_per_s", kind: str = "bf16") -> str:
+def _compute_bound(out: dict, batch: int, rate: str = "bf16_matmul_flops_per_s", kind: str = "bf16",
+                   step: str = "graph_s") -> str:
     """How long the step's FLOPs take at this machine's bf16 matmul rate (``rate``: aten's, or
-    with weights pre-packed for oneDNN), against its roofline time."""
+    with weights pre-packed for oneDNN), against its roofline time; and the step (``step``)
+    against the roofline with both ceilings, memory and the core's peak."""
     row = _row(out.get("decode_v2"), batch)
     comp = next((r for r in (out.get("compute") or {}).get("rows", []) if r["batch"] == batch), None)
     if not row or not comp or "bytes" not in row or rate not in comp:
@@ -125,16 +136,22 @@ def _compute_bound(out: dict, batch: int, rate: str = "bf16_matmul_flops_per_s",
     return (f"{comp['step_flops'] / 1e9:.1f} GFLOP at the measured {kind} matmul rate "
             f"({comp[rate] / 1e9:.0f} GFLOP/s) take {compute_s * 1e3:.0f} ms vs "
             f"{roofline_s * 1e3:.0f} ms of memory traffic: compute-bound, share at most {roofline_s / compute_s:.2f} "
-            "at that rate" + _at_peak(out, comp["step_flops"], roofline_s, "share"))
+            "at that rate" + _at_peak(out, comp["step_flops"], roofline_s, "share", row.get(step)))
 
 
-def _at_peak(out: dict, flops: float, memory_s: float, what: str) -> str:
-    """``memory_s`` over the time ``flops`` take at one core's peak bf16 dot-product rate (``peak.py``)."""
+def _at_peak(out: dict, flops: float, memory_s: float, what: str, step_s: float | None = None) -> str:
+    """``memory_s`` over the time ``flops`` take at one core's peak bf16 dot-product rate (``peak.py``);
+    with ``step_s``, also the full roofline (the larger of the two times) over the step time."""
     rate = ((out.get("compute") or {}).get("core_peak") or {}).get("bf16_dot_flops_per_s")
     if not rate:
         return ""
-    return (f"; even at this core's peak bf16 dot-product rate ({rate / 1e9:.0f} GFLOP/s, `benchmarks/peak.py`) "
+    text = (f"; even at this core's peak bf16 dot-product rate ({rate / 1e9:.0f} GFLOP/s, `benchmarks/peak.py`) "
             f"the {what} would be at most {memory_s / (flops / rate):.2f}")
+    if step_s:
+        text += (f"; against the roofline with both ceilings (the larger of the memory time and the FLOPs at that "
+                 f"peak, {max(memory_s, flops / rate) * 1e3:.0f} ms) the step is at "
+                 f"{max(memory_s, flops / rate) / step_s:.2f}")
+    return text
 
 
 def _attention_bound(out: dict, floor: dict | None) -> str:
