@@ -147,3 +147,19 @@ def test_compiled_paged_decode_step_equals_eager(inlined):
     torch.testing.assert_close(out, paged_step(*args, reference, meta), rtol=1e-5, atol=1e-5)
     assert torch.equal(cache.k, reference.k) and torch.equal(cache.v, reference.v)
     _assert_no_cache_copy(code, cache, inlined)
+
+
+def test_inlined_write_is_served_from_aot_autograd_cache_on_a_later_compile(tmp_path):
+    """The inlined write is aten op nodes: AOTAutograd's cache takes the graph (a Python function
+    as a node's target would bypass it on every compile, and a warm start would retrace)."""
+    cache, gen = _filled(MLACacheSpec(C, R), seed=3)
+    a, b = torch.randn(2, 1, C, generator=gen), torch.randn(2, 1, R, generator=gen)
+    slots = torch.tensor([5 * S, 7 * S + 2])
+    backend = make_backend("inductor", GraphConfig(enabled=True, compile_cache_dir=str(tmp_path)), "cpu", None)
+    for _ in range(2):
+        torch._dynamo.reset()
+        torch.compile(write_step, fullgraph=True, backend=backend)(cache, a, b, slots)
+    stats = counters["aot_autograd"]
+    assert stats["autograd_cache_bypass"] == 0, dict(stats)
+    assert stats["autograd_cache_miss"] == 1 and stats["autograd_cache_hit"] == 1, dict(stats)
+    assert torch.equal(cache.kv_c[7, 2], a[1]) and torch.equal(cache.k_pe[5, 0], b[0])

@@ -39,22 +39,33 @@ INLINE_CACHE_WRITES = {"cpu": True, "cuda": False, "npu": False}
 
 
 def inline_cache_writes(gm: torch.fx.GraphModule) -> int:
-    """Make each call of the cache-write op (``ascend_graph::write_slots``) in ``gm`` trace its
-    aten body (``kv_cache.write_slots_aten``) instead; returns how many calls were replaced.
+    """Replace each call of the cache-write op (``ascend_graph::write_slots``) in ``gm`` by its
+    aten body (``kv_cache.write_slots_aten``, traced); returns how many calls were replaced.
 
     Called from compiled code, the op is a dispatcher call into Python for every layer (40-110 us
-    each on this project's CPU). Traced, the write is an ``index_copy`` into a graph input that
+    each on this project's CPU). Inlined, the write is an ``index_copy`` into a graph input that
     Inductor performs in place, fused into the kernel that produces the new entries: no buffer of
-    the cache's size and no copy back (``tests/test_foundation_compile.py`` reads the code).
+    the cache's size and no copy back (``tests/test_foundation_compile.py`` reads the code). The
+    body is inserted as aten op nodes, which AOTAutograd's cache accepts (a Python function as a
+    node's target would make it bypass that cache on every compile, warm starts included).
     """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
     from ..kv_cache import write_slots_aten
 
     op = torch.ops.ascend_graph.write_slots
     replaced = 0
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in (op, op.default):
-            node.target = write_slots_aten
-            replaced += 1
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (op, op.default) or node.kwargs:
+            continue
+        vals = [a.meta.get("example_value", a.meta.get("val")) for a in node.args]
+        on_meta = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta") for v in vals]
+        body = make_fx(write_slots_aten)(*on_meta).graph
+        inputs = [n for n in body.nodes if n.op == "placeholder"]
+        with gm.graph.inserting_before(node):
+            gm.graph.graph_copy(body, dict(zip(inputs, node.args)))
+        gm.graph.erase_node(node)
+        replaced += 1
     if replaced:
         gm.recompile()
     return replaced
