@@ -339,8 +339,9 @@ def _huge_pages_table(h: dict | None) -> list[str]:
     ratio = [ms[f"eager, {p} pages"] / ms[f"graph, {p} pages"] for p in ("4 KiB", "2 MiB")]
     return lines + ["", f"{h['bytes_moved'] / 2**20:.0f} MiB of weights copied onto advised memory "
                     f"({h['anon_huge_bytes'] / 2**20:.0f} MiB of the process on huge pages at the end). Graph / "
-                    f"eager: {ratio[0]:.2f} with 4 KiB pages, {ratio[1]:.2f} with 2 MiB pages. Not the default: "
-                    "both modes gain alike. PyTorch's `THP_MEM_ALLOC_ENABLE=1` puts every CPU allocation of 2 MiB "
+                    f"eager: {ratio[0]:.2f} with 4 KiB pages, {ratio[1]:.2f} with 2 MiB pages. Loaded models get "
+                    "2 MiB pages by default on CPU, for eager and graph mode alike (`load_deepseek(huge_pages=True)`, "
+                    "`runtime.weights_on_huge_pages`), and so do the suite's. PyTorch's `THP_MEM_ALLOC_ENABLE=1` puts every CPU allocation of 2 MiB "
                     "or more on huge pages for a whole process.", ""]
 
 
