@@ -5,6 +5,9 @@ into one ``.pt2`` package under the compile cache directory; a later process wit
 model, shapes, options and code loads the package instead of compiling: no dynamo trace, no
 C++ compiler run, and no dynamo guard check on each replay.
 
+As in the Inductor backend, the cache write is generated code (``inductor.inline_cache_writes``
+on the exported program), not a call of the custom op through AOTInductor's proxy executor.
+
 The package holds code only. The weights stay the model's own tensors: at load they are handed
 to the package as user-managed constants, so nothing is copied and an in-place weight update is
 seen by the next step. Replacing a parameter by a new tensor after capture is not seen (a

@@ -7,6 +7,7 @@ compile only; nothing in ``torch._inductor.config`` is changed for the rest of t
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 from dataclasses import dataclass
@@ -49,18 +50,13 @@ def inline_cache_writes(gm: torch.fx.GraphModule) -> int:
     body is inserted as aten op nodes, which AOTAutograd's cache accepts (a Python function as a
     node's target would make it bypass that cache on every compile, warm starts included).
     """
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from ..kv_cache import write_slots_aten
-
     op = torch.ops.ascend_graph.write_slots
     replaced = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in (op, op.default) or node.kwargs:
             continue
         vals = [a.meta.get("example_value", a.meta.get("val")) for a in node.args]
-        on_meta = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta") for v in vals]
-        body = make_fx(write_slots_aten)(*on_meta).graph
+        body = _write_body(tuple((tuple(v.shape), tuple(v.stride()), v.dtype) for v in vals))
         inputs = [n for n in body.nodes if n.op == "placeholder"]
         with gm.graph.inserting_before(node):
             gm.graph.graph_copy(body, dict(zip(inputs, node.args)))
@@ -69,6 +65,18 @@ def inline_cache_writes(gm: torch.fx.GraphModule) -> int:
     if replaced:
         gm.recompile()
     return replaced
+
+
+@functools.lru_cache(maxsize=64)
+def _write_body(signature: tuple) -> torch.fx.Graph:
+    """``write_slots_aten`` traced to aten ops for arguments of ``signature`` ((shape, stride,
+    dtype) each): once per cache layout, not once per layer (a trace takes ~6 ms)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ..kv_cache import write_slots_aten
+
+    on_meta = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in signature]
+    return make_fx(write_slots_aten)(*on_meta).graph
 
 
 class SingleRowMatmulPass(CustomGraphPass):
