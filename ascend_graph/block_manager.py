@@ -1,12 +1,17 @@
 """Block manager: hands out cache blocks to sequences and takes them back.
 
 Block ``NULL_BLOCK`` is never handed out. Host-side bookkeeping only; it never touches tensors.
+A sequence's table is an int32 ``array.array`` (a ``Sequence[int]``) grown in place:
+a step's metadata copies it with one memcpy instead of converting every Python int
+(``attention.metadata.build_attention_metadata``).
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 
+from .attention.metadata import INT32_TYPECODE
 from .kv_cache import NULL_BLOCK
 
 
@@ -23,7 +28,7 @@ class BlockManager:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self._free = deque(b for b in range(num_blocks) if b != NULL_BLOCK)
-        self._tables: dict[object, list[int]] = {}
+        self._tables: dict[object, array] = {}
 
     @property
     def num_free(self) -> int:
@@ -39,17 +44,17 @@ class BlockManager:
         """Whether growing ``seq_id`` to ``num_tokens`` tokens fits in the free blocks."""
         return self.blocks_needed(seq_id, num_tokens) <= len(self._free)
 
-    def ensure(self, seq_id: object, num_tokens: int) -> list[int]:
+    def ensure(self, seq_id: object, num_tokens: int) -> array:
         """Grow ``seq_id``'s block table to hold ``num_tokens`` tokens; returns the table."""
         need = self.blocks_needed(seq_id, num_tokens)
         if need > len(self._free):
             raise OutOfBlocks(f"sequence {seq_id!r} needs {need} more blocks for {num_tokens} tokens, "
                               f"{len(self._free)} are free")
-        table = self._tables.setdefault(seq_id, [])
+        table = self._tables.setdefault(seq_id, array(INT32_TYPECODE))
         table.extend(self._free.popleft() for _ in range(need))
         return table
 
-    def table(self, seq_id: object) -> list[int]:
+    def table(self, seq_id: object) -> array:
         """The block table of ``seq_id``."""
         return self._tables[seq_id]
 

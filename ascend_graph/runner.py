@@ -12,6 +12,7 @@ V vocabulary.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -212,9 +213,10 @@ class GraphRunner:
             [r.block_table for r in rows], [r.num_cached for r in rows], [len(r.token_ids) for r in rows],
             block_size=self.block_size, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
             block_table_width=self.table_width, device="cpu")
-        input_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int64)
-        last = torch.tensor([len(r.token_ids) for r in rows]).cumsum(0) - 1
-        return PreparedStep(input_ids, positions, meta, order, last)
+        ids = [t for r in rows for t in r.token_ids]
+        last = [end - 1 for end in itertools.accumulate(len(r.token_ids) for r in rows)]
+        both = torch.tensor(ids + last, dtype=torch.int64)  # one conversion, two views
+        return PreparedStep(both[:len(ids)], positions, meta, order, both[len(ids):])
 
     def graph_size(self, seqs: Sequence[SequenceStep]) -> Optional[int]:
         """The capture size ``execute(seqs)`` would run as a graph, or ``None`` when it runs eagerly."""

@@ -5,6 +5,7 @@ paged cache through shuffled, non-contiguous block tables, and compares the page
 ``naive_mla`` / ``dense_attention`` computed from the contiguous copies (never from the cache).
 """
 
+import array
 from typing import NamedTuple
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from ascend_graph.attention import build_attention_metadata, mla_decode, mla_prefill, pad_decode
 from ascend_graph.attention import paged_decode, paged_prefill
 from ascend_graph.attention.reference import dense_attention, naive_mla
+from ascend_graph.block_manager import BlockManager
 from ascend_graph.kv_cache import (
     NULL_BLOCK, KVCacheSpec, MLACacheSpec, allocate_kv_caches, write_kv_cache,
 )
@@ -333,6 +335,38 @@ def test_mixed_batch_metadata_orders_decodes_first_with_hand_computed_slots():
 def test_bad_batch_is_rejected_naming_the_argument(tables, cached, new, kw, pattern):
     with pytest.raises(ValueError, match=pattern):
         build_attention_metadata(tables, cached, new, block_size=S, num_blocks=16, max_model_len=MAX_LEN, **kw)
+
+
+def test_block_manager_tables_give_the_same_metadata_as_lists_and_stay_the_callers():
+    blocks = BlockManager(num_blocks=16, block_size=S)
+    arrays = [blocks.ensure("a", 6), blocks.ensure("b", 1), blocks.ensure("c", 9)]
+    lists = [list(t) for t in arrays]
+    kw = dict(block_size=S, num_blocks=16, max_model_len=MAX_LEN, block_table_width=4)
+    cached, new = [5, 0, 2], [1, 1, 7]
+    pos_a, meta_a = build_attention_metadata(arrays, cached, new, **kw)
+    pos_l, meta_l = build_attention_metadata(lists, cached, new, **kw)
+    assert pos_a.tolist() == pos_l.tolist() and meta_a.slot_mapping.tolist() == meta_l.slot_mapping.tolist()
+    assert meta_a.decode.block_tables.dtype == torch.int32
+    assert meta_a.decode.block_tables.tolist() == [lists[0] + [0, 0], lists[1] + [0, 0, 0]]
+    assert meta_a.prefill.block_tables.tolist() == [lists[2] + [0]]
+    # The metadata owns its tables: the block manager grows and frees its arrays afterwards.
+    blocks.ensure("b", 2 * S + 1)
+    blocks.free("a")
+    assert meta_a.decode.block_tables.tolist() == [lists[0] + [0, 0], lists[1] + [0, 0, 0]]
+
+
+@pytest.mark.parametrize("bad, pattern", [
+    (0, r"sequence 63: block id 0 in block_tables\[63\] is out of range \[1, 4098\)"),
+    (4098, r"sequence 63: block id 4098 in block_tables\[63\]"),
+    (2.0, "block_tables must hold integer block ids"),
+], ids=["null_block", "past_end", "float"])
+def test_bad_id_among_many_tables_is_named(bad, pattern):
+    """64 tables of 64 blocks (array and list rows mixed); the last id of the last table is bad."""
+    tables = [list(range(1 + 64 * i, 65 + 64 * i)) for i in range(64)]
+    tables = [array.array("i", t) if i % 2 else t for i, t in enumerate(tables)]
+    tables[-1] = list(tables[-1])[:-1] + [bad]
+    with pytest.raises(ValueError, match=pattern):
+        build_attention_metadata(tables, [0] * 64, [1] * 64, block_size=S, num_blocks=4098, max_model_len=64 * S)
 
 
 def test_pad_decode_rejects_prefill_batches_and_smaller_sizes():

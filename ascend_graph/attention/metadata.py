@@ -10,6 +10,7 @@ is a graph input with fixed types.
 
 from __future__ import annotations
 
+import array
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -49,7 +50,7 @@ class AttentionMetadata(NamedTuple):
         return self.prefill is None and self.decode is not None
 
 
-def _check_batch(block_tables, num_cached, num_new, block_size, num_blocks, max_model_len):
+def _check_batch(block_tables, num_cached, num_new, block_size, max_model_len):
     n = len(block_tables)
     if not (len(num_cached) == len(num_new) == n) or n == 0:
         raise ValueError("block_tables, num_cached and num_new must be non-empty and of equal length, "
@@ -63,19 +64,48 @@ def _check_batch(block_tables, num_cached, num_new, block_size, num_blocks, max_
         if len(table) * block_size < cached + new:
             raise ValueError(f"sequence {i}: block_tables[{i}] has {len(table)} blocks of {block_size}, "
                              f"too few for {cached + new} tokens")
-        for b in table:
-            if not NULL_BLOCK < b < num_blocks:
-                raise ValueError(f"sequence {i}: block id {b} in block_tables[{i}] is out of range "
-                                 f"[{NULL_BLOCK + 1}, {num_blocks})")
         if new > 1:
             seen_prefill = True
         elif seen_prefill:
             raise ValueError(f"sequence {i}: decode sequences (num_new == 1) must come before prefills")
 
 
-def _table_tensor(tables: Sequence[Sequence[int]], width: int, device) -> Tensor:
-    rows = [list(t) + [NULL_BLOCK] * (width - len(t)) for t in tables]
-    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(tables), width)
+# array typecode of a 4-byte int: the block tables' element (``BlockManager`` keeps its tables so)
+INT32_TYPECODE = "i" if array.array("i").itemsize == 4 else "l"
+
+
+def _block_table_tensor(block_tables: Sequence[Sequence[int]], width: int, num_blocks: int) -> Tensor:
+    """``[len(block_tables), width]`` int32 block tables, padded with the null block, every id
+    checked to be a live block.
+
+    The ids are gathered in an ``array.array`` and checked with one tensor reduction: no Python
+    loop per block id (batch 64 at 16384 tokens of context holds 65536 of them). A table that is
+    an int32 ``array.array`` (``BlockManager``'s) is copied with one memcpy; other sequences are
+    converted id by id.
+    """
+    ids = array.array(INT32_TYPECODE)
+    try:
+        for table in block_tables:
+            ids.extend(table if isinstance(table, array.array) and table.typecode == INT32_TYPECODE else iter(table))
+    except (TypeError, OverflowError) as e:
+        raise ValueError(f"block_tables must hold integer block ids below 2**31: {e}") from None
+    flat = torch.frombuffer(ids, dtype=torch.int32)  # shares ``ids``, a local: nothing else holds it
+    low, high = (v.item() for v in torch.aminmax(flat))
+    if low <= NULL_BLOCK or high >= num_blocks:
+        for i, table in enumerate(block_tables):  # name the first bad id
+            for b in table:
+                if not NULL_BLOCK < b < num_blocks:
+                    raise ValueError(f"sequence {i}: block id {b} in block_tables[{i}] is out of range "
+                                     f"[{NULL_BLOCK + 1}, {num_blocks})")
+    n = len(block_tables)
+    if len(ids) == n * width:  # every table is full width
+        return flat.view(n, width)
+    padded = array.array(INT32_TYPECODE, [NULL_BLOCK]) * (n * width)
+    start = 0
+    for i, table in enumerate(block_tables):
+        padded[i * width:i * width + len(table)] = ids[start:start + len(table)]
+        start += len(table)
+    return torch.frombuffer(padded, dtype=torch.int32).view(n, width)
 
 
 def build_attention_metadata(
@@ -96,11 +126,12 @@ def build_attention_metadata(
     (graph mode keeps it constant); by default it is the longest table in the batch.
     Returns ``(positions [T] int64, metadata)``.
     """
-    _check_batch(block_tables, num_cached, num_new, block_size, num_blocks, max_model_len)
+    _check_batch(block_tables, num_cached, num_new, block_size, max_model_len)
     width = max(len(t) for t in block_tables) if block_table_width is None else block_table_width
     if width < 1 or any(len(t) > width for t in block_tables):
         raise ValueError(f"block_table_width={width} must be >= 1 and at least the longest block table "
                          f"({max(len(t) for t in block_tables)} blocks)")
+    tables = _block_table_tensor(block_tables, width, num_blocks)  # [n, M] int32
     positions, slots = [], []
     for table, cached, new in zip(block_tables, num_cached, num_new):
         for pos in range(cached, cached + new):
@@ -111,13 +142,12 @@ def build_attention_metadata(
     totals = [c + n for c, n in zip(num_cached, num_new)]
     decode = prefill = None
     if n_dec:
-        decode = DecodeMetadata(_table_tensor(block_tables[:n_dec], width, device),
+        decode = DecodeMetadata(tables[:n_dec].to(device, copy=True),
                                 torch.tensor(totals[:n_dec], dtype=torch.int32, device=device))
     if n_dec < len(num_new):
-        prefill = PrefillMetadata(_table_tensor(block_tables[n_dec:], width, device),
-                                  tuple(num_new[n_dec:]), tuple(totals[n_dec:]))
-    meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=device), decode, prefill)
-    return torch.tensor(positions, dtype=torch.int64, device=device), meta
+        prefill = PrefillMetadata(tables[n_dec:].to(device, copy=True), tuple(num_new[n_dec:]), tuple(totals[n_dec:]))
+    positions_t, slots_t = torch.tensor([positions, slots], dtype=torch.int64, device=device)  # one conversion
+    return positions_t, AttentionMetadata(slots_t, decode, prefill)
 
 
 # What a padding row of a decode batch holds, per input: token 0 at position 0, written with
