@@ -6,11 +6,19 @@ once without a host sync; ``decode`` is what the model now runs (see ``ascend_gr
 compiled below ``T*K = X`` it is ``gathered_by_expert``). Compiled forms go through the runner's
 backend (Inductor with the single-row matmul pass). Bandwidth counts each distinct chosen
 expert's weights once; the copy bandwidth is timed in the same rounds (the MoE's roofline).
+
+``eager oneDNN pre-packed (not used)`` is a bound, not a model form: ``grouped``'s loop (one
+linear pair per chosen expert, host-side counts) on weights packed for oneDNN the way Inductor's
+freezing packs a linear's. It shows what the same matmuls reach without aten's per-call handling
+of plain weights. The model does not use it: it needs a packed copy of every expert, as the plain
+weights feed the fused batch-1 reduction and every other backend.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from ascend_graph.backends import resolve_backend
 from ascend_graph.config import GraphConfig
@@ -18,6 +26,33 @@ from ascend_graph.models.moe import RoutedExperts
 from benchmarks.common import interleaved_medians
 from benchmarks.models import v2_lite_slice
 from benchmarks.roofline import CopyProbe
+
+
+PREPACKED = "eager oneDNN pre-packed (not used)"
+
+
+class PrepackedExperts(RoutedExperts):
+    """``RoutedExperts`` sharing another's weights, each expert's pair also packed for oneDNN."""
+
+    def __init__(self, experts: RoutedExperts, rows_hint: int = 4) -> None:
+        nn.Module.__init__(self)
+        self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
+        pack = torch.ops.mkldnn._reorder_linear_weight
+        with torch.no_grad():
+            self.packed = [(pack(gu, rows_hint), pack(d, rows_hint))
+                           for gu, d in zip(self.gate_up_proj, self.down_proj)]
+
+    @staticmethod
+    def available() -> bool:
+        """Whether this torch has oneDNN's packed linear."""
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+    def expert_mlp(self, rows: Tensor, expert: int) -> Tensor:
+        if not rows.shape[0]:
+            return rows.new_empty(0, self.down_proj.shape[1])
+        gate_up, down = self.packed[expert]
+        gate, up = torch.ops.mkldnn._linear_pointwise(rows, gate_up, None, "none", [], "").chunk(2, dim=-1)
+        return torch.ops.mkldnn._linear_pointwise(F.silu(gate) * up, down, None, "none", [], "")
 
 
 def measure(tokens=(1, 8, 32), rounds: int = 5, calls: int = 2) -> dict:
@@ -32,6 +67,7 @@ def measure(tokens=(1, 8, 32), rounds: int = 5, calls: int = 2) -> dict:
     per_expert = 3 * config.hidden_size * config.moe_intermediate_size * 2
     backend = resolve_backend(GraphConfig(enabled=True, backend="inductor"), "cpu")
     rows, probe = [], CopyProbe()
+    prepacked = PrepackedExperts(experts) if PrepackedExperts.available() else None
     for t in tokens:
         x = torch.randn(t, config.hidden_size, generator=gen).to(torch.bfloat16)
         w = torch.rand(t, k, generator=gen)
@@ -43,6 +79,12 @@ def measure(tokens=(1, 8, 32), rounds: int = 5, calls: int = 2) -> dict:
                            ("compiled decode (now)", experts.decode)):
             fns[name] = (lambda f: lambda: f(x, w, ex))(torch.compile(form, backend=backend, fullgraph=True,
                                                                       dynamic=False))
+        if prepacked is not None:
+            with torch.no_grad():
+                diff = (prepacked.grouped(x, w, ex) - experts.grouped(x, w, ex)).abs().max().item()
+            if diff > 0.05:  # same sums (bf16 rows); a mis-packed expert would be far off
+                raise AssertionError(f"pre-packed experts differ from the plain ones by {diff} at T={t}")
+            fns[PREPACKED] = lambda: prepacked.grouped(x, w, ex)
         fns["copy"] = probe
         with torch.no_grad():
             times = interleaved_medians(fns, rounds=rounds, calls_per_round=calls, warmup=2)

@@ -97,7 +97,7 @@ def targets(out: dict) -> list[dict]:
             bound=(f"the routed experts of one layer as the compiled step runs them: {moe['experts_used']} distinct "
                    f"experts, {moe['bytes'] / 1e6:.0f} MB, in {now['ms']:.1f} ms; copy bandwidth in the same rounds "
                    f"{moe['copy_bytes_per_s'] / 1e9:.1f} GB/s. The whole step's row above is bound by the dense "
-                   "layers' and the LM head's compute instead"))
+                   "layers' and the LM head's compute instead" + _prepacked_note(moe, out["moe_forms"]["rows"])))
     frac, ratio = _attention(out)
     floor = next((x for x in (out.get("attention") or {}).get("rows", []) if x["step"].startswith("floor")), None)
     add("decode attention b32 ctx2048: bandwidth / copy bandwidth", frac, 0.5, "attention",
@@ -233,6 +233,7 @@ def markdown(out: dict) -> str:
     for key, title in (("decode_small", "built-in small model (float32)"),
                        ("decode_v2", "DeepSeek-V2-Lite slice (2 layers, bfloat16, vocabulary 102400)")):
         lines += _decode_table(out.get(key), title, bw)
+    lines += _host_table(out.get("overhead"))
     lines += _moe_table(out.get("moe_forms"))
     lines += _levers_table(out.get("levers"))
     lines += _huge_pages_table(out.get("huge_pages"))
@@ -292,6 +293,37 @@ def _decode_table(d: dict | None, title: str, bw: dict | None) -> list[str]:
         lines += ["", "\"graph, AOTInductor\": a second runner over the same weights with `aot_inductor=True` "
                   "(opt-in), its packages compiled into a temporary directory, timed in the same rounds."]
     return lines + [""]
+
+
+def _prepacked_note(moe: dict, rows: list[dict]) -> str:
+    """What oneDNN's pre-packed expert weights reach in the same rounds, and what they would cost."""
+    name = "eager oneDNN pre-packed (not used)"
+    if name not in moe:
+        return ""
+    packed = moe[name]
+    note = (f". Most of that time is aten's bf16 matmul on plain weights at ~3 rows per expert: the same matmuls on "
+            f"weights pre-packed for oneDNN take {packed['ms']:.1f} ms (ratio "
+            f"{packed['GB_per_s'] * 1e9 / moe['copy_bytes_per_s']:.2f}). Not used: it needs a packed copy of "
+            "every expert (2x the experts' memory), since the plain layout feeds the compiled batch-1 form")
+    one = next((r for r in rows if r["tokens"] == 1 and name in r), None)
+    if one:
+        note += (f" (at 1 token: compiled {one['compiled decode (now)']['ms']:.1f} ms, pre-packed "
+                 f"{one[name]['ms']:.1f} ms)")
+    return note
+
+
+def _host_table(ov: dict | None) -> list[str]:
+    rows = (ov or {}).get("host_metadata")
+    if not rows:
+        return []
+    lines = ["", "### Host preparation that grows with context: `build_attention_metadata` for a decode batch, us",
+             "", "| batch | context | block ids | tables as `BlockManager` keeps them (int32 arrays) "
+             "| as Python lists |",
+             "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['batch']} | {r['context']} | {r['block_ids']} | {r['arrays_us']:.0f} | {r['lists_us']:.0f} |"
+              for r in rows]
+    return lines + ["", "Arrays are copied with one memcpy per table and every id is range-checked with one tensor "
+                    "reduction; lists are converted id by id.", ""]
 
 
 def _moe_table(m: dict | None) -> list[str]:

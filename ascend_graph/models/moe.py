@@ -179,12 +179,14 @@ class RoutedExperts(nn.Module):
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()  # host sync
         token = order // k
-        outs = []
-        for expert, rows in enumerate(x[token].split(counts)):
-            gate, up = F.linear(rows, self.gate_up_proj[expert]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))
+        outs = [self.expert_mlp(rows, expert) for expert, rows in enumerate(x[token].split(counts))]
         out = torch.cat(outs) * weights.flatten()[order, None].to(x.dtype)  # [T*K, E]
         return torch.zeros_like(x).index_add_(0, token, out)
+
+    def expert_mlp(self, rows: Tensor, expert: int) -> Tensor:
+        """One expert's SiLU-gated MLP on its ``[R, E]`` rows (``grouped``'s step)."""
+        gate, up = F.linear(rows, self.gate_up_proj[expert]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj[expert])
 
 
 class MoE(nn.Module):
