@@ -7,16 +7,23 @@ it (``inline_cache_writes``, the default on CPU), and the same step from an AOTI
 (``GraphConfig.aot_inductor``: no dynamo guards). The compiled calls are profiled
 (``torch.profiler``, 50 calls at batch 8): dynamo's guard check, and the op's own time in the
 second runner. Host preparation is ``execute`` minus the compiled call.
+
+``host_metadata`` times the part of host preparation that grows with context:
+``build_attention_metadata`` for a decode batch, with the block tables as ``BlockManager`` keeps
+them (int32 arrays, copied with a memcpy each) and as plain Python lists (converted id by id).
 """
 
 from __future__ import annotations
 
 import tempfile
+from array import array
 from dataclasses import replace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from ascend_graph.attention import build_attention_metadata
+from ascend_graph.attention.metadata import INT32_TYPECODE
 from ascend_graph.backends.inductor import InductorBackend, config_patches
 from ascend_graph.block_manager import BlockManager
 from ascend_graph.config import GraphConfig
@@ -52,12 +59,33 @@ def measure(batch: int = 8, calls: int = 50) -> dict:
            "write_slots_us": op_self_us.get("ascend_graph::write_slots", 0.0)
            + op_self_us.get("aten::index_copy_", 0.0) + op_self_us.get("aten::clamp", 0.0),
            "guard_us": self_us.get("TorchDynamo Cache Lookup", 0.0),
-           "layers": case.config.num_hidden_layers, "aot_execute_us": t["execute, AOTInductor package"] * 1e6}
+           "layers": case.config.num_hidden_layers, "aot_execute_us": t["execute, AOTInductor package"] * 1e6,
+           "host_metadata": host_metadata()}
     print(f"  overhead batch {batch}: execute {res['execute_us']:.0f} us, compiled call {res['compiled_call_us']:.0f} us "
           f"(guards {res['guard_us']:.0f} us); with the cache write called as the op "
           f"{res['compiled_call_op_write_us']:.0f} us (the op {res['write_slots_us']:.0f} us); "
           f"execute from an AOTInductor package {res['aot_execute_us']:.0f} us", flush=True)
     return res
+
+
+def host_metadata(shapes=((8, 256), (64, 256), (64, 4096), (64, 16384)), block_size: int = 16) -> list[dict]:
+    """Microseconds of ``build_attention_metadata`` for ``batch`` decode rows at ``context`` tokens,
+    block tables as int32 arrays and as lists, timed in the same rounds."""
+    rows = []
+    for batch, context in shapes:
+        per = -(-context // block_size)
+        arrays = [array(INT32_TYPECODE, range(1 + i * per, 1 + (i + 1) * per)) for i in range(batch)]
+        lists = [list(t) for t in arrays]
+        kw = dict(block_size=block_size, num_blocks=1 + batch * per, max_model_len=context, block_table_width=per)
+
+        def build(tables):
+            return lambda: build_attention_metadata(tables, [context - 1] * batch, [1] * batch, **kw)
+        t = interleaved_medians({"arrays": build(arrays), "lists": build(lists)}, rounds=15, calls_per_round=5)
+        rows.append({"batch": batch, "context": context, "block_ids": batch * per,
+                     "arrays_us": t["arrays"] * 1e6, "lists_us": t["lists"] * 1e6})
+        print(f"  host metadata batch {batch}, context {context}: {t['arrays'] * 1e6:.0f} us (BlockManager arrays), "
+              f"{t['lists'] * 1e6:.0f} us (lists)", flush=True)
+    return rows
 
 
 def _compiled_call(runner, batch: int):
