@@ -138,6 +138,10 @@ class GraphRunner:
                                             huge_pages=self.device.type == "cpu")
         self.stats = RunnerStats()
         self._backend = backend
+        # Device graphs (CUDA graphs, NPU graphs) replay into one output buffer, so a step's logits
+        # are copied out; the CPU backends this runner resolves itself (Inductor, AOTInductor)
+        # allocate their outputs per call (tests/test_runner.py checks it), a user's may not.
+        self._copy_logits = not (self.device.type == "cpu" and backend is None)
         self._graphs: dict[int, Callable] = {}
         self._failed: dict[int, str] = {}
         self._warm = False
@@ -279,8 +283,8 @@ class GraphRunner:
             if isinstance(e.inner_exception, RecompileError):
                 raise e.inner_exception from None
             raise
-        # Device graphs overwrite their output buffer on the next replay: keep a copy of ours.
-        return self._unpermute(logits[:n].clone(), step.order)
+        logits = logits[:n].clone() if self._copy_logits else logits[:n]
+        return self._unpermute(logits, step.order)
 
     def _capture_size(self, size: int, backend: Optional[Callable]) -> None:
         start, mem0 = time.perf_counter(), memory_in_use(self.device)

@@ -67,3 +67,15 @@ class Schedule:
     def random_prompt(self, vocab: int) -> list[int]:
         """A prompt of 2..9 random tokens."""
         return [self.rng.randrange(vocab) for _ in range(self.rng.randint(2, 9))]
+
+
+def assert_graph_outputs_are_fresh(runner, sched: Schedule, seq_ids: list[int]) -> None:
+    """Two graph steps in a row: the first step's logits are its own, not a buffer the second
+    overwrites (the runner returns CPU graph outputs without copying them)."""
+    entries = sched.decode_entries()
+    first = runner.execute(entries, mode="graph")
+    saved = first.clone()
+    sched.advance(seq_ids, entries, first)
+    second = runner.execute(sched.decode_entries(), mode="graph")
+    assert first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
+    assert torch.equal(first, saved) and not torch.equal(first, second)

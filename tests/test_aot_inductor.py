@@ -13,7 +13,8 @@ import sys
 
 import pytest
 import torch
-from runner_helpers import BLOCK_SIZE, MAX_MODEL_LEN, Schedule, make_runner, small_model
+from runner_helpers import (BLOCK_SIZE, MAX_MODEL_LEN, Schedule, assert_graph_outputs_are_fresh, make_runner,
+                            small_model)
 
 from ascend_graph.backends.aot_inductor import PACKAGE_SUBDIR, inductor_options, package_key
 from ascend_graph.config import GraphConfig
@@ -61,6 +62,11 @@ def test_packages_equal_eager_for_every_size(compiled):
     packages = sorted(os.listdir(os.path.join(cache_dir, PACKAGE_SUBDIR)))
     assert [p.split("-")[0] for p in packages] == ["decode_step_1", "decode_step_2"]
     assert all(p.endswith(".pt2") for p in packages)  # no partial package left behind
+
+
+def test_package_logits_are_not_overwritten_by_the_next_step(compiled):
+    _, _, runner, sched = compiled
+    assert_graph_outputs_are_fresh(runner, sched, [0, 1])
 
 
 def test_a_second_runner_loads_the_packages_without_compiling(compiled):

@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from runner_helpers import Schedule, make_runner, small_model
+from runner_helpers import Schedule, assert_graph_outputs_are_fresh, make_runner, small_model
 
 from ascend_graph.config import GraphConfig
 from ascend_graph.parity import compare_step
@@ -53,6 +53,16 @@ def test_dispatch_graph_for_decode_within_sizes_and_eager_above(n):
         assert runner.stats.graph_steps == 1 and runner.stats.eager_steps["oversize"] == 0
     else:
         assert runner.stats.graph_steps == 0 and runner.stats.eager_steps["oversize"] == 1
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_graph_logits_are_not_overwritten_by_the_next_step(backend):
+    """3 rows in a size-4 graph, twice: the runner hands CPU graph logits out without a copy."""
+    model = small_model("llama")
+    runner, sched = make_runner(model, graph_config(backend=backend, capture_sizes=(4,), max_batch_size=4)), Schedule()
+    prefilled(runner, sched, 3, model.config.vocab_size)
+    assert not runner._copy_logits
+    assert_graph_outputs_are_fresh(runner, sched, [0, 1, 2])
 
 
 def test_mixed_batch_and_disabled_graph_mode_run_eager_with_reasons():
