@@ -8,6 +8,7 @@ each call so every call decodes at the same length.
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -23,6 +24,9 @@ class HFDecoder:
 
         self.model, self.context = hf_model(config, dtype), context
         self.vocab = config.vocab_size
+        # transformers 5.2x renamed ``past_key_values`` to ``cache`` (the old name warns, then goes)
+        params = inspect.signature(self.model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
 
     def step_fn(self, batch: int) -> Callable[[], object]:
         """Prefill ``batch`` rows of ``context - 1`` tokens; return a function that decodes one token."""
@@ -31,14 +35,14 @@ class HFDecoder:
         ids = (torch.arange(self.context - 1)[None, :] * 7 + torch.arange(batch)[:, None]) % self.vocab
         cache = DynamicCache(config=self.model.config)
         with torch.inference_mode():
-            self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self.cache_arg: cache})
         nxt = torch.ones(batch, 1, dtype=torch.long)
         pos = torch.full((batch, 1), self.context - 1, dtype=torch.long)
 
         def step() -> torch.Tensor:
             with torch.inference_mode():
-                out = self.model(input_ids=nxt, position_ids=pos, past_key_values=cache, use_cache=True,
-                                 logits_to_keep=1)
+                out = self.model(input_ids=nxt, position_ids=pos, use_cache=True, logits_to_keep=1,
+                                 **{self.cache_arg: cache})
             cache.crop(-1)  # drop the token just decoded
             return out.logits
 
