@@ -142,10 +142,10 @@ def build_attention_metadata(
     totals = [c + n for c, n in zip(num_cached, num_new)]
     decode = prefill = None
     if n_dec:
-        decode = DecodeMetadata(tables[:n_dec].to(device, copy=True),
+        decode = DecodeMetadata(tables[:n_dec].to(device),
                                 torch.tensor(totals[:n_dec], dtype=torch.int32, device=device))
     if n_dec < len(num_new):
-        prefill = PrefillMetadata(tables[n_dec:].to(device, copy=True), tuple(num_new[n_dec:]), tuple(totals[n_dec:]))
+        prefill = PrefillMetadata(tables[n_dec:].to(device), tuple(num_new[n_dec:]), tuple(totals[n_dec:]))
     positions_t, slots_t = torch.tensor([positions, slots], dtype=torch.int64, device=device)  # one conversion
     return positions_t, AttentionMetadata(slots_t, decode, prefill)
 
