@@ -229,7 +229,8 @@ def markdown(out: dict) -> str:
     for t in out.get("targets", targets(out)):
         goal = ("≤ " if t["at_most"] else "≥ ") + f"{t['goal']}"
         met = {True: "yes", False: "**no**", None: "not run"}[t["met"]]
-        lines.append(f"| {t['target']} | {goal} | {_fmt(t['value'])} | {met} | {t.get('bound', '')} |")
+        digits = 3 if t["value"] is not None and _fmt(t["value"]) == _fmt(t["goal"]) else 2  # 0.4997 is not 0.50
+        lines.append(f"| {t['target']} | {goal} | {_fmt(t['value'], digits)} | {met} | {t.get('bound', '')} |")
     for key, title in (("decode_small", "built-in small model (float32)"),
                        ("decode_v2", "DeepSeek-V2-Lite slice (2 layers, bfloat16, vocabulary 102400)")):
         lines += _decode_table(out.get(key), title, bw)
