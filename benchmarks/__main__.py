@@ -19,7 +19,7 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 import torch  # noqa: E402
 
 from benchmarks import (attention, compute, decode_step, huge_pages, levers, memory, moe_forms, overhead, report,  # noqa: E402
-                        roofline, startup)
+                        roofline, startup, targets)
 from benchmarks.common import conditions, set_malloc_keeps_freed_memory, write_json  # noqa: E402
 from benchmarks.models import build, cases  # noqa: E402
 
@@ -159,7 +159,7 @@ def main(argv=None) -> dict:
         run_part(part, p, args.quick, out)
         out.setdefault("part_seconds", {})[part] = round(time.perf_counter() - start, 1)
         out.setdefault("part_run", {})[part] = started
-        out["targets"] = report.targets(out)
+        out["targets"] = targets.targets(out)
         write_json(path, out)
     report.write_outputs(out, path, RESULTS)
     return out
