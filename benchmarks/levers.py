@@ -10,11 +10,17 @@ become graph constants, pre-packed for oneDNN). Freezing has to be on while dyna
 compile option alone it finds no constant to fold (parameters are graph inputs) and changes
 nothing. Freezing's memory cost is measured in ``benchmarks/memory.py`` (fresh processes).
 ``AOTInductor package``: ``GraphConfig.aot_inductor`` (torch.export + AOTInductor, compiled
-into a temporary directory; the same Inductor options as the default).
+into a temporary directory; the same Inductor options as the default). ``batch-1 bmm kept``: the
+single-row pass without its rewrite of batch-1 ``bmm`` into ``mm`` (MLA decode's attention at
+batch 1). Run alone, e.g. at a longer context:
+
+    TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.levers --batches 1 --context 2048 \
+        --names default "batch-1 bmm kept"
 """
 
 from __future__ import annotations
 
+import argparse
 import tempfile
 from dataclasses import replace
 from typing import NamedTuple
@@ -28,6 +34,7 @@ from benchmarks.models import build, cases, decode_batch, make_runner, with_row_
 ROW_MAJOR = "row-major long rows"
 AOT = "AOTInductor package"
 OP_WRITE = "cache write as the op's call"
+BMM1 = "batch-1 bmm kept"
 
 
 class Variant(NamedTuple):
@@ -46,8 +53,9 @@ def variants(config: GraphConfig, package_dir: str) -> dict[str, Variant]:
     no_pass = {k: v for k, v in default.items() if k != "post_grad_custom_post_pass"}
     frozen = replace(config, inductor_freezing_min_batch=1)
     no_split = {**default, "post_grad_custom_post_pass": SingleRowMatmulPass(split_long_reductions=False)}
+    bmm_kept = {**default, "post_grad_custom_post_pass": SingleRowMatmulPass(batch_one_bmm_as_mm=False)}
     return {"default": Variant(config, default), "without single-row pass": Variant(config, no_pass),
-            "without long-reduction split": Variant(config, no_split),
+            "without long-reduction split": Variant(config, no_split), BMM1: Variant(config, bmm_kept),
             "without C++ wrapper": Variant(config, {**default, "cpp_wrapper": False}),
             OP_WRITE: Variant(config, default, inline_writes=False),
             ROW_MAJOR: Variant(config, default, row_major=True), "with freezing": Variant(frozen, default),
@@ -56,9 +64,12 @@ def variants(config: GraphConfig, package_dir: str) -> dict[str, Variant]:
             f"eager, {ROW_MAJOR}": Variant(config, default, row_major=True, mode="eager")}
 
 
-def measure(batches=(1, 8), rounds: int = 5, quick: bool = False, names=None) -> dict:
-    """Median step time of every variant (or of ``names``) at every batch size."""
+def measure(batches=(1, 8), rounds: int = 5, quick: bool = False, names=None, context: int | None = None) -> dict:
+    """Median step time of every variant (or of ``names``) at every batch size, at ``context``
+    tokens (default: the suite's V2-Lite context)."""
     case = cases(quick)["v2_lite_slice"]
+    if context is not None:
+        case = replace(case, context=context)
     model, rows = build(case), []
     row_major = with_row_major_long_rows(model)
     for n in batches:
@@ -79,3 +90,23 @@ def measure(batches=(1, 8), rounds: int = 5, quick: bool = False, names=None) ->
         rows.append({"batch": n, **{k: v * 1e3 for k, v in t.items()}})
         print(f"  levers batch {n}: " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items()), flush=True)
     return {"model": case.name, "context": case.context, "unit": "ms per step (median)", "rows": rows}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--context", type=int, default=None)
+    p.add_argument("--names", nargs="+", default=None, help="variants to run (default: all)")
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    from benchmarks.common import set_malloc_keeps_freed_memory
+
+    set_malloc_keeps_freed_memory(True)
+    measure(tuple(args.batches), rounds=args.rounds, names=args.names, context=args.context)
+
+
+if __name__ == "__main__":
+    main()

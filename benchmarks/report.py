@@ -155,7 +155,9 @@ def _levers_table(lv: dict | None) -> list[str]:
     for r in lv["rows"]:
         lines.append(f"| {r['batch']} | " + " | ".join(f"{r[n]:.1f}" for n in names) + " |")
     return lines + ["", "Default on CPU: C++ wrapper, the single-row matmul pass and the generated cache write "
-                    "(`ascend_graph/backends/inductor.py`); a lever is kept only where it wins here. `cache write as "
+                    "(`ascend_graph/backends/inductor.py`); a lever is kept only where it wins here. `batch-1 bmm kept`: "
+                    "the single-row pass without its rewrite of batch-1 `bmm` (MLA decode's attention at batch 1) into "
+                    "`mm`. `cache write as "
                     "the op's call`: the step calls the `ascend_graph::write_slots` custom op once per layer, as "
                     "before `inline_cache_writes`. `row-major long "
                     "rows`: the dense MLP's down projection (rows of 10944) stored row-major, as before, instead of "

@@ -119,3 +119,20 @@ def test_long_reduction_is_split_into_chunks_and_matches_reference(k, chunks):
     # bf16 output: 2**-8 relative, plus the rounding of silu(x) to bf16 before the product
     torch.testing.assert_close(got.double(), reference, atol=2e-2, rtol=1e-2)
     assert ("CascadeSumHelper" in "".join(code)) == (chunks == 1)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_batch_of_one_bmm_runs_as_mm_and_matches_eager(batch):
+    """MLA decode's scores at batch 1: ``bmm(q [1, H, C], kv [1, T, C]^T)`` over a kv that the
+    graph computed. Inductor gives that buffer's size-1 batch a zero stride, and aten's CPU
+    ``bmm`` then copies the operand first; the pass makes it an ``mm``. Batch 2 stays a ``bmm``."""
+    from torch._inductor.utils import run_and_get_code
+
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(batch, 16, 64, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(batch, 48, 64, generator=gen).to(torch.bfloat16)
+    fn = lambda q, kv: torch.einsum("bhc,btc->bht", q, kv * 2).softmax(-1)  # noqa: E731
+    got, code = run_and_get_code(_compiled(fn, with_pass=True), q, kv)
+    torch.testing.assert_close(got, fn(q, kv), atol=1e-2, rtol=1e-2)
+    calls = "".join(code)
+    assert ("bmm" in calls) == (batch > 1) and ("_mm" in calls or "mm(" in calls)
