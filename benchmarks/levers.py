@@ -25,10 +25,12 @@ import tempfile
 from dataclasses import replace
 from typing import NamedTuple
 
+import torch
+
 from ascend_graph.backends.inductor import InductorBackend, SingleRowMatmulPass, config_patches
 from ascend_graph.block_manager import BlockManager
 from ascend_graph.config import GraphConfig
-from benchmarks.common import interleaved_medians
+from benchmarks.common import interleaved_medians, set_malloc_keeps_freed_memory
 from benchmarks.models import build, cases, decode_batch, make_runner, with_row_major_long_rows
 
 ROW_MAJOR = "row-major long rows"
@@ -99,11 +101,7 @@ def main(argv=None) -> None:
     p.add_argument("--names", nargs="+", default=None, help="variants to run (default: all)")
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)
-    import torch
-
     torch.set_num_threads(1)
-    from benchmarks.common import set_malloc_keeps_freed_memory
-
     set_malloc_keeps_freed_memory(True)
     measure(tuple(args.batches), rounds=args.rounds, names=args.names, context=args.context)
 

@@ -80,7 +80,8 @@ def _write_body(signature: tuple) -> torch.fx.Graph:
 
 
 class SingleRowMatmulPass(CustomGraphPass):
-    """Post-grad pass: one-row bfloat16/float16 matmuls on CPU become reductions.
+    """Post-grad pass: one-row bfloat16/float16 matmuls on CPU become reductions (and a batch-1
+    ``bmm`` an ``mm``, below).
 
     ``mm(x [1, K], w [K, N])`` -> ``sum(x.float().T * w.float(), 0)``; ``addmm`` adds its bias
     after; ``bmm(x [B, 1, K], w [B, K, N])`` likewise per batch. Inductor generates each as one
@@ -133,15 +134,14 @@ class SingleRowMatmulPass(CustomGraphPass):
 
     @staticmethod
     def _batch_of_one(x, w) -> bool:
-        vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in (x, w)]
-        return (all(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in vals)
+        vals = _fake_values(x, w)
+        return (vals is not None and all(v.device.type == "cpu" for v in vals)
                 and isinstance(vals[0].shape[0], int) and vals[0].shape[0] == 1)
 
     @staticmethod
     def _as_mm(graph: torch.fx.Graph, x, w) -> torch.fx.Node:
         """``bmm(x [1, M, K], w [1, K, N])`` as ``mm`` of the two matrices, viewed back to ``[1, M, N]``."""
         aten = torch.ops.aten
-        (_, m, k), n = x.meta["val"].shape, w.meta["val"].shape[-1]
         x2 = _call(graph, aten.squeeze.dim, x, 0)  # [M, K]
         w2 = _call(graph, aten.squeeze.dim, w, 0)  # [K, N]
         return _call(graph, aten.unsqueeze.default, _call(graph, aten.mm.default, x2, w2), 0)  # [1, M, N]
@@ -175,8 +175,8 @@ class SingleRowMatmulPass(CustomGraphPass):
 
     @staticmethod
     def _applies(x, w) -> bool:
-        vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in (x, w)]
-        if any(not isinstance(v, torch.Tensor) for v in vals):
+        vals = _fake_values(x, w)
+        if vals is None:
             return False
         xv, wv = vals
         rows = xv.shape[-2]
@@ -186,6 +186,12 @@ class SingleRowMatmulPass(CustomGraphPass):
     def uuid(self) -> Optional[Any]:
         return (get_hash_for_files((__file__, runtime.__file__)).hex() + f"-split{int(self.split_long_reductions)}"
                 f"-bmm1{int(self.batch_one_bmm_as_mm)}")
+
+
+def _fake_values(*args) -> Optional[list[torch.Tensor]]:
+    """The fake tensors (``meta["val"]``) of graph nodes ``args``, or None unless all have one."""
+    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in args]
+    return vals if all(isinstance(v, torch.Tensor) for v in vals) else None
 
 
 def _call(graph: torch.fx.Graph, target, *args) -> torch.fx.Node:
