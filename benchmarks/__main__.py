@@ -82,7 +82,8 @@ def decode(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: bool
     if case_name != "small":  # copy bandwidth timed in the same rounds as the steps it bounds
         probe = roofline.CopyProbe()
         extra["copy"] = lambda n: probe
-    res = decode_step.measure(case, sizes, rounds[0], rounds[1], model=model, extra=extra, roofline=probe is not None)
+    res = decode_step.measure(case, sizes, rounds[0], rounds[1], model=model, extra=extra, roofline=probe is not None,
+                              matmul_floor=probe is not None)
     if frozen is not None:
         res["frozen"] = {"inductor_freezing_min_batch": min(frozen_sizes),
                          "capture": frozen.runner.stats.to_dict()["capture"]}

@@ -7,12 +7,18 @@ by the rows that chose it (B * K row-expert pairs in all); absorbed MLA adds per
 bfloat16 matmul (the dense MLP's shape) timed interleaved with the copy probe, with aten's
 weights and with weights pre-packed for oneDNN (what ``inductor_freezing_min_batch`` compiles to).
 Above every matmul rate: the core's peak multiply-add rate (``benchmarks/peak.py``).
+
+``StepMatmuls`` is the tighter floor, timed in the decode rounds themselves: the step's own
+matmuls (all but the routed experts'), recorded from an eager step and replayed alone.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+from ascend_graph.models.moe import RoutedExperts
 from benchmarks import peak
 from benchmarks.common import interleaved_medians
 from benchmarks.models import v2_lite_slice
@@ -33,6 +39,57 @@ def step_flops(batch: int, context: int) -> float:
     per_row = (c.num_hidden_layers * attn_w + c.first_k_dense_replace * dense_mlp
                + moe_layers * (shared + routed_pairs) + e * c.vocab_size)
     return 2.0 * batch * per_row + batch * c.num_hidden_layers * absorbed
+
+
+_aten = torch.ops.aten
+MATMUL_OPS = frozenset({_aten.linear.default, _aten.einsum.default, _aten.matmul.default, _aten.mm.default,
+                        _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten._grouped_mm.default})
+
+
+class _MatmulRecorder(TorchDispatchMode):
+    """Keeps every matmul call (op, args, kwargs) made while active; composite ops such as
+    ``linear`` and ``einsum`` are seen whole, their inner ``mm``/``bmm`` are not seen again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in MATMUL_OPS:
+            self.calls.append((func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+class StepMatmuls:
+    """The matmuls of one eager decode step except the routed experts', replayed as aten runs them.
+
+    Recorded once from ``run_step`` (an eager step) with their arguments: the model's own weights
+    and that step's activations and gathered KV. Attention's projections and absorbed products,
+    the dense MLP, the shared experts, the router and the LM head. From 2 rows on, the compiled
+    step calls the same aten kernels for these products (at 1 row the single-row pass replaces
+    them with generated reductions), so their replay, timed in the same rounds as the step, is
+    what the step's dense products cost with aten's matmul; the routed experts are left out
+    because the compiled step runs them in forms of its own (``RoutedExperts.decode``).
+    """
+
+    def __init__(self, model: torch.nn.Module, run_step) -> None:
+        experts = {p.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, RoutedExperts)
+                   for p in m.parameters()}
+        recorder = _MatmulRecorder()
+        with recorder:
+            run_step()
+
+        def reads_experts(call: tuple) -> bool:
+            return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in experts
+                       for t in tree_leaves((call[1], call[2])))
+
+        self.calls = [c for c in recorder.calls if not reads_experts(c)]
+        self.skipped = len(recorder.calls) - len(self.calls)
+
+    def __call__(self) -> list[torch.Tensor]:
+        with torch.inference_mode():
+            return [op(*args, **kwargs) for op, args, kwargs in self.calls]
 
 
 def _packed_linear(x: torch.Tensor, w: torch.Tensor):

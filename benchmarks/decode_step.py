@@ -43,12 +43,14 @@ class RunnerVariant:
 
 
 def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, backend: str = "inductor",
-            model: torch.nn.Module | None = None, extra: dict | None = None, roofline: bool = False) -> dict:
+            model: torch.nn.Module | None = None, extra: dict | None = None, roofline: bool = False,
+            matmul_floor: bool = False) -> dict:
     """Graph and eager step time of ``case`` at every batch size in ``sizes``.
 
     ``extra`` maps a name to ``f(batch) -> callable or None`` for more variants timed in the
     same rounds (the transformers baseline uses it). With ``roofline`` each row also gets the
-    bytes the step must read (``benchmarks.roofline.step_bytes``).
+    bytes the step must read (``benchmarks.roofline.step_bytes``). With ``matmul_floor``, batches
+    of 2 rows or more also time the step's matmuls alone (``benchmarks.compute.StepMatmuls``).
     """
     model = build(case) if model is None else model
     config = GraphConfig(enabled=True, backend=backend, capture_sizes=sizes, max_batch_size=max(sizes))
@@ -60,9 +62,12 @@ def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, ba
         fns = {"eager": lambda: runner.execute(entries, mode="eager"),
                "graph": lambda: runner.execute(entries, mode="graph")}
         fns.update({name: fn for name, make in (extra or {}).items() if (fn := make(n)) is not None})
+        if matmul_floor and n >= 2:
+            from benchmarks.compute import StepMatmuls
+            fns["matmuls"] = StepMatmuls(runner.model, fns["eager"])
         t = interleaved_medians(fns, rounds=rounds, calls_per_round=calls, warmup=2)
         row = {"batch": n, **{f"{k}_s": v for k, v in t.items()}, "speedup": t["eager"] / t["graph"]}
-        row.update({f"graph_vs_{k}": v / t["graph"] for k, v in t.items() if k not in ("eager", "graph")})
+        row.update({f"graph_vs_{k}": v / t["graph"] for k, v in t.items() if k not in ("eager", "graph", "matmuls")})
         if roofline:
             from benchmarks.roofline import step_bytes
             row["bytes"] = step_bytes(runner.model, n, case.context, lambda: runner.execute(entries, mode="eager"))

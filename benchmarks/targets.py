@@ -127,10 +127,34 @@ def _compute_bound(out: dict, batch: int, rate: str = "bf16_matmul_flops_per_s",
         return ""
     compute_s = comp["step_flops"] / comp[rate]
     roofline_s = row["bytes"]["total"] / row["copy_bytes_per_s"]
+    # The goal (roofline time >= 0.5 step time) allows a step of twice the roofline time; frozen
+    # steps multiply pre-packed weights, which the replayed matmuls do not.
+    floor = _matmul_floor(out, row, 2 * roofline_s) if step == "graph_s" else ""
     return (f"{comp['step_flops'] / 1e9:.1f} GFLOP at the measured {kind} matmul rate "
             f"({comp[rate] / 1e9:.0f} GFLOP/s) take {compute_s * 1e3:.0f} ms vs "
             f"{roofline_s * 1e3:.0f} ms of memory traffic: compute-bound, share at most {roofline_s / compute_s:.2f} "
-            "at that rate" + _at_peak(out, comp["step_flops"], roofline_s, "share", row.get(step)))
+            "at that rate" + (f"; measured on the step itself, {floor}" if floor else "")
+            + _at_peak(out, comp["step_flops"], roofline_s, "share", row.get(step)))
+
+
+def _matmul_floor(out: dict, row: dict, budget_s: float) -> str:
+    """What a goal that allows the step ``budget_s`` leaves for its routed experts once the step's
+    other matmuls are paid for at aten's rate: those matmuls replayed alone in the same rounds
+    (``compute.StepMatmuls``), against the rate at which the batch-1 graph step streams its bytes."""
+    if "matmuls_s" not in row or "bytes" not in row:
+        return ""
+    mm_s, routed = row["matmuls_s"], row["bytes"]["routed_experts"]
+    text = (f"the step's matmuls other than the routed experts', recorded from an eager step and replayed alone "
+            f"in the same rounds (aten, these weights), take {mm_s * 1e3:.0f} ms")
+    if mm_s >= budget_s:
+        return text + f", more than the {budget_s * 1e3:.0f} ms the goal allows the whole step"
+    text += (f", which leaves {(budget_s - mm_s) * 1e3:.0f} ms of the goal's {budget_s * 1e3:.0f} ms for the "
+             f"{routed / 1e6:.0f} MB of routed experts: {routed / (budget_s - mm_s) / 1e9:.0f} GB/s")
+    one = _row(out.get("decode_v2"), 1)
+    if one and "bytes" in one:
+        text += (f", against the {one['bytes']['total'] / one['graph_s'] / 1e9:.1f} GB/s at which the batch-1 graph "
+                 "step streams its weights")
+    return text
 
 
 def _at_peak(out: dict, flops: float, memory_s: float, what: str, step_s: float | None = None) -> str:
@@ -168,7 +192,8 @@ def _attention_bound(out: dict, floor: dict | None) -> str:
 def _bound(out: dict, row: dict | None, other: str, goal: float) -> str:
     """What the goal asks of the graph step, against its floors: the copy-bandwidth roofline (a
     read-only weight stream can beat it: ``copy_`` counts a read and a write) and, from batch 8,
-    the time its FLOPs take at the measured bf16 matmul rate."""
+    the step's own matmuls timed alone (``_matmul_floor``), or where those were not timed, the time
+    its FLOPs take at the measured bf16 matmul rate."""
     if not row or other not in row or "bytes" not in row:
         return ""
     roofline_s = row["bytes"]["total"] / row["copy_bytes_per_s"]
@@ -177,8 +202,11 @@ def _bound(out: dict, row: dict | None, other: str, goal: float) -> str:
             f"{row[other] / roofline_s:.2f}")
     if row["graph_s"] < roofline_s:
         text += ", a figure the step already beats (it streams weights faster than copy_ moves them)"
+    floor = _matmul_floor(out, row, row[other] / goal)
     comp = next((r for r in (out.get("compute") or {}).get("rows", []) if r["batch"] == row["batch"]), None)
-    if comp and row["batch"] >= 8:  # a one-row matmul's rate is a bandwidth figure, not a compute one
+    if floor:
+        text += f"; {floor}"
+    elif comp and row["batch"] >= 8:  # a one-row matmul's rate is a bandwidth figure, not a compute one
         compute_s = comp["step_flops"] / comp["bf16_matmul_flops_per_s"]
         text += (f"; its {comp['step_flops'] / 1e9:.1f} GFLOP at this batch's bf16 matmul rate "
                  f"({comp['bf16_matmul_flops_per_s'] / 1e9:.0f} GFLOP/s) take {compute_s * 1e3:.0f} ms: "

@@ -41,3 +41,30 @@ def test_a_miss_that_rounds_to_the_goal_is_printed_with_three_decimals():
     row = by_name(targets({"moe_forms": {"rows": [moe]}}), "V2-Lite MoE layer alone")
     assert row["met"] is False and 0.4995 < row["value"] < 0.5
     assert "| ≥ 0.5 | 0.500 | **no** |" in markdown({"conditions": CONDITIONS, "moe_forms": {"rows": [moe]}})
+
+
+def v2_run() -> dict:
+    """Batch 1 streams 750 MB in 30 ms (25 GB/s); batches 8 and 32 with their matmuls timed alone."""
+    def row(batch, graph_s, total, routed, **more):
+        return {"batch": batch, "graph_s": graph_s, "eager_s": 2 * graph_s, "speedup": 2.0, "copy_bytes_per_s": 20e9,
+                "bytes": {"total": total, "routed_experts": routed}, **more}
+    return {"decode_v2": {"rows": [
+        row(1, 0.030, 750e6, 100e6, transformers_s=0.090, graph_vs_transformers=3.0),
+        row(8, 0.100, 1000e6, 300e6, transformers_s=0.240, graph_vs_transformers=2.4, matmuls_s=0.070),
+        row(32, 0.200, 1200e6, 500e6, matmuls_s=0.150)]},
+        "compute": {"rows": [{"batch": 32, "step_flops": 24e9, "bf16_matmul_flops_per_s": 120e9}]}}
+
+
+def test_a_missed_batch_8_goal_states_what_it_leaves_for_the_routed_experts():
+    row = by_name(targets(v2_run()), "V2-Lite slice: graph / transformers, batch 8")
+    # 240 ms / 3 = 80 ms allowed; the other matmuls take 70 ms; 300 MB in the 10 ms left is 30 GB/s
+    assert row["met"] is False
+    assert ("take 70 ms, which leaves 10 ms of the goal's 80 ms for the 300 MB of routed experts: 30 GB/s, "
+            "against the 25.0 GB/s at which the batch-1 graph step streams its weights") in row["bound"]
+
+
+def test_batch_32_matmuls_alone_past_twice_the_roofline_are_named_as_such():
+    row = by_name(targets(v2_run()), "V2-Lite slice batch 32: roofline time / step time")
+    # roofline 1200 MB / 20 GB/s = 60 ms: the goal allows 120 ms; the matmuls alone take 150 ms
+    assert row["met"] is False and abs(row["value"] - 0.3) < 1e-9
+    assert "take 150 ms, more than the 120 ms the goal allows the whole step" in row["bound"]

@@ -1,0 +1,39 @@
+"""The suite's matmul floor (``benchmarks.compute.StepMatmuls``): it must replay exactly the
+products an eager decode step makes, minus the routed experts', with the step's own operands.
+
+Oracle: the eager runner. The replayed LM head product must equal the step's logits bit for bit,
+and every weight matrix the step multiplies (all but the embedding and the routed experts) must
+be an operand of some replayed call.
+"""
+
+import torch
+
+from ascend_graph.block_manager import BlockManager
+from ascend_graph.config import GraphConfig
+from ascend_graph.models.moe import RoutedExperts
+from benchmarks.compute import StepMatmuls
+from benchmarks.models import decode_batch, make_runner
+from runner_helpers import small_model
+
+
+def storages(tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def test_the_replay_is_the_step_s_products_except_the_routed_experts():
+    model = small_model("mla_long_rows")
+    runner = make_runner(model, GraphConfig(enabled=False), (4,), 16)
+    entries = decode_batch(runner, BlockManager(runner.num_blocks, runner.block_size), 4, 16)
+    logits = runner.execute(entries, mode="eager")  # the step rewrites the same slots each time
+    floor = StepMatmuls(model, lambda: runner.execute(entries, mode="eager"))
+    outs = floor()
+
+    experts = storages(p for m in model.modules() if isinstance(m, RoutedExperts) for p in m.parameters())
+    operands = storages(t for _, args, kwargs in floor.calls
+                        for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+    weights = storages(p for name, p in model.named_parameters()
+                       if p.dim() >= 2 and "embed_tokens" not in name and ".experts." not in name)
+    assert floor.skipped > 0 and not operands & experts
+    assert weights <= operands, "a weight matrix of the step is missing from the replay"
+    assert torch.equal(outs[-1], logits)
+    assert len(outs) == len(floor.calls) and all(isinstance(o, torch.Tensor) for o in outs)
