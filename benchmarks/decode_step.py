@@ -22,6 +22,7 @@ import torch  # noqa: E402
 from ascend_graph.block_manager import BlockManager  # noqa: E402
 from ascend_graph.config import GraphConfig  # noqa: E402
 from benchmarks.common import conditions, interleaved_medians, write_json  # noqa: E402
+from benchmarks.compute import StepMatmuls  # noqa: E402
 from benchmarks.models import ModelCase, build, cases, decode_batch, make_runner  # noqa: E402
 
 
@@ -63,7 +64,6 @@ def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, ba
                "graph": lambda: runner.execute(entries, mode="graph")}
         fns.update({name: fn for name, make in (extra or {}).items() if (fn := make(n)) is not None})
         if matmul_floor and n >= 2:
-            from benchmarks.compute import StepMatmuls
             fns["matmuls"] = StepMatmuls(runner.model, fns["eager"])
         t = interleaved_medians(fns, rounds=rounds, calls_per_round=calls, warmup=2)
         row = {"batch": n, **{f"{k}_s": v for k, v in t.items()}, "speedup": t["eager"] / t["graph"]}
