@@ -14,6 +14,8 @@ matmuls (all but the routed experts'), recorded from an eager step and replayed 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -91,12 +93,30 @@ class StepMatmuls:
         with torch.inference_mode():
             return [op(*args, **kwargs) for op, args, kwargs in self.calls]
 
+    def packed(self):
+        """The replay with every bias-free ``linear`` on a weight pre-packed for oneDNN, as Inductor's
+        freezing packs it (``inductor_freezing_min_batch``); None where this torch has no oneDNN
+        linear. The packed copies live as long as the returned function."""
+        calls = []
+        for op, args, kwargs in self.calls:
+            fn = None
+            if op is _aten.linear.default and len(args) == 2 and not kwargs:
+                fn = _packed_linear(*args)
+                if fn is None:
+                    return None
+            calls.append(fn or functools.partial(op, *args, **kwargs))
+
+        def replay() -> list[torch.Tensor]:
+            with torch.inference_mode():
+                return [call() for call in calls]
+        return replay
+
 
 def _packed_linear(x: torch.Tensor, w: torch.Tensor):
     """``linear(x, w)`` with ``w`` pre-packed for oneDNN as Inductor's freezing packs it (packed
     for ``x``'s row count), or None where this torch has no oneDNN linear."""
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0])
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, x.flatten(0, -2).shape[0])
         torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     except (AttributeError, RuntimeError):
         return None

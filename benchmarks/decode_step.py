@@ -51,7 +51,8 @@ def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, ba
     ``extra`` maps a name to ``f(batch) -> callable or None`` for more variants timed in the
     same rounds (the transformers baseline uses it). With ``roofline`` each row also gets the
     bytes the step must read (``benchmarks.roofline.step_bytes``). With ``matmul_floor``, batches
-    of 2 rows or more also time the step's matmuls alone (``benchmarks.compute.StepMatmuls``).
+    of 2 rows or more also time the step's matmuls alone (``benchmarks.compute.StepMatmuls``), and
+    where a ``graph_frozen`` variant runs, the same on pre-packed weights.
     """
     model = build(case) if model is None else model
     config = GraphConfig(enabled=True, backend=backend, capture_sizes=sizes, max_batch_size=max(sizes))
@@ -64,10 +65,12 @@ def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, ba
                "graph": lambda: runner.execute(entries, mode="graph")}
         fns.update({name: fn for name, make in (extra or {}).items() if (fn := make(n)) is not None})
         if matmul_floor and n >= 2:
-            fns["matmuls"] = StepMatmuls(runner.model, fns["eager"])
+            fns["matmuls"] = floor = StepMatmuls(runner.model, fns["eager"])
+            if "graph_frozen" in fns and (packed := floor.packed()) is not None:
+                fns["matmuls_packed"] = packed  # what the frozen variant multiplies: pre-packed weights
         t = interleaved_medians(fns, rounds=rounds, calls_per_round=calls, warmup=2)
         row = {"batch": n, **{f"{k}_s": v for k, v in t.items()}, "speedup": t["eager"] / t["graph"]}
-        row.update({f"graph_vs_{k}": v / t["graph"] for k, v in t.items() if k not in ("eager", "graph", "matmuls")})
+        row.update({f"graph_vs_{k}": v / t["graph"] for k, v in t.items() if k not in ("eager", "graph", "matmuls", "matmuls_packed")})
         if roofline:
             from benchmarks.roofline import step_bytes
             row["bytes"] = step_bytes(runner.model, n, case.context, lambda: runner.execute(entries, mode="eager"))

@@ -90,9 +90,10 @@ def _decode_table(d: dict | None, title: str, bw: dict | None) -> list[str]:
         head += " graph, AOTInductor ms | AOTInductor/eager |"
         sep += " --- | --- |"
     has_floor = any("matmuls_s" in r for r in d["rows"])
+    has_packed = any("matmuls_packed_s" in r for r in d["rows"])
     if has_floor:
-        head += " its matmuls alone ms |"
-        sep += " --- |"
+        head += " its matmuls alone ms |" + (" same, pre-packed ms |" if has_packed else "")
+        sep += " --- |" + (" --- |" if has_packed else "")
     if has_bytes:
         head += " MB read | copy GB/s | roofline share |"
         sep += " --- | --- | --- |"
@@ -111,8 +112,8 @@ def _decode_table(d: dict | None, title: str, bw: dict | None) -> list[str]:
             aot = r.get("graph_aot_s")
             line += f" {_fmt(aot and aot * 1e3)} | {_fmt(aot and r['eager_s'] / aot)} |"
         if has_floor:
-            mm = r.get("matmuls_s")
-            line += f" {_fmt(mm and mm * 1e3)} |"
+            for key in ("matmuls_s", "matmuls_packed_s") if has_packed else ("matmuls_s",):
+                line += f" {_fmt(r.get(key) and r[key] * 1e3)} |"
         if has_bytes:
             share = r["bytes"]["total"] / r["graph_s"] / r["copy_bytes_per_s"]
             line += f" {r['bytes']['total'] / 1e6:.0f} | {r['copy_bytes_per_s'] / 1e9:.1f} | {_fmt(share)} |"
@@ -125,7 +126,9 @@ def _decode_table(d: dict | None, title: str, bw: dict | None) -> list[str]:
         lines += ["", "\"its matmuls alone\": the step's matmuls except the routed experts' (attention, dense MLP, "
                   "shared experts, router, LM head), recorded from an eager step and replayed as aten runs them, "
                   "timed in the same rounds (`benchmarks/compute.py`, `StepMatmuls`). From 2 rows on the graph "
-                  "step calls the same aten kernels for them; at 1 row it replaces them with generated reductions."]
+                  "step calls the same aten kernels for them; at 1 row it replaces them with generated reductions."
+                  + (" \"Same, pre-packed\": the replay with each linear's weight pre-packed for oneDNN, as the "
+                     "frozen runner multiplies them." if has_packed else "")]
     if has_aot:
         lines += ["", "\"graph, AOTInductor\": a second runner over the same weights with `aot_inductor=True` "
                   "(opt-in), its packages compiled into a temporary directory, timed in the same rounds."]

@@ -127,9 +127,8 @@ def _compute_bound(out: dict, batch: int, rate: str = "bf16_matmul_flops_per_s",
         return ""
     compute_s = comp["step_flops"] / comp[rate]
     roofline_s = row["bytes"]["total"] / row["copy_bytes_per_s"]
-    # The goal (roofline time >= 0.5 step time) allows a step of twice the roofline time; frozen
-    # steps multiply pre-packed weights, which the replayed matmuls do not.
-    floor = _matmul_floor(out, row, 2 * roofline_s) if step == "graph_s" else ""
+    # The goal (roofline time >= 0.5 step time) allows a step of twice the roofline time.
+    floor = _matmul_floor(out, row, 2 * roofline_s, packed=step == "graph_frozen_s")
     return (f"{comp['step_flops'] / 1e9:.1f} GFLOP at the measured {kind} matmul rate "
             f"({comp[rate] / 1e9:.0f} GFLOP/s) take {compute_s * 1e3:.0f} ms vs "
             f"{roofline_s * 1e3:.0f} ms of memory traffic: compute-bound, share at most {roofline_s / compute_s:.2f} "
@@ -137,15 +136,18 @@ def _compute_bound(out: dict, batch: int, rate: str = "bf16_matmul_flops_per_s",
             + _at_peak(out, comp["step_flops"], roofline_s, "share", row.get(step)))
 
 
-def _matmul_floor(out: dict, row: dict, budget_s: float) -> str:
+def _matmul_floor(out: dict, row: dict, budget_s: float, packed: bool = False) -> str:
     """What a goal that allows the step ``budget_s`` leaves for its routed experts once the step's
-    other matmuls are paid for at aten's rate: those matmuls replayed alone in the same rounds
-    (``compute.StepMatmuls``), against the rate at which the batch-1 graph step streams its bytes."""
-    if "matmuls_s" not in row or "bytes" not in row:
+    other matmuls are paid for: those matmuls replayed alone in the same rounds
+    (``compute.StepMatmuls``; aten on the plain weights, or with ``packed`` oneDNN on pre-packed
+    ones, as a frozen step runs them), against the rate at which the batch-1 graph step streams."""
+    key = "matmuls_packed_s" if packed else "matmuls_s"
+    if key not in row or "bytes" not in row:
         return ""
-    mm_s, routed = row["matmuls_s"], row["bytes"]["routed_experts"]
+    mm_s, routed = row[key], row["bytes"]["routed_experts"]
+    how = "oneDNN, these weights pre-packed" if packed else "aten, these weights"
     text = (f"the step's matmuls other than the routed experts', recorded from an eager step and replayed alone "
-            f"in the same rounds (aten, these weights), take {mm_s * 1e3:.0f} ms")
+            f"in the same rounds ({how}), take {mm_s * 1e3:.0f} ms")
     if mm_s >= budget_s:
         return text + f", more than the {budget_s * 1e3:.0f} ms the goal allows the whole step"
     text += (f", which leaves {(budget_s - mm_s) * 1e3:.0f} ms of the goal's {budget_s * 1e3:.0f} ms for the "

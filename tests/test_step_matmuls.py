@@ -6,6 +6,7 @@ and every weight matrix the step multiplies (all but the embedding and the route
 be an operand of some replayed call.
 """
 
+import pytest
 import torch
 
 from ascend_graph.block_manager import BlockManager
@@ -37,3 +38,18 @@ def test_the_replay_is_the_step_s_products_except_the_routed_experts():
     assert weights <= operands, "a weight matrix of the step is missing from the replay"
     assert torch.equal(outs[-1], logits)
     assert len(outs) == len(floor.calls) and all(isinstance(o, torch.Tensor) for o in outs)
+
+
+def test_the_pre_packed_replay_computes_the_same_products():
+    model = small_model("mla", dtype=torch.bfloat16)
+    runner = make_runner(model, GraphConfig(enabled=False), (4,), 16)
+    entries = decode_batch(runner, BlockManager(runner.num_blocks, runner.block_size), 4, 16)
+    floor = StepMatmuls(model, lambda: runner.execute(entries, mode="eager"))
+    packed = floor.packed()
+    if packed is None:  # the suite then times no packed floor either
+        assert not torch.backends.mkldnn.is_available(), "oneDNN is built in, yet the weights did not pack"
+        pytest.skip("this torch has no oneDNN linear")
+    plain, prepacked = floor(), packed()
+    assert len(plain) == len(prepacked)
+    for a, b in zip(plain, prepacked):
+        torch.testing.assert_close(b, a, rtol=1.6e-2, atol=1e-2)
