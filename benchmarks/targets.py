@@ -146,10 +146,12 @@ def _matmul_floor(out: dict, row: dict, budget_s: float, packed: bool = False) -
         return ""
     mm_s, routed = row[key], row["bytes"]["routed_experts"]
     how = "oneDNN, these weights pre-packed" if packed else "aten, these weights"
+    over = mm_s >= budget_s
+    digits = 1 if over and round(mm_s * 1e3) == round(budget_s * 1e3) else 0  # not "122 ms, more than 122 ms"
     text = (f"the step's matmuls other than the routed experts', recorded from an eager step and replayed alone "
-            f"in the same rounds ({how}), take {mm_s * 1e3:.0f} ms")
-    if mm_s >= budget_s:
-        return text + f", more than the {budget_s * 1e3:.0f} ms the goal allows the whole step"
+            f"in the same rounds ({how}), take {mm_s * 1e3:.{digits}f} ms")
+    if over:
+        return text + f", more than the {budget_s * 1e3:.{digits}f} ms the goal allows the whole step"
     text += (f", which leaves {(budget_s - mm_s) * 1e3:.0f} ms of the goal's {budget_s * 1e3:.0f} ms for the "
              f"{routed / 1e6:.0f} MB of routed experts: {routed / (budget_s - mm_s) / 1e9:.0f} GB/s")
     one = _row(out.get("decode_v2"), 1)

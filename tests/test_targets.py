@@ -77,3 +77,10 @@ def test_the_frozen_batch_32_row_is_bounded_by_its_pre_packed_matmuls():
     assert row["met"] is False and abs(row["value"] - 60 / 180) < 1e-9
     assert ("(oneDNN, these weights pre-packed), take 100 ms, which leaves 20 ms of the goal's 120 ms for the 500 MB "
             "of routed experts: 25 GB/s, against the 25.0 GB/s") in row["bound"]
+
+
+def test_a_floor_just_past_the_allowance_is_printed_with_a_decimal():
+    run = v2_run()
+    run["decode_v2"]["rows"][2]["matmuls_s"] = 0.1201  # the goal allows 120 ms
+    row = by_name(targets(run), "V2-Lite slice batch 32: roofline time / step time (within 2x)")
+    assert "take 120.1 ms, more than the 120.0 ms the goal allows the whole step" in row["bound"]
