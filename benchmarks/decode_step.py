@@ -70,7 +70,8 @@ def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, ba
                 fns["matmuls_packed"] = packed  # what the frozen variant multiplies: pre-packed weights
         t = interleaved_medians(fns, rounds=rounds, calls_per_round=calls, warmup=2)
         row = {"batch": n, **{f"{k}_s": v for k, v in t.items()}, "speedup": t["eager"] / t["graph"]}
-        row.update({f"graph_vs_{k}": v / t["graph"] for k, v in t.items() if k not in ("eager", "graph", "matmuls", "matmuls_packed")})
+        row.update({f"graph_vs_{k}": v / t["graph"] for k, v in t.items()
+                    if k not in ("eager", "graph", "matmuls", "matmuls_packed")})
         if roofline:
             from benchmarks.roofline import step_bytes
             row["bytes"] = step_bytes(runner.model, n, case.context, lambda: runner.execute(entries, mode="eager"))
