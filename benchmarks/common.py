@@ -15,6 +15,14 @@ import torch
 def interleaved_medians(fns: dict[str, Callable[[], object]], rounds: int = 20,
                         calls_per_round: int = 5, warmup: int = 3) -> dict[str, float]:
     """Median seconds per call of each function, timed round robin so machine drift hits all alike."""
+    samples = interleaved_samples(fns, rounds, calls_per_round, warmup)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def interleaved_samples(fns: dict[str, Callable[[], object]], rounds: int = 20,
+                        calls_per_round: int = 5, warmup: int = 3) -> dict[str, list[float]]:
+    """Seconds per call of each function in each round, the functions timed round robin: the
+    i-th samples of two functions were taken back to back."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -25,7 +33,7 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], rounds: int = 20,
             for _ in range(calls_per_round):
                 fn()
             samples[name].append((time.perf_counter() - start) / calls_per_round)
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return samples
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
@@ -21,7 +22,7 @@ import torch  # noqa: E402
 
 from ascend_graph.block_manager import BlockManager  # noqa: E402
 from ascend_graph.config import GraphConfig  # noqa: E402
-from benchmarks.common import conditions, interleaved_medians, write_json  # noqa: E402
+from benchmarks.common import conditions, interleaved_samples, write_json  # noqa: E402
 from benchmarks.compute import StepMatmuls  # noqa: E402
 from benchmarks.models import ModelCase, build, cases, decode_batch, make_runner  # noqa: E402
 
@@ -68,8 +69,12 @@ def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, ba
             fns["matmuls"] = floor = StepMatmuls(runner.model, fns["eager"])
             if "graph_frozen" in fns and (packed := floor.packed()) is not None:
                 fns["matmuls_packed"] = packed  # what the frozen variant multiplies: pre-packed weights
-        t = interleaved_medians(fns, rounds=rounds, calls_per_round=calls, warmup=2)
+        samples = interleaved_samples(fns, rounds=rounds, calls_per_round=calls, warmup=2)
+        t = {k: statistics.median(v) for k, v in samples.items()}
         row = {"batch": n, **{f"{k}_s": v for k, v in t.items()}, "speedup": t["eager"] / t["graph"]}
+        # graph against eager / transformers in each round, the two timed back to back
+        row["round_ratios"] = {k: [a / g for a, g in zip(samples[k], samples["graph"])]
+                               for k in ("eager", "transformers") if k in samples}
         row.update({f"graph_vs_{k}": v / t["graph"] for k, v in t.items()
                     if k not in ("eager", "graph", "matmuls", "matmuls_packed")})
         if roofline:

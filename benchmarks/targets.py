@@ -206,6 +206,11 @@ def _bound(out: dict, row: dict | None, other: str, goal: float) -> str:
             f"{row[other] / roofline_s:.2f}")
     if row["graph_s"] < roofline_s:
         text += ", a figure the step already beats (it streams weights faster than copy_ moves them)"
+    ratios = (row.get("round_ratios") or {}).get(other[:-len("_s")])
+    if ratios:
+        text += (f"; round by round (graph and {other[:-len('_s')]} timed back to back) the ratio ran "
+                 f"{min(ratios):.2f}-{max(ratios):.2f}, at the goal or above in {sum(r >= goal for r in ratios)} "
+                 f"of {len(ratios)} rounds")
     floor = _matmul_floor(out, row, row[other] / goal)
     comp = next((r for r in (out.get("compute") or {}).get("rows", []) if r["batch"] == row["batch"]), None)
     if floor:
