@@ -146,14 +146,14 @@ def _matmul_floor(out: dict, row: dict, budget_s: float, packed: bool = False) -
         return ""
     mm_s, routed = row[key], row["bytes"]["routed_experts"]
     how = "oneDNN, these weights pre-packed" if packed else "aten, these weights"
-    over = mm_s >= budget_s
-    digits = 1 if over and round(mm_s * 1e3) == round(budget_s * 1e3) else 0  # not "122 ms, more than 122 ms"
+    left_s = budget_s - mm_s
+    digits = 1 if abs(left_s) < 0.0095 else 0  # not "122 ms, more than 122 ms" nor "leaves 0 ms"
     text = (f"the step's matmuls other than the routed experts', recorded from an eager step and replayed alone "
             f"in the same rounds ({how}), take {mm_s * 1e3:.{digits}f} ms")
-    if over:
+    if left_s <= 0:
         return text + f", more than the {budget_s * 1e3:.{digits}f} ms the goal allows the whole step"
-    text += (f", which leaves {(budget_s - mm_s) * 1e3:.0f} ms of the goal's {budget_s * 1e3:.0f} ms for the "
-             f"{routed / 1e6:.0f} MB of routed experts: {routed / (budget_s - mm_s) / 1e9:.0f} GB/s")
+    text += (f", which leaves {left_s * 1e3:.{digits}f} ms of the goal's {budget_s * 1e3:.{digits}f} ms for the "
+             f"{routed / 1e6:.0f} MB of routed experts: {routed / left_s / 1e9:.0f} GB/s")
     one = _row(out.get("decode_v2"), 1)
     if one and "bytes" in one:
         text += (f", against the {one['bytes']['total'] / one['graph_s'] / 1e9:.1f} GB/s at which the batch-1 graph "

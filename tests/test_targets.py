@@ -93,3 +93,11 @@ def test_a_batch_1_row_counts_the_rounds_that_met_the_goal():
     hf = by_name(rows, "V2-Lite slice: graph / transformers, batch 1")["bound"]
     assert "(graph and eager timed back to back) the ratio ran 2.40-2.60, at the goal or above in 2 of 3 rounds" in eager
     assert "(graph and transformers timed back to back) the ratio ran 2.90-3.10, at the goal or above in 2 of 3" in hf
+
+
+def test_a_floor_just_short_of_the_allowance_prints_what_it_leaves_with_a_decimal():
+    run = v2_run()
+    run["decode_v2"]["rows"][2]["matmuls_s"] = 0.1197  # the goal allows 120 ms
+    row = by_name(targets(run), "V2-Lite slice batch 32: roofline time / step time (within 2x)")
+    assert "take 119.7 ms, which leaves 0.3 ms of the goal's 120.0 ms for the 500 MB of routed experts: 1667 GB/s" \
+        in row["bound"]
