@@ -87,16 +87,11 @@ def decode(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: bool
     if frozen is not None:
         res["frozen"] = {"inductor_freezing_min_batch": min(frozen_sizes),
                          "capture": frozen.runner.stats.to_dict()["capture"]}
-        for row in res["rows"]:
-            row.pop("graph_vs_graph_frozen", None)  # graph_frozen_s itself is kept
     if packages is not None:
         packages.cleanup()
-        for row in res["rows"]:
-            row.pop("graph_vs_graph_aot", None)  # graph_aot_s itself is kept
     for row in res["rows"]:
         if probe is not None:
             row["copy_bytes_per_s"] = probe.bytes / row.pop("copy_s")
-            row.pop("graph_vs_copy", None)
     return res
 
 
