@@ -112,15 +112,26 @@ class StepMatmuls:
         return replay
 
 
+def pack_for_onednn(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """``w`` (a linear's ``[N, K]`` weight) packed for oneDNN as Inductor's freezing packs it, for
+    inputs of ``rows`` rows: an opaque mkldnn tensor that only ``onednn_linear`` reads."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, rows)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``linear(x, w)`` without bias, ``w`` given as ``pack_for_onednn`` packed it."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
 def _packed_linear(x: torch.Tensor, w: torch.Tensor):
     """``linear(x, w)`` with ``w`` pre-packed for oneDNN as Inductor's freezing packs it (packed
     for ``x``'s row count), or None where this torch has no oneDNN linear."""
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, x.flatten(0, -2).shape[0])
-        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        packed = pack_for_onednn(w, x.flatten(0, -2).shape[0])
+        onednn_linear(x, packed)
     except (AttributeError, RuntimeError):
         return None
-    return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return lambda: onednn_linear(x, packed)
 
 
 def measure(batches=(1, 8, 32, 64), context: int = 256, rounds: int = 7) -> dict:

@@ -24,6 +24,7 @@ from ascend_graph.backends import resolve_backend
 from ascend_graph.config import GraphConfig
 from ascend_graph.models.moe import RoutedExperts
 from benchmarks.common import interleaved_medians
+from benchmarks.compute import onednn_linear, pack_for_onednn
 from benchmarks.models import v2_lite_slice
 from benchmarks.roofline import CopyProbe
 
@@ -37,9 +38,8 @@ class PrepackedExperts(RoutedExperts):
     def __init__(self, experts: RoutedExperts, rows_hint: int = 4) -> None:
         nn.Module.__init__(self)
         self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
-        pack = torch.ops.mkldnn._reorder_linear_weight
         with torch.no_grad():
-            self.packed = [(pack(gu, rows_hint), pack(d, rows_hint))
+            self.packed = [(pack_for_onednn(gu, rows_hint), pack_for_onednn(d, rows_hint))
                            for gu, d in zip(self.gate_up_proj, self.down_proj)]
 
     @staticmethod
@@ -51,8 +51,8 @@ class PrepackedExperts(RoutedExperts):
         if not rows.shape[0]:
             return rows.new_empty(0, self.down_proj.shape[1])
         gate_up, down = self.packed[expert]
-        gate, up = torch.ops.mkldnn._linear_pointwise(rows, gate_up, None, "none", [], "").chunk(2, dim=-1)
-        return torch.ops.mkldnn._linear_pointwise(F.silu(gate) * up, down, None, "none", [], "")
+        gate, up = onednn_linear(rows, gate_up).chunk(2, dim=-1)
+        return onednn_linear(F.silu(gate) * up, down)
 
 
 def measure(tokens=(1, 8, 32), rounds: int = 5, calls: int = 2) -> dict:
