@@ -32,8 +32,10 @@ NOTES = [
     "glibc malloc keeps freed memory (mmap threshold 1 GiB, no trimming; `benchmarks/common.py`), for graph, "
     "eager and transformers alike: large temporaries are otherwise mapped fresh and page-faulted on every step. "
     "The attention table shows the compiled step under glibc's default as well.",
-    "Eager is measured at its best: its MoE sorts rows by expert and reads each chosen expert once "
-    "(`torch._grouped_mm`, no weight copies); before, it gathered T*K weight matrices (see `moe_forms`).",
+    "Eager is measured at its best: its MoE sorts rows by expert and reads each chosen expert once, with the "
+    "same expert kernel as the compiled step (`expert_rows_mm`, `ascend_graph/models/expert_rows.py`; "
+    "`torch._grouped_mm` where it cannot run), no weight copies; before, it gathered T*K weight matrices "
+    "(see `moe_forms`).",
     "transformers: `DeepseekV2ForCausalLM` of the same configuration (random weights, sdpa attention, "
     "DynamicCache, logits of the last token only), same batch and context, cache cropped back after each step.",
     "Roofline bytes: every weight used once (routed experts: the distinct experts the batch chose), the batch's "

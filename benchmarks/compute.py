@@ -158,4 +158,9 @@ def measure(batches=(1, 8, 32, 64), context: int = 256, rounds: int = 7) -> dict
     if core.get("bf16_dot_flops_per_s"):
         print(f"  compute: one core's peak bf16 dot-product rate {core['bf16_dot_flops_per_s'] / 1e9:.0f} GFLOP/s, "
               f"float32 FMA {core['fp32_fma_flops_per_s'] / 1e9:.0f} GFLOP/s", flush=True)
-    return {"context": context, "rows": rows, "core_peak": core}
+    few_rows = peak.few_rows_streams()
+    for row in few_rows:
+        print(f"  compute: {row['rows']}-row products on plain bf16 weights, aten "
+              f"{row['aten_bytes_per_s'] / 1e9:.1f} GB/s, hand-written kernel {row['kernel_bytes_per_s'] / 1e9:.1f} GB/s",
+              flush=True)
+    return {"context": context, "rows": rows, "core_peak": core, "few_rows": few_rows}

@@ -1,9 +1,10 @@
 """The routed-expert forms of one V2-Lite MoE layer, eager and compiled: before/after figures.
 
 ``gathered`` (each token's experts' weights indexed, einsum) was the only decode form before;
-``sorted_by_expert`` (rows sorted by expert, ``torch._grouped_mm``) reads each chosen expert
-once without a host sync; ``decode`` is what the model now runs (see ``ascend_graph.models.moe``;
-compiled below ``T*K = X`` it is ``gathered_by_expert``). Compiled forms go through the runner's
+``sorted_by_expert`` (rows sorted by expert, one grouped matmul) reads each chosen expert once
+without a host sync, its matmuls by ``torch._grouped_mm`` before and by the project's
+``expert_rows_mm`` now where that runs (``ascend_graph/models/expert_rows.py``); ``decode`` is
+what the model now runs (see ``ascend_graph.models.moe``). Compiled forms go through the runner's
 backend (Inductor with the single-row matmul pass). Bandwidth counts each distinct chosen
 expert's weights once; the copy bandwidth is timed in the same rounds (the MoE's roofline).
 
@@ -15,6 +16,8 @@ weights feed the fused batch-1 reduction and every other backend.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +58,16 @@ class PrepackedExperts(RoutedExperts):
         return onednn_linear(F.silu(gate) * up, down)
 
 
+def _without_kernel(experts: RoutedExperts):
+    """``experts.decode`` as it ran before ``expert_rows_mm``: the same choice of form, with
+    ``torch._grouped_mm`` for ``sorted_by_expert``."""
+    plain = RoutedExperts.__new__(RoutedExperts)
+    nn.Module.__init__(plain)
+    plain.gate_up_proj, plain.down_proj = experts.gate_up_proj, experts.down_proj
+    plain.uses_kernel = lambda x: False
+    return plain.decode
+
+
 def measure(tokens=(1, 8, 32), rounds: int = 5, calls: int = 2) -> dict:
     """Median ms and GB/s of every form at every token count."""
     config = v2_lite_slice()
@@ -72,9 +85,12 @@ def measure(tokens=(1, 8, 32), rounds: int = 5, calls: int = 2) -> dict:
         x = torch.randn(t, config.hidden_size, generator=gen).to(torch.bfloat16)
         w = torch.rand(t, k, generator=gen)
         ex = torch.stack([torch.randperm(x_, generator=gen)[:k] for _ in range(t)])
+        grouped_mm = functools.partial(experts.sorted_by_expert, kernel=False)
         fns = {"eager gathered (before)": lambda: experts.gathered(x, w, ex),
+               "eager sorted_by_expert, _grouped_mm (before)": lambda: grouped_mm(x, w, ex),
                "eager sorted_by_expert (now)": lambda: experts.decode(x, w, ex)}
         for name, form in (("compiled gathered (before)", experts.gathered),
+                           ("compiled decode, _grouped_mm (before)", _without_kernel(experts)),
                            ("compiled sorted_by_expert", experts.sorted_by_expert),
                            ("compiled decode (now)", experts.decode)):
             fns[name] = (lambda f: lambda: f(x, w, ex))(torch.compile(form, backend=backend, fullgraph=True,

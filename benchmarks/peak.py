@@ -7,7 +7,9 @@ that oneDNN's bf16 matmuls use. The best of a few runs (noise only lowers a peak
 
 ``python -m benchmarks.peak`` also prints how fast one core streams a bfloat16 weight through a
 one-row product (a hand-written kernel, weights on huge pages) by row length and layout: the
-measurement behind ``runtime.LONG_REDUCTION`` and ``models.layers.ChunkedLinear``.
+measurement behind ``runtime.LONG_REDUCTION`` and ``models.layers.ChunkedLinear``; and, for 1 to
+8 rows, aten's ``F.linear`` against the project's expert kernel (``expert_rows_mm``) on the same
+row-major weights (``few_rows_streams``): the measurement behind ``models/expert_rows.py``.
 
     python -m benchmarks.peak
 """
@@ -100,6 +102,47 @@ def row_streams(weight_mib: int = 48, runs: int = 9) -> list[dict]:
     return rows
 
 
+def few_rows_streams(weight_mib: int = 48, k: int = 2048, rows=(1, 2, 3, 4, 8), runs: int = 9) -> list[dict]:
+    """GB/s of bfloat16 weight read by an ``r``-row product on one core, median of ``runs``, per
+    row count: aten's ``F.linear`` (what the compiled step's dense layers call from 2 rows on)
+    against the project's expert kernel (``expert_rows_mm``, one expert) on the same row-major
+    weights. The calls take turns over four weights, so each weight was last read three calls
+    (three times the last-level cache) before. Empty where the kernel does not run here."""
+    import torch
+    import torch.nn.functional as F
+
+    from ascend_graph.models import expert_rows
+    from ascend_graph.runtime import huge_page_buffer
+
+    if not expert_rows.available():
+        return []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        n = (weight_mib << 20) // (2 * k)
+        buf = huge_page_buffer(4 * n * k * 2).view(torch.bfloat16)
+        buf.normal_()
+        weights = [buf[i * n * k:(i + 1) * n * k].view(n, k) for i in range(4)]
+        found, calls_made = [], 0
+        for r in rows:
+            x, ends = torch.randn(r, k, dtype=torch.bfloat16), torch.tensor([r], dtype=torch.int32)
+            calls = {"kernel": lambda w: torch.ops.ascend_graph.expert_rows_mm(x, w[None], ends),
+                     "aten": lambda w: F.linear(x, w)}
+            times = {name: [] for name in calls}
+            for _ in range(runs):
+                for name, call in calls.items():
+                    w = weights[calls_made % 4]
+                    calls_made += 1
+                    t = time.perf_counter()
+                    call(w)
+                    times[name].append(time.perf_counter() - t)
+            rate = {name: n * k * 2 / sorted(ts)[runs // 2] for name, ts in times.items()}
+            found.append({"rows": r, "aten_bytes_per_s": rate["aten"], "kernel_bytes_per_s": rate["kernel"]})
+        return found
+    finally:
+        torch.set_num_threads(threads)
+
+
 def main() -> None:
     r = measure()
     for k, v in r.items():
@@ -109,6 +152,9 @@ def main() -> None:
         piece = "whole rows" if row["chunk"] == row["row"] else f"chunks of {row['chunk']}"
         print(f"one-row product, rows of {row['row']:5d}, {piece:15s}, {layout:11s}: "
               f"{row['bytes_per_s'] / 1e9:.1f} GB/s")
+    for row in few_rows_streams():
+        print(f"{row['rows']}-row product, rows of 2048, row-major: aten {row['aten_bytes_per_s'] / 1e9:.1f} GB/s, "
+              f"expert_rows_mm {row['kernel_bytes_per_s'] / 1e9:.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -86,12 +86,15 @@ def targets(out: dict) -> list[dict]:
     moe = next((r for r in (out.get("moe_forms") or {}).get("rows", []) if r["tokens"] == 32), None)
     if moe and "copy_bytes_per_s" in moe:
         now = moe["compiled decode (now)"]
+        before = moe.get("compiled decode, _grouped_mm (before)")
         add("V2-Lite MoE layer alone, 32 tokens: roofline time / time (each chosen expert read once)",
             now["GB_per_s"] * 1e9 / moe["copy_bytes_per_s"], 0.5, "moe_forms",
             bound=(f"the routed experts of one layer as the compiled step runs them: {moe['experts_used']} distinct "
-                   f"experts, {moe['bytes'] / 1e6:.0f} MB, in {now['ms']:.1f} ms; copy bandwidth in the same rounds "
-                   f"{moe['copy_bytes_per_s'] / 1e9:.1f} GB/s. The whole step's row above is bound by the dense "
-                   "layers' and the LM head's compute instead" + _prepacked_note(moe, out["moe_forms"]["rows"])))
+                   f"experts, {moe['bytes'] / 1e6:.0f} MB, in {now['ms']:.1f} ms"
+                   + (f" (with `torch._grouped_mm` instead of `expert_rows_mm`, as before: {before['ms']:.1f} ms, "
+                      f"ratio {before['GB_per_s'] * 1e9 / moe['copy_bytes_per_s']:.2f})" if before else "")
+                   + f"; copy bandwidth in the same rounds {moe['copy_bytes_per_s'] / 1e9:.1f} GB/s"
+                   + _prepacked_note(moe, out["moe_forms"]["rows"]) + _few_rows_note(out, 3)))
     frac, ratio = _attention(out)
     floor = next((x for x in (out.get("attention") or {}).get("rows", []) if x["step"].startswith("floor")), None)
     add("decode attention b32 ctx2048: bandwidth / copy bandwidth", frac, 0.5, "attention",
@@ -223,16 +226,26 @@ def _bound(out: dict, row: dict | None, other: str, goal: float) -> str:
     return text
 
 
+def _few_rows_note(out: dict, rows: int) -> str:
+    """How fast one core streams ``rows``-row products over plain weights, aten against
+    ``expert_rows_mm`` (``peak.few_rows_streams``)."""
+    row = next((r for r in (out.get("compute") or {}).get("few_rows", []) if r["rows"] == rows), None)
+    if not row:
+        return ""
+    return (f". On one core, {rows}-row products over plain row-major bf16 weights stream at "
+            f"{row['aten_bytes_per_s'] / 1e9:.1f} GB/s with aten and {row['kernel_bytes_per_s'] / 1e9:.1f} GB/s with "
+            "`expert_rows_mm` (`python -m benchmarks.peak`)")
+
+
 def _prepacked_note(moe: dict, rows: list[dict]) -> str:
     """What oneDNN's pre-packed expert weights reach in the same rounds, and what they would cost."""
     name = "eager oneDNN pre-packed (not used)"
     if name not in moe:
         return ""
     packed = moe[name]
-    note = (f". Most of that time is aten's bf16 matmul on plain weights at ~3 rows per expert: the same matmuls on "
-            f"weights pre-packed for oneDNN take {packed['ms']:.1f} ms (ratio "
-            f"{packed['GB_per_s'] * 1e9 / moe['copy_bytes_per_s']:.2f}). Not used: it needs a packed copy of "
-            "every expert (2x the experts' memory), since the plain layout feeds the compiled batch-1 form")
+    note = (f". The same matmuls on weights pre-packed for oneDNN take {packed['ms']:.1f} ms (ratio "
+            f"{packed['GB_per_s'] * 1e9 / moe['copy_bytes_per_s']:.2f}); not used: they need a packed copy of every "
+            "expert (2x the experts' memory), since the plain layout feeds the compiled batch-1 form")
     one = next((r for r in rows if r["tokens"] == 1 and name in r), None)
     if one:
         note += (f" (at 1 token: compiled {one['compiled decode (now)']['ms']:.1f} ms, pre-packed "

@@ -53,6 +53,7 @@ def test_compiled_gathered_by_expert_matches_eager_and_decode_picks_it_for_large
     for name in ("gathered", "gathered_by_expert"):
         monkeypatch.setattr(moe.experts, name, (lambda n: lambda *a: picked.append(n))(name))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the compiled branch of decode
+    monkeypatch.setattr(moe.experts, "uses_kernel", lambda x: False)  # as on a CPU without expert_rows_mm
     small = moe.experts.expert_bytes
     for threshold in (small + 1, small):
         monkeypatch.setattr(moe_module, "SORT_PAIRS_MIN_EXPERT_BYTES", threshold)

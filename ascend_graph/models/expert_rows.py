@@ -1,0 +1,86 @@
+"""The routed experts' matmuls of a CPU MoE decode step: a few rows per expert, bfloat16.
+
+aten's bf16 matmul reorders a plain weight into oneDNN's blocked layout on every call, so at the
+1-4 rows per expert of a decode step it streams the weights at about half the rate one core
+reads memory (``python -m benchmarks.peak``: 3-row products over plain row-major weights at
+13.6 GB/s with aten, 26.6 GB/s with a direct kernel). oneDNN's pre-packed weights avoid that but
+need a packed copy of every expert (2x their memory, and the batch-1 form reads the plain ones).
+``expert_rows.c`` multiplies the rows by the weights as they are stored: one op,
+``ascend_graph::expert_rows_mm``, that both the eager runner and the compiled step call
+(``RoutedExperts.sorted_by_expert``), so the two modes still compute the MoE the same way.
+
+It is built on first use with the system C compiler (``cc``, or ``$CC``) for this CPU
+(``-march=native``, OpenMP where the compiler has it: ``torch.get_num_threads()`` threads). Where
+there is no compiler, no AVX512-BF16, or ``ASCEND_GRAPH_EXPERT_KERNEL=0``, ``available()`` is
+False and the MoE keeps ``torch._grouped_mm``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import shutil
+import subprocess
+import tempfile
+
+import torch
+from torch import Tensor
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "expert_rows.c")
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    """The built kernel, or None where it cannot be built or this CPU lacks AVX512-BF16."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        return None
+    with tempfile.TemporaryDirectory() as d:  # the loaded library outlives its file
+        lib = os.path.join(d, "expert_rows.so")
+        for openmp in (["-fopenmp"], []):
+            done = subprocess.run([cc, "-O3", "-march=native", *openmp, "-shared", "-fPIC", SOURCE, "-o", lib],
+                                  capture_output=True, text=True)
+            if done.returncode == 0:
+                break
+        else:
+            return None
+        dll = ctypes.CDLL(lib)
+    if not dll.expert_rows_available():
+        return None
+    dll.expert_rows.restype = ctypes.c_int
+    dll.expert_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    return dll
+
+
+@torch.compiler.assume_constant_result  # traced, the choice is made once, at compile time
+def available() -> bool:
+    """Whether ``expert_rows_mm`` runs here (see the module docstring)."""
+    return os.environ.get("ASCEND_GRAPH_EXPERT_KERNEL", "1") != "0" and _library() is not None
+
+
+@torch.library.custom_op("ascend_graph::expert_rows_mm", mutates_args=())
+def expert_rows_mm(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
+    """``x [P, K]`` rows sorted by expert, ``w [X, N, K]`` the experts' weights, ``ends [X]``
+    int32 the end of each expert's rows (``ends[-1] = P``) -> ``[P, N]``: each row times its
+    expert's weight transposed, as ``torch._grouped_mm(x, w.transpose(1, 2), offs=ends)``.
+    CPU, bfloat16; call only where ``available()``."""
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise ValueError(f"expert_rows_mm: x and w must be bfloat16 CPU tensors, got {x.dtype}/{w.dtype} on {x.device}")
+    if x.dim() != 2 or w.dim() != 3 or w.shape[2] != x.shape[1] or ends.shape != (w.shape[0],):
+        raise ValueError(f"expert_rows_mm: expected x [P, K], w [X, N, K], ends [X]; got {tuple(x.shape)}, "
+                         f"{tuple(w.shape)}, {tuple(ends.shape)}")
+    x, w, ends = x.contiguous(), w.contiguous(), ends.to(torch.int32).contiguous()
+    out = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16)
+    if x.shape[0] and int(ends[-1]) != x.shape[0]:
+        raise ValueError(f"expert_rows_mm: ends[-1] must be the row count {x.shape[0]}, got {int(ends[-1])}")
+    status = _library().expert_rows(x.data_ptr(), w.data_ptr(), ends.data_ptr(), out.data_ptr(),
+                                    w.shape[0], w.shape[1], w.shape[2], torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError("expert_rows_mm: the kernel could not run (out of memory for the padded rows)")
+    return out
+
+
+@expert_rows_mm.register_fake
+def _(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], w.shape[1])

@@ -1,0 +1,119 @@
+"""``ascend_graph::expert_rows_mm``, the CPU kernel for the routed experts' few rows per expert:
+it computes each row times its expert's weight (oracle: a float64 matmul of the same bfloat16
+values, rounded once), the MoE uses it in eager and compiled mode alike, and bad input is
+refused before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ascend_graph.models import expert_rows
+
+from test_moe_forms import _moe
+
+needs_kernel = pytest.mark.skipif(not expert_rows.available(),
+                                  reason="expert_rows_mm needs a C compiler and a CPU with AVX512-BF16")
+
+
+def _oracle(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    starts = [0] + ends[:-1].tolist()
+    return torch.cat([x[s:e].double() @ w[i].double().T for i, (s, e) in enumerate(zip(starts, ends.tolist()))])
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n,k", [(300, 2048), (96, 80), (7, 33)])  # K with and without a 32-wide tail
+def test_each_row_times_its_experts_weight(n, k, threads):
+    counts = torch.tensor([0, 3, 1, 5, 0, 2, 9, 4, 0])  # empty experts, and rows past the 4 taken together
+    ends = counts.cumsum(0).to(torch.int32)
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(len(counts), n, k, generator=gen).to(torch.bfloat16)
+    x = torch.randn(int(ends[-1]), k, generator=gen).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = torch.ops.ascend_graph.expert_rows_mm(x, w, ends)
+    finally:
+        torch.set_num_threads(before)
+    exact = _oracle(x, w, ends)
+    assert got.dtype == torch.bfloat16 and got.shape == exact.shape
+    # float32 sums rounded once to bfloat16: within one bfloat16 step (2^-8 relative) of the exact sum
+    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all()
+    if k % 8 == 0:  # _grouped_mm needs 16-byte strides
+        torch.testing.assert_close(got, torch._grouped_mm(x, w.transpose(1, 2), offs=ends), atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
+def test_eager_and_compiled_moe_both_call_the_kernel_and_agree_with_grouped_mm(monkeypatch):
+    moe = _moe().to(torch.bfloat16)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    op = torch.ops.ascend_graph.expert_rows_mm
+    calls = []
+    monkeypatch.setattr(torch.ops.ascend_graph, "expert_rows_mm", lambda *a: calls.append(a) or op(*a))
+    with torch.no_grad():
+        weights, experts = moe.gate(x)
+        eager = moe.experts.decode(x, weights, experts)
+        assert len(calls) == 2  # gate/up and down
+        plain = moe.experts.sorted_by_expert(x, weights, experts, kernel=False)
+        assert len(calls) == 2
+    torch.testing.assert_close(eager, plain, atol=3e-2, rtol=3e-2)
+    monkeypatch.undo()
+
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        compiled = torch.compile(moe.experts.decode, backend=recording, fullgraph=True, dynamic=False)
+        torch.testing.assert_close(compiled(x, weights, experts), eager, atol=0, rtol=0)
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("expert_rows_mm" in t for t in targets) == 2, targets
+
+
+def test_decode_picks_sorted_by_expert_when_compiled_from_two_tokens_where_the_kernel_runs(monkeypatch):
+    experts = _moe().to(torch.bfloat16).experts
+    picked = []
+    for name in ("gathered", "gathered_by_expert", "sorted_by_expert"):
+        monkeypatch.setattr(experts, name, (lambda n: lambda *a: picked.append(n))(name))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for uses_kernel in (True, False):
+        monkeypatch.setattr(experts, "uses_kernel", lambda x, u=uses_kernel: u)
+        for tokens in (1, 2):
+            x = torch.zeros(tokens, 64, dtype=torch.bfloat16)
+            experts.decode(x, torch.ones(tokens, 2), torch.zeros(tokens, 2, dtype=torch.long))
+    # small experts (below SORT_PAIRS_MIN_EXPERT_BYTES) and few pairs: gathered without the kernel
+    assert picked == ["gathered", "sorted_by_expert", "gathered", "gathered"]
+
+
+def test_uses_kernel_only_for_bfloat16_on_cpu_and_not_when_switched_off(monkeypatch):
+    experts = _moe().experts  # float32
+    assert not experts.uses_kernel(torch.zeros(2, 64))
+    experts = experts.to(torch.bfloat16)
+    assert experts.uses_kernel(torch.zeros(2, 64, dtype=torch.bfloat16)) == expert_rows.available()
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)  # AOTInductor packages keep _grouped_mm
+    assert not experts.uses_kernel(torch.zeros(2, 64, dtype=torch.bfloat16))
+    monkeypatch.undo()
+    monkeypatch.setenv("ASCEND_GRAPH_EXPERT_KERNEL", "0")
+    assert not expert_rows.available()
+
+
+@needs_kernel
+@pytest.mark.parametrize("case,message", [
+    ("dtype", "must be bfloat16"), ("shape", "expected x [P, K], w [X, N, K], ends [X]"),
+    ("ends", "ends[-1] must be the row count 5"),
+])
+def test_bad_input_is_refused_naming_what_was_expected(case, message):
+    w = torch.randn(3, 8, 32).to(torch.bfloat16)
+    x = torch.randn(5, 32).to(torch.bfloat16)
+    ends = torch.tensor([2, 2, 5], dtype=torch.int32)
+    if case == "dtype":
+        x = x.float()
+    elif case == "shape":
+        w = w[:, :, :16]
+    else:
+        ends = torch.tensor([2, 2, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        torch.ops.ascend_graph.expert_rows_mm(x, w, ends)
