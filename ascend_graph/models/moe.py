@@ -111,6 +111,16 @@ SORT_PAIRS_MIN_EXPERT_BYTES = 1 << 20
 GROUPED_MIN_PAIRS_PER_EXPERT = 3
 
 
+def _weighted_sum_unsorted(out: Tensor, order: Tensor, weights: Tensor) -> Tensor:
+    """Each token's sum of its K experts' outputs times their weights (``[T, E]``), from ``out``
+    ``[T*K, E]`` in the order ``order`` sorted the pairs into: a gather back to ``[T, K, E]`` and
+    one contraction, which Inductor generates (an ``index_add`` would be a fallback call in the
+    C++ wrapper) and which sums in float32."""
+    t, k = weights.shape
+    out = out[order.argsort()].view(t, k, -1)  # back to [T, K, E]
+    return torch.einsum("tke,tk->te", out, weights.to(out.dtype))
+
+
 class RoutedExperts(nn.Module):
     """X SiLU-gated expert MLPs, stacked: ``gate_up_proj [X, 2I, E]``, ``down_proj [X, E, I]``."""
 
@@ -132,15 +142,14 @@ class RoutedExperts(nn.Module):
         """``gathered`` over the (token, expert) pairs sorted by expert: a compiled kernel reads
         the pairs in order, so an expert chosen by several tokens is read again while its
         weights are still in the last-level cache instead of from memory."""
-        t, k = experts.shape
+        k = experts.shape[1]
         flat = experts.flatten()  # [T*K]
         order = flat.argsort(stable=True)
         chosen = flat[order]
         gate_up = torch.einsum("pe,pie->pi", x[order // k], self.gate_up_proj[chosen])  # [T*K, 2I]
         gate, up = gate_up.chunk(2, dim=-1)
         out = torch.einsum("pi,pei->pe", F.silu(gate) * up, self.down_proj[chosen])  # [T*K, E], sorted
-        out = out[order.argsort()].view(t, k, -1)  # back to [T, K, E]
-        return torch.einsum("tke,tk->te", out, weights.to(out.dtype))
+        return _weighted_sum_unsorted(out, order, weights)
 
     def sorted_by_expert(self, x: Tensor, weights: Tensor, experts: Tensor, kernel: bool | None = None) -> Tensor:
         """Sync-free grouped form: rows sorted by expert, grouped matmuls with device offsets;
@@ -157,9 +166,8 @@ class RoutedExperts(nn.Module):
         else:
             matmul = lambda rows, w, ends: torch._grouped_mm(rows, w.transpose(1, 2), offs=ends)  # noqa: E731
         gate, up = matmul(x[token], self.gate_up_proj, offs).chunk(2, dim=-1)
-        out = matmul(F.silu(gate) * up, self.down_proj, offs)  # [T*K, E]
-        out = out * weights.flatten()[order, None].to(out.dtype)
-        return torch.zeros_like(x).index_add_(0, token, out)
+        out = matmul(F.silu(gate) * up, self.down_proj, offs)  # [T*K, E], sorted
+        return _weighted_sum_unsorted(out, order, weights)
 
     def decode(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """The fastest form that suits how this step runs (see the module docstring)."""
