@@ -58,16 +58,6 @@ class PrepackedExperts(RoutedExperts):
         return onednn_linear(F.silu(gate) * up, down)
 
 
-def _without_kernel(experts: RoutedExperts):
-    """``experts.decode`` as it ran before ``expert_rows_mm``: the same choice of form, with
-    ``torch._grouped_mm`` for ``sorted_by_expert``."""
-    plain = RoutedExperts.__new__(RoutedExperts)
-    nn.Module.__init__(plain)
-    plain.gate_up_proj, plain.down_proj = experts.gate_up_proj, experts.down_proj
-    plain.uses_kernel = lambda x: False
-    return plain.decode
-
-
 def measure(tokens=(1, 8, 32), rounds: int = 5, calls: int = 2) -> dict:
     """Median ms and GB/s of every form at every token count."""
     config = v2_lite_slice()
@@ -90,7 +80,7 @@ def measure(tokens=(1, 8, 32), rounds: int = 5, calls: int = 2) -> dict:
                "eager sorted_by_expert, _grouped_mm (before)": lambda: grouped_mm(x, w, ex),
                "eager sorted_by_expert (now)": lambda: experts.decode(x, w, ex)}
         for name, form in (("compiled gathered (before)", experts.gathered),
-                           ("compiled decode, _grouped_mm (before)", _without_kernel(experts)),
+                           ("compiled decode, _grouped_mm (before)", functools.partial(experts.decode, kernel=False)),
                            ("compiled sorted_by_expert", experts.sorted_by_expert),
                            ("compiled decode (now)", experts.decode)):
             fns[name] = (lambda f: lambda: f(x, w, ex))(torch.compile(form, backend=backend, fullgraph=True,

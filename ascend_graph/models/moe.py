@@ -169,18 +169,22 @@ class RoutedExperts(nn.Module):
         out = matmul(F.silu(gate) * up, self.down_proj, offs)  # [T*K, E], sorted
         return _weighted_sum_unsorted(out, order, weights)
 
-    def decode(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
-        """The fastest form that suits how this step runs (see the module docstring)."""
+    def decode(self, x: Tensor, weights: Tensor, experts: Tensor, kernel: bool | None = None) -> Tensor:
+        """The fastest form that suits how this step runs (see the module docstring); ``kernel``
+        as for ``sorted_by_expert`` (False: the choice and forms of before ``expert_rows_mm``)."""
+        kernel = self.uses_kernel(x) if kernel is None else kernel
         can_sort = (hasattr(torch, "_grouped_mm") and x.device.type == "cpu"
                     and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
         if not torch.compiler.is_compiling():
-            return self.sorted_by_expert(x, weights, experts) if can_sort else self.grouped(x, weights, experts)
-        if x.shape[0] > 1 and self.uses_kernel(x):
-            return self.sorted_by_expert(x, weights, experts)
+            if can_sort:
+                return self.sorted_by_expert(x, weights, experts, kernel)
+            return self.grouped(x, weights, experts)
+        if x.shape[0] > 1 and kernel:
+            return self.sorted_by_expert(x, weights, experts, kernel)
         # torch 2.13's fake-tensor rule for _grouped_mm accepts bfloat16 only.
         many_pairs = experts.numel() >= GROUPED_MIN_PAIRS_PER_EXPERT * self.gate_up_proj.shape[0]
         if can_sort and x.dtype == torch.bfloat16 and many_pairs:
-            return self.sorted_by_expert(x, weights, experts)
+            return self.sorted_by_expert(x, weights, experts, kernel)
         if x.shape[0] > 1 and self.expert_bytes >= SORT_PAIRS_MIN_EXPERT_BYTES:
             return self.gathered_by_expert(x, weights, experts)
         return self.gathered(x, weights, experts)
