@@ -104,7 +104,8 @@ class Router(Float32Module):
 # interleaved in one process).
 SORT_PAIRS_MIN_EXPERT_BYTES = 1 << 20
 
-# Compiled, ``sorted_by_expert`` (``_grouped_mm``) takes over from the gathered forms at this many
+# Compiled without ``expert_rows_mm`` (it takes over from 2 tokens on where it runs),
+# ``sorted_by_expert`` (``_grouped_mm``) takes over from the gathered forms at this many
 # (token, expert) pairs per routed expert. Measured (same conditions, one V2-Lite MoE layer, 64
 # experts, K=6): T=16 (1.5 pairs per expert) 84.3 ms grouped vs 55.9 ms gathered_by_expert; T=32
 # (3 per expert) 98.5 vs 103.0 ms.
