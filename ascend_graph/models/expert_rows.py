@@ -3,8 +3,9 @@
 aten's bf16 matmul reorders a plain weight into oneDNN's blocked layout on every call, so at the
 1-4 rows per expert of a decode step it streams the weights at about half the rate one core
 reads memory (``python -m benchmarks.peak``, one core, over runs: 3-row products over plain
-row-major weights at 11.8-13.6 GB/s with aten, 19.6-26.6 GB/s with this kernel). oneDNN's pre-packed weights avoid that but
-need a packed copy of every expert (2x their memory, and the batch-1 form reads the plain ones).
+row-major weights at 11.8-13.6 GB/s with aten, 19.6-26.6 GB/s with this kernel). oneDNN's
+pre-packed weights avoid that but need a packed copy of every expert (2x their memory, and the
+batch-1 form reads the plain ones).
 ``expert_rows.c`` multiplies the rows by the weights as they are stored: one op,
 ``ascend_graph::expert_rows_mm``, that both the eager runner and the compiled step call
 (``RoutedExperts.sorted_by_expert``), so the two modes still compute the MoE the same way.
@@ -70,10 +71,10 @@ def expert_rows_mm(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
     if x.dim() != 2 or w.dim() != 3 or w.shape[2] != x.shape[1] or ends.shape != (w.shape[0],):
         raise ValueError(f"expert_rows_mm: expected x [P, K], w [X, N, K], ends [X]; got {tuple(x.shape)}, "
                          f"{tuple(w.shape)}, {tuple(ends.shape)}")
-    x, w, ends = x.contiguous(), w.contiguous(), ends.to(torch.int32).contiguous()
-    out = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16)
     if x.shape[0] and int(ends[-1]) != x.shape[0]:
         raise ValueError(f"expert_rows_mm: ends[-1] must be the row count {x.shape[0]}, got {int(ends[-1])}")
+    x, w, ends = x.contiguous(), w.contiguous(), ends.to(torch.int32).contiguous()
+    out = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16)
     status = _library().expert_rows(x.data_ptr(), w.data_ptr(), ends.data_ptr(), out.data_ptr(),
                                     w.shape[0], w.shape[1], w.shape[2], torch.get_num_threads())
     if status != 0:
