@@ -63,7 +63,7 @@ def progress(done: int, total: int, label: str, width: int = 24) -> None:
 # 25-26 GB/s, in the same chunks of a row-major weight (a stride jump per chunk) 11.
 # Inductor also accumulates CPU reductions over more than 4096 elements through its
 # cascade-summation helper (torch/_inductor/codegen/cpp.py, need_use_acc_helper), whose
-# accumulator lives in memory. ``SingleRowMatmulPass`` splits such reductions; models store such
+# accumulator lives in memory. ``DecodeMatmulPass`` splits such reductions; models store such
 # weights chunk-major.
 LONG_REDUCTION = 4096
 

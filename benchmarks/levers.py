@@ -1,9 +1,10 @@
 """Inductor levers on the V2-Lite slice's decode step, each measured against the default.
 
 Every variant is a runner over the same model (its own cache), captured at one batch size and
-timed interleaved with the others: the default backend (C++ wrapper, single-row matmuls as
-reductions, the cache write generated), without the single-row pass, without its split of long
-reductions, without the C++ wrapper, with the cache write called as the custom op (as before
+timed interleaved with the others: the default backend (C++ wrapper, the decode-matmul pass:
+single-row matmuls as reductions and 2-8-row bf16 matmuls as ``ascend_graph::rows_mm``; the cache
+write generated), without that pass, without its split of long reductions, with the few-row
+matmuls left to aten, without the C++ wrapper, with the cache write called as the custom op (as before
 ``inline_cache_writes``), with the weights of long rows row-major instead of chunk-major (``ChunkedLinear``; in
 graph and in eager mode), and with Inductor's freezing (``GraphConfig.inductor_freezing_min_batch``: the weights
 become graph constants, pre-packed for oneDNN). Freezing has to be on while dynamo traces, not only while Inductor compiles: passed as a
@@ -11,7 +12,7 @@ compile option alone it finds no constant to fold (parameters are graph inputs) 
 nothing. Freezing's memory cost is measured in ``benchmarks/memory.py`` (fresh processes).
 ``AOTInductor package``: ``GraphConfig.aot_inductor`` (torch.export + AOTInductor, compiled
 into a temporary directory; the same Inductor options as the default). ``batch-1 bmm kept``: the
-single-row pass without its rewrite of batch-1 ``bmm`` into ``mm`` (MLA decode's attention at
+decode-matmul pass without its rewrite of batch-1 ``bmm`` into ``mm`` (MLA decode's attention at
 batch 1). Run alone, e.g. at a longer context:
 
     TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.levers --batches 1 --context 2048 \
@@ -27,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from ascend_graph.backends.inductor import InductorBackend, SingleRowMatmulPass, config_patches
+from ascend_graph.backends.inductor import InductorBackend, DecodeMatmulPass, config_patches
 from ascend_graph.block_manager import BlockManager
 from ascend_graph.config import GraphConfig
 from benchmarks.common import interleaved_medians, set_malloc_keeps_freed_memory
@@ -37,6 +38,7 @@ ROW_MAJOR = "row-major long rows"
 AOT = "AOTInductor package"
 OP_WRITE = "cache write as the op's call"
 BMM1 = "batch-1 bmm kept"
+FEW_ROWS = "few-row matmuls in aten"
 
 
 class Variant(NamedTuple):
@@ -54,10 +56,12 @@ def variants(config: GraphConfig, package_dir: str) -> dict[str, Variant]:
     default = config_patches(config, "cpu")
     no_pass = {k: v for k, v in default.items() if k != "post_grad_custom_post_pass"}
     frozen = replace(config, inductor_freezing_min_batch=1)
-    no_split = {**default, "post_grad_custom_post_pass": SingleRowMatmulPass(split_long_reductions=False)}
-    bmm_kept = {**default, "post_grad_custom_post_pass": SingleRowMatmulPass(batch_one_bmm_as_mm=False)}
-    return {"default": Variant(config, default), "without single-row pass": Variant(config, no_pass),
+    no_split = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(split_long_reductions=False)}
+    bmm_kept = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(batch_one_bmm_as_mm=False)}
+    few_rows_aten = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(few_rows_kernel=False)}
+    return {"default": Variant(config, default), "without decode-matmul pass": Variant(config, no_pass),
             "without long-reduction split": Variant(config, no_split), BMM1: Variant(config, bmm_kept),
+            FEW_ROWS: Variant(config, few_rows_aten),
             "without C++ wrapper": Variant(config, {**default, "cpp_wrapper": False}),
             OP_WRITE: Variant(config, default, inline_writes=False),
             ROW_MAJOR: Variant(config, default, row_major=True), "with freezing": Variant(frozen, default),

@@ -169,10 +169,11 @@ def _levers_table(lv: dict | None) -> list[str]:
              "| batch | " + " | ".join(names) + " |", "| --- | " + "--- | " * len(names)]
     for r in lv["rows"]:
         lines.append(f"| {r['batch']} | " + " | ".join(f"{r[n]:.1f}" for n in names) + " |")
-    return lines + ["", "Default on CPU: C++ wrapper, the single-row matmul pass and the generated cache write "
+    return lines + ["", "Default on CPU: C++ wrapper, the decode-matmul pass (one-row matmuls as reductions, "
+                    "bf16 matmuls of 2-8 rows as `ascend_graph::rows_mm`) and the generated cache write "
                     "(`ascend_graph/backends/inductor.py`); a lever is kept only where it wins here. `batch-1 bmm kept`: "
-                    "the single-row pass without its rewrite of batch-1 `bmm` (MLA decode's attention at batch 1) into "
-                    "`mm`. `cache write as "
+                    "the pass without its rewrite of batch-1 `bmm` (MLA decode's attention at batch 1) into "
+                    "`mm`. `few-row matmuls in aten`: the pass without `rows_mm`, as before it. `cache write as "
                     "the op's call`: the step calls the `ascend_graph::write_slots` custom op once per layer, as "
                     "before `inline_cache_writes`. `row-major long "
                     "rows`: the dense MLP's down projection (rows of 10944) stored row-major, as before, instead of "
@@ -181,7 +182,8 @@ def _levers_table(lv: dict | None) -> list[str]:
                     "(`GraphConfig.inductor_freezing_min_batch`) is opt-in: it costs a pre-packed copy of the dense "
                     "weights per frozen capture size, and at batch 1 it replaces the single-row reductions. "
                     "`AOTInductor package` (`GraphConfig.aot_inductor`, opt-in): the step compiled ahead of time "
-                    "with torch.export and AOTInductor, run on the model's own weights, without dynamo's guards.", ""]
+                    "with torch.export and AOTInductor, run on the model's own weights, without dynamo's guards "
+                    "(and without `rows_mm`: a package does not depend on the project's kernel being built).", ""]
 
 
 def _huge_pages_table(h: dict | None) -> list[str]:

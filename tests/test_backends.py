@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ascend_graph.backends import detect_platform, input_device, resolve_backend
-from ascend_graph.backends.inductor import InductorBackend, SingleRowMatmulPass
+from ascend_graph.backends.inductor import InductorBackend, DecodeMatmulPass
 from ascend_graph.config import GraphConfig, TorchairOptions
 
 
@@ -78,7 +78,7 @@ def test_cpu_auto_is_inductor_with_the_measured_cpp_wrapper_default_and_no_cudag
     backend = resolve_backend(GraphConfig(), torch.device("cpu"))
     assert isinstance(backend, InductorBackend)
     patches = dict(backend.config_patches)
-    assert isinstance(patches.pop("post_grad_custom_post_pass"), SingleRowMatmulPass)
+    assert isinstance(patches.pop("post_grad_custom_post_pass"), DecodeMatmulPass)
     assert patches == {"cpp_wrapper": True, "triton.cudagraphs": False}
     assert backend.cache_dir is None
 

@@ -23,9 +23,10 @@ def _oracle(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tenso
 
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("n,k", [(300, 2048), (96, 80), (7, 33)])  # K with and without a 32-wide tail
+# K with and without a 32-wide tail; N ending in a part tile of 1 to 5 of the 6 weight rows taken together
+@pytest.mark.parametrize("n,k", [(300, 2048), (125, 64), (124, 80), (9, 33), (8, 96), (7, 33)])
 def test_each_row_times_its_experts_weight(n, k, threads):
-    counts = torch.tensor([0, 3, 1, 5, 0, 2, 9, 4, 0])  # empty experts, and rows past the 4 taken together
+    counts = torch.tensor([0, 3, 1, 5, 0, 2, 9, 4, 0, 8])  # empty experts, and rows past the 4 taken together
     ends = counts.cumsum(0).to(torch.int32)
     gen = torch.Generator().manual_seed(n + k)
     w = torch.randn(len(counts), n, k, generator=gen).to(torch.bfloat16)
@@ -117,3 +118,26 @@ def test_bad_input_is_refused_naming_what_was_expected(case, message):
         ends = torch.tensor([2, 2, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         torch.ops.ascend_graph.expert_rows_mm(x, w, ends)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13])
+def test_rows_mm_is_a_linear_within_one_rounding(rows):
+    """``rows_mm(x, w)``: ``F.linear(x, w)`` of a row-major weight, the exact sum rounded once."""
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(131, 2080, generator=gen).to(torch.bfloat16)  # N: 21 tiles and 5 rows; K: a 32-wide tail
+    x = torch.randn(rows, 2080, generator=gen).to(torch.bfloat16)
+    got = torch.ops.ascend_graph.rows_mm(x, w)
+    exact = x.double() @ w.double().T
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 131)
+    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all()
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w), atol=5e-2, rtol=2e-2)
+
+
+@needs_kernel
+def test_rows_mm_refuses_bad_input_by_name():
+    x, w = torch.zeros(2, 32, dtype=torch.bfloat16), torch.zeros(8, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rows_mm: x and w must be bfloat16"):
+        torch.ops.ascend_graph.rows_mm(x.float(), w)
+    with pytest.raises(ValueError, match=r"rows_mm: expected x \[M, K\] and w \[N, K\]; got \(2, 32\), \(8, 16\)"):
+        torch.ops.ascend_graph.rows_mm(x, w[:, :16])

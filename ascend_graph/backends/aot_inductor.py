@@ -67,9 +67,13 @@ def package_dir(config: GraphConfig) -> str:
 def inductor_options(config: GraphConfig, platform: str) -> dict[str, Any]:
     """The Inductor options of the ``inductor`` backend that apply to AOTInductor, weights kept
     out of the package."""
-    from .inductor import config_patches
+    from .inductor import DecodeMatmulPass, config_patches
 
     options = {k: v for k, v in config_patches(config, platform).items() if k not in _NOT_FOR_AOT}
+    # A package keeps aten's matmuls: with rows_mm it would run only where the project's kernel
+    # builds (a C compiler at load time), and it is loaded to skip compiling.
+    if "post_grad_custom_post_pass" in options:
+        options["post_grad_custom_post_pass"] = DecodeMatmulPass(few_rows_kernel=False)
     options["aot_inductor.package_constants_in_so"] = False
     return options
 

@@ -1,5 +1,6 @@
-/* Routed experts' matmuls on CPU for the few rows per expert of a MoE decode step, over the
- * experts' weights as the checkpoint stores them (row-major [N, K] per expert, nothing packed).
+/* Few-row matmuls on CPU for a decode step: the routed experts' rows (a few per expert) and, with
+ * one "expert", a dense product of a few rows; over the weights as the checkpoint stores them
+ * (row-major [N, K] per expert, nothing packed).
  * Built at first use with the system C compiler for this CPU and called through ctypes by
  * expert_rows.py. bfloat16 pair dot products (vdpbf16ps) accumulate in float32; each output is
  * rounded once to bfloat16, to nearest even. */
@@ -8,8 +9,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ROWS 4        /* input rows taken together: one weight load feeds ROWS dot products */
-#define COLS 128      /* weight rows (outputs) per work item */
+#define TM 4          /* a tile: TM input rows by TN weight rows, TM * TN float32 sums in registers; */
+#define TN 6          /* each weight load feeds TM dot products, each input load TN */
+#define AHEAD 2       /* tiles: the weight rows 2 tiles on are prefetched into L2 while this one runs */
+#define COLS 120      /* weight rows (outputs) per work item, a multiple of TN */
 
 /* 1 where this build has the kernel (the CPU has AVX512-BF16), else 0. */
 int expert_rows_available(void) {
@@ -28,40 +31,72 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* out rows 0..r-1 (row stride ldo), columns i0..i1-1 = x rows (stride ldx) times w rows i0..i1-1. */
-static inline __attribute__((always_inline)) void block(const uint16_t *w, long k, const uint16_t *x, long ldx,
-                                                        uint16_t *out, long ldo, long i0, long i1, const int r) {
+/* out[a, i + b] = dot(x row a, w row i + b) for a < tm, b < tn: x rows at stride ldx, w rows at
+ * stride k, out rows at stride ldo. pf: weight rows to prefetch into L2 alongside (tn of them,
+ * stride k), or NULL. tm and tn are constants where it is inlined (tile_any), so the sums stay in
+ * registers. */
+static inline __attribute__((always_inline)) void tile(const uint16_t *w, long k, const uint16_t *x, long ldx,
+                                                       uint16_t *out, long ldo, long i, const int tm, const int tn,
+                                                       const uint16_t *pf) {
     const long full = k / 32 * 32;
     const __mmask32 tail = (__mmask32)((1ull << (k - full)) - 1);
-    for (long i = i0; i < i1; i++) {
-        const uint16_t *wr = w + i * k;
-        __m512 acc[ROWS];
-        for (int j = 0; j < r; j++) acc[j] = _mm512_setzero_ps();
-        for (long c = 0; c < full; c += 32) {
-            __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + c);
-            for (int j = 0; j < r; j++)
-                acc[j] = _mm512_dpbf16_ps(acc[j], wv, (__m512bh)_mm512_loadu_si512(x + j * ldx + c));
+    const uint16_t *wr = w + i * k;
+    __m512 acc[TM][TN];
+    __m512bh wv[TN];
+    for (int a = 0; a < tm; a++)
+        for (int b = 0; b < tn; b++) acc[a][b] = _mm512_setzero_ps();
+    for (long c = 0; c < full; c += 32) {
+        if (pf)
+            for (int b = 0; b < tn; b++) _mm_prefetch((const char *)(pf + b * k + c), _MM_HINT_T2);
+        for (int b = 0; b < tn; b++) wv[b] = (__m512bh)_mm512_loadu_si512(wr + b * k + c);
+        for (int a = 0; a < tm; a++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + a * ldx + c);
+            for (int b = 0; b < tn; b++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], wv[b], xv);
         }
-        if (tail) {
-            __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, wr + full);
-            for (int j = 0; j < r; j++)
-                acc[j] = _mm512_dpbf16_ps(acc[j], wv, (__m512bh)_mm512_maskz_loadu_epi16(tail, x + j * ldx + full));
+    }
+    if (tail) {
+        for (int b = 0; b < tn; b++) wv[b] = (__m512bh)_mm512_maskz_loadu_epi16(tail, wr + b * k + full);
+        for (int a = 0; a < tm; a++) {
+            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + a * ldx + full);
+            for (int b = 0; b < tn; b++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], wv[b], xv);
         }
-        for (int j = 0; j < r; j++) out[j * ldo + i] = to_bf16(_mm512_reduce_add_ps(acc[j]));
+    }
+    for (int a = 0; a < tm; a++)
+        for (int b = 0; b < tn; b++) out[a * ldo + i + b] = to_bf16(_mm512_reduce_add_ps(acc[a][b]));
+}
+
+#define TILE_TN(tm)                                                              \
+    switch (tn) {                                                                \
+        case 1: tile(w, k, x, ldx, out, ldo, i, tm, 1, pf); break;               \
+        case 2: tile(w, k, x, ldx, out, ldo, i, tm, 2, pf); break;               \
+        case 3: tile(w, k, x, ldx, out, ldo, i, tm, 3, pf); break;               \
+        case 4: tile(w, k, x, ldx, out, ldo, i, tm, 4, pf); break;               \
+        case 5: tile(w, k, x, ldx, out, ldo, i, tm, 5, pf); break;               \
+        default: tile(w, k, x, ldx, out, ldo, i, tm, TN, pf); break;             \
+    }
+
+static void tile_any(const uint16_t *w, long k, const uint16_t *x, long ldx, uint16_t *out, long ldo, long i,
+                     int tm, int tn, const uint16_t *pf) {
+    switch (tm) {
+        case 1: TILE_TN(1) break;
+        case 2: TILE_TN(2) break;
+        case 3: TILE_TN(3) break;
+        default: TILE_TN(TM) break;
     }
 }
 
-static void rows_block(const uint16_t *w, long k, const uint16_t *x, long ldx, uint16_t *out, long ldo,
+/* out rows 0..rows-1 (stride ldo), columns i0..i1-1 = x rows (stride ldx) times w rows i0..i1-1
+ * of n. Each tile of weight rows is read from memory once (for the first TM input rows, the rest
+ * find it in cache), and the weight rows AHEAD tiles on are prefetched meanwhile: the hardware
+ * prefetcher alone leaves the loads and the dot products to take turns. */
+static void rows_block(const uint16_t *w, long n, long k, const uint16_t *x, long ldx, uint16_t *out, long ldo,
                        long i0, long i1, long rows) {
-    for (long j0 = 0; j0 < rows; j0 += ROWS) {
-        const uint16_t *xj = x + j0 * ldx;
-        uint16_t *oj = out + j0 * ldo;
-        switch (rows - j0 < ROWS ? rows - j0 : ROWS) {
-            case 1: block(w, k, xj, ldx, oj, ldo, i0, i1, 1); break;
-            case 2: block(w, k, xj, ldx, oj, ldo, i0, i1, 2); break;
-            case 3: block(w, k, xj, ldx, oj, ldo, i0, i1, 3); break;
-            default: block(w, k, xj, ldx, oj, ldo, i0, i1, 4); break;
-        }
+    for (long i = i0; i < i1; i += TN) {
+        int tn = i1 - i < TN ? (int)(i1 - i) : TN;
+        const uint16_t *pf = i + (AHEAD + 1) * TN <= n ? w + (i + AHEAD * TN) * k : NULL;
+        for (long a = 0; a < rows; a += TM)
+            tile_any(w, k, x + a * ldx, ldx, out + a * ldo, ldo, i, rows - a < TM ? (int)(rows - a) : TM, tn,
+                     a ? NULL : pf);
     }
 }
 #endif
@@ -86,7 +121,7 @@ int expert_rows(const uint16_t *x, const uint16_t *w, const int32_t *ends, uint1
         long start = e ? ends[e - 1] : 0, count = ends[e] - start;
         if (count <= 0) continue;
         long i0 = b * COLS, i1 = i0 + COLS < n ? i0 + COLS : n;
-        rows_block(w + e * n * k, k, xp + start * ldx, ldx, out + start * n, n, i0, i1, count);
+        rows_block(w + e * n * k, n, k, xp + start * ldx, ldx, out + start * n, n, i0, i1, count);
     }
     free(xp);
     return 0;

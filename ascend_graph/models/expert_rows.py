@@ -1,14 +1,19 @@
-"""The routed experts' matmuls of a CPU MoE decode step: a few rows per expert, bfloat16.
+"""Few-row bfloat16 matmuls of a CPU decode step over plain weights: the routed experts' rows
+(each expert gets a few) and, in compiled steps, the dense products of 2-8 rows.
 
 aten's bf16 matmul reorders a plain weight into oneDNN's blocked layout on every call, so at the
-1-4 rows per expert of a decode step it streams the weights at about half the rate one core
-reads memory (``python -m benchmarks.peak``, one core, over runs: 3-row products over plain
-row-major weights at 11.8-13.6 GB/s with aten, 19.6-26.6 GB/s with this kernel). oneDNN's
-pre-packed weights avoid that but need a packed copy of every expert (2x their memory, and the
-batch-1 form reads the plain ones).
-``expert_rows.c`` multiplies the rows by the weights as they are stored: one op,
-``ascend_graph::expert_rows_mm``, that both the eager runner and the compiled step call
-(``RoutedExperts.sorted_by_expert``), so the two modes still compute the MoE the same way.
+1-8 rows of a decode step it streams the weights at about half the rate one core reads memory
+(``python -m benchmarks.peak``, one core, over runs: 3-row products over plain row-major weights
+at 11.8-13.6 GB/s with aten, 17-26.6 GB/s with this kernel). oneDNN's pre-packed weights avoid
+that but need a packed copy of every weight (2x the experts' memory, and the batch-1 form reads
+the plain ones).
+``expert_rows.c`` multiplies the rows by the weights as they are stored, in tiles of 4 rows by 6
+weight rows, prefetching the weight rows two tiles ahead into L2 (without it the loads and the dot
+products take turns: 8-row products 10.4 vs 11.6 GB/s, 4-row 13.9 vs 19.8, one-off). Two ops:
+``ascend_graph::expert_rows_mm``, that both the eager runner and the compiled step call for the
+MoE (``RoutedExperts.sorted_by_expert``), so the two modes still compute the MoE the same way;
+and ``ascend_graph::rows_mm`` (one weight), that the compiled step runs for bf16 matmuls of 2 to
+``backends.inductor.FEW_ROWS_MAX`` rows (``DecodeMatmulPass``).
 
 It is built on first use with the system C compiler (``cc``, or ``$CC``) for this CPU
 (``-march=native``, OpenMP where the compiler has it: ``torch.get_num_threads()`` threads). Where
@@ -73,15 +78,37 @@ def expert_rows_mm(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
                          f"{tuple(w.shape)}, {tuple(ends.shape)}")
     if x.shape[0] and int(ends[-1]) != x.shape[0]:
         raise ValueError(f"expert_rows_mm: ends[-1] must be the row count {x.shape[0]}, got {int(ends[-1])}")
-    x, w, ends = x.contiguous(), w.contiguous(), ends.to(torch.int32).contiguous()
+    return _run("expert_rows_mm", x, w, ends.to(torch.int32))
+
+
+def _run(name: str, x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
+    """The C kernel on checked arguments: ``x [P, K]``, ``w [X, N, K]``, ``ends [X]`` int32."""
+    x, w, ends = x.contiguous(), w.contiguous(), ends.contiguous()
     out = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16)
     status = _library().expert_rows(x.data_ptr(), w.data_ptr(), ends.data_ptr(), out.data_ptr(),
                                     w.shape[0], w.shape[1], w.shape[2], torch.get_num_threads())
     if status != 0:
-        raise RuntimeError("expert_rows_mm: the kernel could not run (out of memory for the padded rows)")
+        raise RuntimeError(f"{name}: the kernel could not run (out of memory for the padded rows)")
     return out
 
 
 @expert_rows_mm.register_fake
 def _(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], w.shape[1])
+
+
+@torch.library.custom_op("ascend_graph::rows_mm", mutates_args=())
+def rows_mm(x: Tensor, w: Tensor) -> Tensor:
+    """``x [M, K] @ w[N, K].T -> [M, N]``, as ``F.linear(x, w)``: the same kernel with one
+    "expert". CPU, bfloat16; call only where ``available()``. The compiled decode step's dense
+    products of a few rows run it (``backends.inductor.DecodeMatmulPass``)."""
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise ValueError(f"rows_mm: x and w must be bfloat16 CPU tensors, got {x.dtype}/{w.dtype} on {x.device}")
+    if x.dim() != 2 or w.dim() != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"rows_mm: expected x [M, K] and w [N, K]; got {tuple(x.shape)}, {tuple(w.shape)}")
+    return _run("rows_mm", x, w.unsqueeze(0), torch.tensor([x.shape[0]], dtype=torch.int32))
+
+
+@rows_mm.register_fake
+def _(x: Tensor, w: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], w.shape[0])

@@ -1,4 +1,6 @@
-"""The CPU pass that turns a one-row bfloat16 matmul into a reduction keeps the results."""
+"""The CPU decode-matmul pass keeps the results: a one-row bfloat16 matmul as a reduction, a
+bfloat16 matmul of 2 to FEW_ROWS_MAX rows as the project's kernel (``rows_mm``), a batch-1 bmm as
+an mm."""
 
 from __future__ import annotations
 
@@ -6,15 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ascend_graph.backends.inductor import InductorBackend, SingleRowMatmulPass
+from ascend_graph.backends.inductor import FEW_ROWS_MAX, DecodeMatmulPass, InductorBackend
+from ascend_graph.models import expert_rows
 
 
 def _compiled(fn, with_pass: bool):
-    patches = {"post_grad_custom_post_pass": SingleRowMatmulPass()} if with_pass else {}
+    patches = {"post_grad_custom_post_pass": DecodeMatmulPass()} if with_pass else {}
     return torch.compile(fn, backend=InductorBackend(patches), fullgraph=True, dynamic=False)
 
 
-@pytest.mark.parametrize("rows", [1, 3])  # the pass rewrites one row only; three stay aten mm
+@pytest.mark.parametrize("rows", [1, 3])  # a reduction; rows_mm (aten mm where the kernel does not run)
 def test_single_row_bfloat16_linear_matches_float32_reference(rows):
     gen = torch.Generator().manual_seed(0)
     w1, w2 = (torch.randn(n, 64, generator=gen).to(torch.bfloat16) * 0.1 for n in (64, 96))
@@ -31,7 +34,7 @@ def test_pass_replaces_only_single_row_low_precision_matmuls():
 
     def capture(gm, inputs):
         def inspect(g: torch.fx.Graph) -> None:
-            SingleRowMatmulPass()(g)
+            DecodeMatmulPass()(g)
             seen.append(sorted(str(n.target) for n in g.nodes if n.op == "call_function"))
         # no cache hits: the pass must run on both graphs
         return InductorBackend({"post_grad_custom_post_pass": _Recording(inspect), "fx_graph_cache": False})(gm, inputs)
@@ -44,7 +47,7 @@ def test_pass_replaces_only_single_row_low_precision_matmuls():
     assert "aten.mm.default" in seen[1]  # float32 keeps aten's GEMV
 
 
-class _Recording(SingleRowMatmulPass):
+class _Recording(DecodeMatmulPass):
     def __init__(self, fn):
         super().__init__()
         self.fn = fn
@@ -87,7 +90,7 @@ def test_normed_row_before_the_reduction_is_stored_once_and_matches_eager():
     graphs = []
 
     def inspect(g: torch.fx.Graph) -> None:
-        SingleRowMatmulPass()(g)
+        DecodeMatmulPass()(g)
         graphs.append([str(n.target) for n in g.nodes if n.op == "call_function"])
 
     backend = InductorBackend({"post_grad_custom_post_pass": _Recording(inspect), "fx_graph_cache": False})
@@ -136,3 +139,58 @@ def test_batch_of_one_bmm_runs_as_mm_and_matches_eager(batch):
     torch.testing.assert_close(got, fn(q, kv), atol=1e-2, rtol=1e-2)
     calls = "".join(code)
     assert ("bmm" in calls) == (batch > 1) and ("_mm" in calls or "mm(" in calls)
+
+
+@pytest.mark.parametrize("rows", [2, FEW_ROWS_MAX, FEW_ROWS_MAX + 1])
+def test_few_row_bfloat16_matmuls_run_the_kernel_and_keep_the_exact_product(rows):
+    """Up to FEW_ROWS_MAX rows, the linear and the residual add Inductor fuses into an ``addmm``
+    both run ``rows_mm`` (where it runs here); past it, aten. Each product is the exact one,
+    rounded to bfloat16, as in eager."""
+    from torch._inductor.utils import run_and_get_code
+
+    gen = torch.Generator().manual_seed(5)
+    w1 = (torch.randn(96, 2080, generator=gen) * 0.05).to(torch.bfloat16)  # K with a 32-wide tail
+    w2 = (torch.randn(64, 96, generator=gen) * 0.1).to(torch.bfloat16)
+    x = torch.randn(rows, 2080, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+    fn = lambda x, r: r + F.linear(F.silu(F.linear(x, w1)), w2)  # noqa: E731
+    got, code = run_and_get_code(_compiled(fn, with_pass=True), x, residual)
+    kernel = expert_rows.available() and rows <= FEW_ROWS_MAX
+    assert "".join(code).count("ascend_graph.rows_mm.default(") == (2 if kernel else 0)
+    h = F.silu((x.double() @ w1.double().T).to(torch.bfloat16).float()).to(torch.bfloat16)
+    reference = residual.double() + h.double() @ w2.double().T
+    torch.testing.assert_close(got.double(), reference, atol=3e-2, rtol=1e-2)
+    torch.testing.assert_close(got, fn(x, residual), atol=3e-2, rtol=1e-2)
+
+
+def test_few_row_kernel_only_for_bfloat16_row_major_weights_and_not_when_switched_off():
+    def targets(fn, x, pass_):
+        seen = []
+
+        def capture(gm, inputs):
+            def inspect(g: torch.fx.Graph) -> None:
+                pass_(g)
+                seen.extend(str(n.target) for n in g.nodes if n.op == "call_function")
+            return InductorBackend({"post_grad_custom_post_pass": _Recording(inspect), "fx_graph_cache": False})(gm, inputs)
+
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            torch.compile(fn, backend=capture, fullgraph=True, dynamic=False)(x)
+        return seen
+
+    w = torch.randn(24, 32)
+    x = torch.randn(4, 32)
+    wb, xb = w.bfloat16(), x.bfloat16()
+    kernel = "ascend_graph.rows_mm.default"
+    assert (kernel in targets(lambda x: F.linear(x, wb), xb, DecodeMatmulPass())) == expert_rows.available()
+    assert kernel not in targets(lambda x: F.linear(x, w), x, DecodeMatmulPass())  # float32
+    assert kernel not in targets(lambda x: x @ wb.T.contiguous(), xb, DecodeMatmulPass())  # a [K, N] weight
+    assert kernel not in targets(lambda x: F.linear(x, wb), xb, DecodeMatmulPass(few_rows_kernel=False))
+    assert DecodeMatmulPass().uuid() != DecodeMatmulPass(few_rows_kernel=False).uuid() or not expert_rows.available()
+
+
+def test_aot_inductor_packages_keep_aten_for_few_rows():
+    from ascend_graph.backends.aot_inductor import inductor_options
+    from ascend_graph.config import GraphConfig
+
+    options = inductor_options(GraphConfig(enabled=True, backend="inductor", aot_inductor=True), "cpu")
+    assert options["post_grad_custom_post_pass"].few_rows_kernel is False
