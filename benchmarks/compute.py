@@ -68,11 +68,12 @@ class StepMatmuls:
 
     Recorded once from ``run_step`` (an eager step) with their arguments: the model's own weights
     and that step's activations and gathered KV. Attention's projections and absorbed products,
-    the dense MLP, the shared experts, the router and the LM head. From 2 rows on, the compiled
-    step calls the same aten kernels for these products (at 1 row the single-row pass replaces
-    them with generated reductions), so their replay, timed in the same rounds as the step, is
-    what the step's dense products cost with aten's matmul; the routed experts are left out
-    because the compiled step runs them in forms of its own (``RoutedExperts.decode``).
+    the dense MLP, the shared experts, the router and the LM head. Called, the replay is what
+    these products cost with aten's matmul; ``as_compiled()`` runs them as the compiled step does
+    from 2 rows on (bfloat16 linears of up to ``FEW_ROWS_MAX`` rows in ``rows_mm``, the rest in the
+    same aten kernels; at 1 row the decode-matmul pass makes generated reductions of them). The
+    routed experts are left out because the compiled step runs them in forms of its own
+    (``RoutedExperts.decode``).
     """
 
     def __init__(self, model: torch.nn.Module, run_step) -> None:
@@ -92,6 +93,36 @@ class StepMatmuls:
     def __call__(self) -> list[torch.Tensor]:
         with torch.inference_mode():
             return [op(*args, **kwargs) for op, args, kwargs in self.calls]
+
+    def as_compiled(self):
+        """The replay with each bias-free bfloat16 ``linear`` of 2 to ``FEW_ROWS_MAX`` rows over a
+        row-major weight run in ``ascend_graph::rows_mm``, as ``DecodeMatmulPass`` has the compiled
+        step run it; None where the kernel does not run here or no call qualifies."""
+        from ascend_graph.backends.inductor import FEW_ROWS_MAX
+        from ascend_graph.models import expert_rows
+
+        if not expert_rows.available():
+            return None
+        calls, kernel = [], 0
+        for op, args, kwargs in self.calls:
+            fn = None
+            if op is _aten.linear.default and len(args) == 2 and not kwargs:
+                x, w = args
+                rows = x.flatten(0, -2) if x.dim() > 1 else None
+                if (rows is not None and 2 <= rows.shape[0] <= FEW_ROWS_MAX and w.is_contiguous()
+                        and x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu"):
+                    shape = (*x.shape[:-1], w.shape[0])
+                    fn = functools.partial(lambda r, w, shape: torch.ops.ascend_graph.rows_mm(r, w).view(shape),
+                                           rows, w, shape)
+                    kernel += 1
+            calls.append(fn or functools.partial(op, *args, **kwargs))
+        if not kernel:
+            return None
+
+        def replay() -> list[torch.Tensor]:
+            with torch.inference_mode():
+                return [call() for call in calls]
+        return replay
 
     def packed(self):
         """The replay with every bias-free ``linear`` on a weight pre-packed for oneDNN, as Inductor's

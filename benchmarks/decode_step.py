@@ -57,8 +57,9 @@ def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, ba
     ``extra`` maps a name to ``f(batch) -> callable or None`` for more variants timed in the
     same rounds (the transformers baseline uses it). With ``roofline`` each row also gets the
     bytes the step must read (``benchmarks.roofline.step_bytes``). With ``matmul_floor``, batches
-    of 2 rows or more also time the step's matmuls alone (``benchmarks.compute.StepMatmuls``), and
-    where a ``graph_frozen`` variant runs, the same on pre-packed weights.
+    of 2 rows or more also time the step's matmuls alone (``benchmarks.compute.StepMatmuls``) in
+    the forms the compiled step runs them (``matmuls``; ``matmuls_aten``: all in aten, where that
+    differs), and where a ``graph_frozen`` variant runs, the same on pre-packed weights.
     """
     model = build(case) if model is None else model
     config = GraphConfig(enabled=True, backend=backend, capture_sizes=sizes, max_batch_size=max(sizes))
@@ -71,12 +72,19 @@ def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, ba
                "graph": lambda: runner.execute(entries, mode="graph")}
         fns.update({name: fn for name, make in (extra or {}).items() if (fn := make(n)) is not None})
         if matmul_floor and n >= 2:
-            fns["matmuls"] = floor = StepMatmuls(runner.model, fns["eager"])
+            floor = StepMatmuls(runner.model, fns["eager"])
+            compiled_forms = floor.as_compiled()  # rows_mm where the compiled step runs it
+            fns["matmuls"] = compiled_forms or floor
+            if compiled_forms is not None:
+                fns["matmuls_aten"] = floor  # the same products all in aten, as before rows_mm
             if "graph_frozen" in fns and (packed := floor.packed()) is not None:
                 fns["matmuls_packed"] = packed  # what the frozen variant multiplies: pre-packed weights
         samples = interleaved_samples(fns, rounds=rounds, calls_per_round=calls, warmup=2)
         t = {k: statistics.median(v) for k, v in samples.items()}
         row = {"batch": n, **{f"{k}_s": v for k, v in t.items()}, "speedup": t["eager"] / t["graph"]}
+        if "matmuls_aten" in t:
+            from ascend_graph.backends.inductor import FEW_ROWS_MAX
+            row["rows_mm_max_rows"] = FEW_ROWS_MAX
         row.update({f"graph_vs_{k}": t[k] / t["graph"] for k in ALTERNATIVES if k in t})
         # graph against eager and the alternatives in each round, the two timed back to back
         row["round_ratios"] = {k: [a / g for a, g in zip(samples[k], samples["graph"])]

@@ -148,7 +148,13 @@ def _matmul_floor(out: dict, row: dict, budget_s: float, packed: bool = False) -
     if key not in row or "bytes" not in row:
         return ""
     mm_s, routed = row[key], row["bytes"]["routed_experts"]
-    how = "oneDNN, these weights pre-packed" if packed else "aten, these weights"
+    if packed:
+        how = "oneDNN, these weights pre-packed"
+    elif "matmuls_aten_s" in row:
+        how = (f"as the compiled step runs them: `rows_mm` up to {row['rows_mm_max_rows']} rows, aten beyond; all in aten "
+               f"they take {row['matmuls_aten_s'] * 1e3:.1f} ms")
+    else:
+        how = "aten, these weights"
     left_s = budget_s - mm_s
     digits = 1 if abs(left_s) < 0.0095 else 0  # not "122 ms, more than 122 ms" nor "leaves 0 ms"
     text = (f"the step's matmuls other than the routed experts', recorded from an eager step and replayed alone "

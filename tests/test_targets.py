@@ -113,3 +113,11 @@ def test_a_floor_just_short_of_the_allowance_prints_what_it_leaves_with_a_decima
     row = by_name(targets(run), "V2-Lite slice batch 32: roofline time / step time (within 2x)")
     assert "take 119.7 ms, which leaves 0.3 ms of the goal's 120.0 ms for the 500 MB of routed experts: 1667 GB/s" \
         in row["bound"]
+
+
+def test_a_floor_timed_in_the_compiled_forms_says_so_and_gives_the_aten_figure():
+    run = v2_run()
+    run["decode_v2"]["rows"][1].update(matmuls_s=0.060, matmuls_aten_s=0.070, rows_mm_max_rows=8)
+    row = by_name(targets(run), "V2-Lite slice: graph / transformers, batch 8")
+    assert ("replayed alone in the same rounds (as the compiled step runs them: `rows_mm` up to 8 rows, aten "
+            "beyond; all in aten they take 70.0 ms), take 60 ms, which leaves 20 ms of the goal's 80 ms") in row["bound"]
