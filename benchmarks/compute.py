@@ -15,6 +15,7 @@ matmuls (all but the routed experts'), recorded from an eager step and replayed 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -95,34 +96,23 @@ class StepMatmuls:
             return [op(*args, **kwargs) for op, args, kwargs in self.calls]
 
     def as_compiled(self):
-        """The replay with each bias-free bfloat16 ``linear`` of 2 to ``FEW_ROWS_MAX`` rows over a
-        row-major weight run in ``ascend_graph::rows_mm``, as ``DecodeMatmulPass`` has the compiled
-        step run it; None where the kernel does not run here or no call qualifies."""
-        from ascend_graph.backends.inductor import FEW_ROWS_MAX
-        from ascend_graph.models import expert_rows
+        """The replay with each bias-free ``linear`` that the compiled step runs in
+        ``ascend_graph::rows_mm`` (``backends.inductor.runs_rows_mm``: bfloat16, 2 to
+        ``FEW_ROWS_MAX`` rows, a row-major weight) run in it; None where no call is."""
+        from ascend_graph.backends.inductor import runs_rows_mm
 
-        if not expert_rows.available():
-            return None
         calls, kernel = [], 0
         for op, args, kwargs in self.calls:
             fn = None
-            if op is _aten.linear.default and len(args) == 2 and not kwargs:
-                x, w = args
-                rows = x.flatten(0, -2) if x.dim() > 1 else None
-                if (rows is not None and 2 <= rows.shape[0] <= FEW_ROWS_MAX and w.is_contiguous()
-                        and x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu"):
-                    shape = (*x.shape[:-1], w.shape[0])
-                    fn = functools.partial(lambda r, w, shape: torch.ops.ascend_graph.rows_mm(r, w).view(shape),
-                                           rows, w, shape)
+            if op is _aten.linear.default and len(args) == 2 and not kwargs and args[0].dim() > 1:
+                x, w = args[0].flatten(0, -2), args[1]
+                if runs_rows_mm(x, w):
+                    shape = (*args[0].shape[:-1], w.shape[0])
+                    fn = functools.partial(lambda x, w, shape: torch.ops.ascend_graph.rows_mm(x, w).view(shape),
+                                           x, w, shape)
                     kernel += 1
             calls.append(fn or functools.partial(op, *args, **kwargs))
-        if not kernel:
-            return None
-
-        def replay() -> list[torch.Tensor]:
-            with torch.inference_mode():
-                return [call() for call in calls]
-        return replay
+        return _replay(calls) if kernel else None
 
     def packed(self):
         """The replay with every bias-free ``linear`` on a weight pre-packed for oneDNN, as Inductor's
@@ -136,11 +126,15 @@ class StepMatmuls:
                 if fn is None:
                     return None
             calls.append(fn or functools.partial(op, *args, **kwargs))
+        return _replay(calls)
 
-        def replay() -> list[torch.Tensor]:
-            with torch.inference_mode():
-                return [call() for call in calls]
-        return replay
+
+def _replay(calls: list) -> Callable[[], list[torch.Tensor]]:
+    """A function that makes ``calls`` (argument-free callables) in order, under inference mode."""
+    def replay() -> list[torch.Tensor]:
+        with torch.inference_mode():
+            return [call() for call in calls]
+    return replay
 
 
 def pack_for_onednn(w: torch.Tensor, rows: int) -> torch.Tensor:

@@ -216,16 +216,8 @@ class DecodeMatmulPass(CustomGraphPass):
 
     @staticmethod
     def _few_rows(x, w) -> bool:
-        """``x [M, K]`` bfloat16 on CPU, 2 <= M <= FEW_ROWS_MAX, ``w [K, N]`` a contiguous
-        ``[N, K]`` transposed, and the kernel runs here."""
-        from ..models import expert_rows
-
         vals = _fake_values(x, w)
-        if vals is None or any(v.dim() != 2 or v.dtype != torch.bfloat16 or v.device.type != "cpu" for v in vals):
-            return False
-        (rows, k), wv = vals[0].shape, vals[1]
-        return (isinstance(rows, int) and 2 <= rows <= FEW_ROWS_MAX and isinstance(k, int)
-                and wv.t().is_contiguous() and expert_rows.available())
+        return vals is not None and vals[1].dim() == 2 and runs_rows_mm(vals[0], vals[1].t())
 
     def uuid(self) -> Optional[Any]:
         from ..models import expert_rows
@@ -233,6 +225,18 @@ class DecodeMatmulPass(CustomGraphPass):
         available = int(self.few_rows_kernel and expert_rows.available())
         return (get_hash_for_files((__file__, runtime.__file__, expert_rows.__file__)).hex()
                 + f"-split{int(self.split_long_reductions)}-bmm1{int(self.batch_one_bmm_as_mm)}-rows{available}")
+
+
+def runs_rows_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``DecodeMatmulPass`` has the compiled step compute ``x @ w.T`` (``x [M, K]``,
+    ``w [N, K]``; real or fake tensors) with ``rows_mm``: both bfloat16 on CPU, 2 <= M <=
+    ``FEW_ROWS_MAX``, ``w`` contiguous (a row-major weight), and the kernel runs here."""
+    from ..models import expert_rows
+
+    if x.dim() != 2 or w.dim() != 2 or any(v.dtype != torch.bfloat16 or v.device.type != "cpu" for v in (x, w)):
+        return False
+    rows = x.shape[0]
+    return isinstance(rows, int) and 2 <= rows <= FEW_ROWS_MAX and w.is_contiguous() and expert_rows.available()
 
 
 def _fake_values(*args) -> Optional[list[torch.Tensor]]:
