@@ -186,6 +186,6 @@ def measure(batches=(1, 8, 32, 64), context: int = 256, rounds: int = 7) -> dict
     few_rows = peak.few_rows_streams()
     for row in few_rows:
         print(f"  compute: {row['rows']}-row products on plain bf16 weights, aten "
-              f"{row['aten_bytes_per_s'] / 1e9:.1f} GB/s, expert_rows_mm {row['kernel_bytes_per_s'] / 1e9:.1f} GB/s",
+              f"{row['aten_bytes_per_s'] / 1e9:.1f} GB/s, rows_mm {row['kernel_bytes_per_s'] / 1e9:.1f} GB/s",
               flush=True)
     return {"context": context, "rows": rows, "core_peak": core, "few_rows": few_rows}

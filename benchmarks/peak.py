@@ -8,8 +8,9 @@ that oneDNN's bf16 matmuls use. The best of a few runs (noise only lowers a peak
 ``python -m benchmarks.peak`` also prints how fast one core streams a bfloat16 weight through a
 one-row product (a hand-written kernel, weights on huge pages) by row length and layout: the
 measurement behind ``runtime.LONG_REDUCTION`` and ``models.layers.ChunkedLinear``; and, for 1 to
-8 rows, aten's ``F.linear`` against the project's expert kernel (``expert_rows_mm``) on the same
-row-major weights (``few_rows_streams``): the measurement behind ``models/expert_rows.py``.
+32 rows, aten's ``F.linear`` against the project's few-row kernel (``rows_mm``) on the same
+row-major weights (``few_rows_streams``): the measurement behind ``models/expert_rows.py`` and
+``backends.inductor.FEW_ROWS_MAX``.
 
     python -m benchmarks.peak
 """
@@ -102,12 +103,14 @@ def row_streams(weight_mib: int = 48, runs: int = 9) -> list[dict]:
     return rows
 
 
-def few_rows_streams(weight_mib: int = 48, k: int = 2048, rows=(1, 2, 3, 4, 8), runs: int = 9) -> list[dict]:
+def few_rows_streams(weight_mib: int = 48, k: int = 2048, rows=(1, 2, 3, 4, 8, 16, 32), runs: int = 9) -> list[dict]:
     """GB/s of bfloat16 weight read by an ``r``-row product on one core, median of ``runs``, per
-    row count: aten's ``F.linear`` (what the compiled step's dense layers call from 2 rows on)
-    against the project's expert kernel (``expert_rows_mm``, one expert) on the same row-major
-    weights. The calls take turns over four weights, so each weight was last read three calls
-    (three times the last-level cache) before. Empty where the kernel does not run here."""
+    row count: aten's ``F.linear`` against the project's kernel (``rows_mm``; the MoE's
+    ``expert_rows_mm`` is the same kernel) on the same row-major weights. The compiled step runs
+    its dense products of 2 to ``FEW_ROWS_MAX`` rows in the kernel, from there on in aten: the
+    row counts past it show why. The calls take turns over four weights, so each weight was last
+    read three calls (three times the last-level cache) before. Empty where the kernel does not
+    run here."""
     import torch
     import torch.nn.functional as F
 
@@ -125,9 +128,8 @@ def few_rows_streams(weight_mib: int = 48, k: int = 2048, rows=(1, 2, 3, 4, 8), 
         weights = [buf[i * n * k:(i + 1) * n * k].view(n, k) for i in range(4)]
         found, calls_made = [], 0
         for r in rows:
-            x, ends = torch.randn(r, k, dtype=torch.bfloat16), torch.tensor([r], dtype=torch.int32)
-            calls = {"kernel": lambda w: torch.ops.ascend_graph.expert_rows_mm(x, w[None], ends),
-                     "aten": lambda w: F.linear(x, w)}
+            x = torch.randn(r, k, dtype=torch.bfloat16)
+            calls = {"kernel": lambda w: torch.ops.ascend_graph.rows_mm(x, w), "aten": lambda w: F.linear(x, w)}
             times = {name: [] for name in calls}
             for _ in range(runs):
                 for name, call in calls.items():
@@ -154,7 +156,7 @@ def main() -> None:
               f"{row['bytes_per_s'] / 1e9:.1f} GB/s")
     for row in few_rows_streams():
         print(f"{row['rows']}-row product, rows of 2048, row-major: aten {row['aten_bytes_per_s'] / 1e9:.1f} GB/s, "
-              f"expert_rows_mm {row['kernel_bytes_per_s'] / 1e9:.1f} GB/s")
+              f"rows_mm {row['kernel_bytes_per_s'] / 1e9:.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -233,14 +233,14 @@ def _bound(out: dict, row: dict | None, other: str, goal: float) -> str:
 
 
 def _few_rows_note(out: dict, rows: int) -> str:
-    """How fast one core streams ``rows``-row products over plain weights, aten against
-    ``expert_rows_mm`` (``peak.few_rows_streams``)."""
+    """How fast one core streams ``rows``-row products over plain weights, aten against the
+    project's kernel (``peak.few_rows_streams``)."""
     row = next((r for r in (out.get("compute") or {}).get("few_rows", []) if r["rows"] == rows), None)
     if not row:
         return ""
     return (f". On one core, {rows}-row products over plain row-major bf16 weights stream at "
             f"{row['aten_bytes_per_s'] / 1e9:.1f} GB/s with aten and {row['kernel_bytes_per_s'] / 1e9:.1f} GB/s with "
-            "`expert_rows_mm` (`python -m benchmarks.peak`)")
+            "the kernel of `expert_rows_mm` (`python -m benchmarks.peak`)")
 
 
 def _prepacked_note(moe: dict, rows: list[dict]) -> str:

@@ -30,12 +30,12 @@ DEFAULT_CPP_WRAPPER = {"cpu": True, "cuda": False, "npu": False}
 # GEMV streams the weight at 0.43 of the copy bandwidth, the generated reduction at 0.84. With 2+
 # rows the reduction re-reads the weight per row (2 rows: 5.6 vs aten 6.7 GB/s), so only 1 row.
 # With 2 to FEW_ROWS_MAX rows, a bfloat16 matmul over a plain weight runs the project's kernel
-# (``ascend_graph::rows_mm``, models/expert_rows.py) where it is available. Measured (torch 2.13,
-# 1 thread, rotating 48 MiB weights, aten F.linear vs the kernel, GB/s of weight streamed, one-off
-# runs of the kernel as committed): [12288, 2048] 2 rows 11.2 vs 17.5, 4 rows 10.7 vs 19.8, 8 rows
-# 9.0 vs 11.6, 16 rows 6.9 vs 6.8, 32 rows 4.5 vs 3.9; [2048, 3648] 8 rows 8.2 vs 14.4, 16 rows
-# 6.5 vs 8.2, 32 rows 4.4 vs 4.4; [4096, 512] 2 rows 8.0 vs 17.1, 8 rows 6.5 vs 9.9. From 16 rows
-# on the product is bound by the dot products, where oneDNN does as well or better.
+# (``ascend_graph::rows_mm``, models/expert_rows.py) where it is available. Measured with
+# ``python -m benchmarks.peak`` (torch 2.13, 1 thread, [12288, 2048] weights read from memory,
+# GB/s of weight streamed, aten F.linear vs the kernel): 2 rows 14.1 vs 21.4, 4 rows 12.8 vs
+# 22.3, 8 rows 10.3 vs 14.3, 16 rows 7.6 vs 8.3, 32 rows 5.0 vs 4.2; one-off, [2048, 3648]: 8 rows
+# 8.2 vs 14.4, 16 rows 6.5 vs 8.2, 32 rows 4.4 vs 4.4. From 16 rows on the product is bound by the
+# dot products: at 16 the kernel gained 0.99-1.26x over runs and shapes, at 32 it loses; so 8.
 SINGLE_ROW_MATMUL_AS_REDUCTION = {"cpu": True, "cuda": False, "npu": False}
 FEW_ROWS_MAX = 8
 
