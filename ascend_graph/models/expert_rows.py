@@ -78,14 +78,16 @@ def expert_rows_mm(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
                          f"{tuple(w.shape)}, {tuple(ends.shape)}")
     if x.shape[0] and int(ends[-1]) != x.shape[0]:
         raise ValueError(f"expert_rows_mm: ends[-1] must be the row count {x.shape[0]}, got {int(ends[-1])}")
-    return _run("expert_rows_mm", x, w, ends.to(torch.int32))
+    ends = ends.to(torch.int32).contiguous()
+    return _run("expert_rows_mm", x, w, ends.data_ptr())
 
 
-def _run(name: str, x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
-    """The C kernel on checked arguments: ``x [P, K]``, ``w [X, N, K]``, ``ends [X]`` int32."""
-    x, w, ends = x.contiguous(), w.contiguous(), ends.contiguous()
+def _run(name: str, x: Tensor, w: Tensor, ends: int) -> Tensor:
+    """The C kernel on checked arguments: ``x [P, K]``, ``w [X, N, K]``, ``ends`` the address of
+    X int32 row ends (kept alive by the caller)."""
+    x, w = x.contiguous(), w.contiguous()
     out = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16)
-    status = _library().expert_rows(x.data_ptr(), w.data_ptr(), ends.data_ptr(), out.data_ptr(),
+    status = _library().expert_rows(x.data_ptr(), w.data_ptr(), ends, out.data_ptr(),
                                     w.shape[0], w.shape[1], w.shape[2], torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"{name}: the kernel could not run (out of memory for the padded rows)")
@@ -106,7 +108,8 @@ def rows_mm(x: Tensor, w: Tensor) -> Tensor:
         raise ValueError(f"rows_mm: x and w must be bfloat16 CPU tensors, got {x.dtype}/{w.dtype} on {x.device}")
     if x.dim() != 2 or w.dim() != 2 or w.shape[1] != x.shape[1]:
         raise ValueError(f"rows_mm: expected x [M, K] and w [N, K]; got {tuple(x.shape)}, {tuple(w.shape)}")
-    return _run("rows_mm", x, w.unsqueeze(0), torch.tensor([x.shape[0]], dtype=torch.int32))
+    end = ctypes.c_int32(x.shape[0])  # one "expert": no tensor for its row end on every call
+    return _run("rows_mm", x, w.unsqueeze(0), ctypes.addressof(end))
 
 
 @rows_mm.register_fake
