@@ -49,7 +49,7 @@ def plan(quick: bool) -> dict:
     if quick:
         return {"small_sizes": (1, 8, 32), "v2_sizes": (1,), "hf_sizes": (1, 8), "small_rounds": (7, 3),
                 "v2_rounds": (3, 1), "attention_reps": 3, "startup_sizes": (1,), "memory_model": "small",
-                "memory_sizes": (1, 8), "moe_tokens": (1, 32), "levers": ("default", "without single-row pass"),
+                "memory_sizes": (1, 8), "moe_tokens": (1, 32), "levers": ("default", levers.NO_PASS),
                 "lever_batches": (1,), "v2_frozen_sizes": (), "small_aot_sizes": ()}
     return {"small_sizes": (1, 2, 4, 8, 16, 32, 64), "v2_sizes": (1, 8, 32, 64), "hf_sizes": (1, 8, 32),
             "small_rounds": (15, 5), "v2_rounds": (7, 1), "attention_reps": 7,

@@ -39,6 +39,7 @@ AOT = "AOTInductor package"
 OP_WRITE = "cache write as the op's call"
 BMM1 = "batch-1 bmm kept"
 FEW_ROWS = "few-row matmuls in aten"
+NO_PASS = "without decode-matmul pass"
 
 
 class Variant(NamedTuple):
@@ -59,7 +60,7 @@ def variants(config: GraphConfig, package_dir: str) -> dict[str, Variant]:
     no_split = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(split_long_reductions=False)}
     bmm_kept = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(batch_one_bmm_as_mm=False)}
     few_rows_aten = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(few_rows_kernel=False)}
-    return {"default": Variant(config, default), "without decode-matmul pass": Variant(config, no_pass),
+    return {"default": Variant(config, default), NO_PASS: Variant(config, no_pass),
             "without long-reduction split": Variant(config, no_split), BMM1: Variant(config, bmm_kept),
             FEW_ROWS: Variant(config, few_rows_aten),
             "without C++ wrapper": Variant(config, {**default, "cpp_wrapper": False}),
@@ -70,9 +71,20 @@ def variants(config: GraphConfig, package_dir: str) -> dict[str, Variant]:
             f"eager, {ROW_MAJOR}": Variant(config, default, row_major=True, mode="eager")}
 
 
+def check_names(names) -> None:
+    """Refuse lever names that are not variants (before anything is built or timed)."""
+    if names is None:
+        return
+    known = tuple(variants(GraphConfig(enabled=True, backend="inductor"), "unused").keys())
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"names: no lever called {', '.join(map(repr, unknown))}; expected some of {known}")
+
+
 def measure(batches=(1, 8), rounds: int = 5, quick: bool = False, names=None, context: int | None = None) -> dict:
     """Median step time of every variant (or of ``names``) at every batch size, at ``context``
     tokens (default: the suite's V2-Lite context)."""
+    check_names(names)
     case = cases(quick)["v2_lite_slice"]
     if context is not None:
         case = replace(case, context=context)
