@@ -71,7 +71,7 @@ class StepMatmuls:
     and that step's activations and gathered KV. Attention's projections and absorbed products,
     the dense MLP, the shared experts, the router and the LM head. Called, the replay is what
     these products cost with aten's matmul; ``as_compiled()`` runs them as the compiled step does
-    from 2 rows on (bfloat16 linears of up to ``FEW_ROWS_MAX`` rows in ``rows_mm``, the rest in the
+    from 2 rows on (bfloat16 linears of up to ``ROWS_MM_MAX`` rows in ``rows_mm``, the rest in the
     same aten kernels; at 1 row the decode-matmul pass makes generated reductions of them). The
     routed experts are left out because the compiled step runs them in forms of its own
     (``RoutedExperts.decode``).
@@ -98,7 +98,7 @@ class StepMatmuls:
     def as_compiled(self):
         """The replay with each bias-free ``linear`` that the compiled step runs in
         ``ascend_graph::rows_mm`` (``backends.inductor.runs_rows_mm``: bfloat16, 2 to
-        ``FEW_ROWS_MAX`` rows, a row-major weight) run in it; None where no call is."""
+        ``ROWS_MM_MAX`` rows, a row-major weight) run in it; None where no call is."""
         from ascend_graph.backends.inductor import runs_rows_mm
 
         calls, kernel = [], 0

@@ -2,7 +2,7 @@
 
 Every variant is a runner over the same model (its own cache), captured at one batch size and
 timed interleaved with the others: the default backend (C++ wrapper, the decode-matmul pass:
-single-row matmuls as reductions and 2-8-row bf16 matmuls as ``ascend_graph::rows_mm``; the cache
+single-row matmuls as reductions and 2-64-row bf16 matmuls as ``ascend_graph::rows_mm``; the cache
 write generated), without that pass, without its split of long reductions, with the few-row
 matmuls left to aten, without the C++ wrapper, with the cache write called as the custom op (as before
 ``inline_cache_writes``), with the weights of long rows row-major instead of chunk-major (``ChunkedLinear``; in

@@ -10,7 +10,7 @@ one-row product (a hand-written kernel, weights on huge pages) by row length and
 measurement behind ``runtime.LONG_REDUCTION`` and ``models.layers.ChunkedLinear``; and, for 1 to
 32 rows, aten's ``F.linear`` against the project's few-row kernel (``rows_mm``) on the same
 row-major weights (``few_rows_streams``): the measurement behind ``models/expert_rows.py`` and
-``backends.inductor.FEW_ROWS_MAX``.
+``backends.inductor.ROWS_MM_MAX``.
 
     python -m benchmarks.peak
 """
@@ -103,14 +103,15 @@ def row_streams(weight_mib: int = 48, runs: int = 9) -> list[dict]:
     return rows
 
 
-def few_rows_streams(weight_mib: int = 48, k: int = 2048, rows=(1, 2, 3, 4, 8, 16, 32), runs: int = 9) -> list[dict]:
+def few_rows_streams(weight_mib: int = 48, k: int = 2048, rows=(1, 2, 3, 4, 8, 16, 24, 32, 64),
+                     runs: int = 9) -> list[dict]:
     """GB/s of bfloat16 weight read by an ``r``-row product on one core, median of ``runs``, per
     row count: aten's ``F.linear`` against the project's kernel (``rows_mm``; the MoE's
-    ``expert_rows_mm`` is the same kernel) on the same row-major weights. The compiled step runs
-    its dense products of 2 to ``FEW_ROWS_MAX`` rows in the kernel, from there on in aten: the
-    row counts past it show why. The calls take turns over four weights, so each weight was last
-    read three calls (three times the last-level cache) before. Empty where the kernel does not
-    run here."""
+    ``expert_rows_mm`` is the same kernel, and from ``expert_rows.WIDE_MIN_ROWS`` rows ``rows_mm``
+    runs its wide form) on the same row-major weights. The compiled step runs its dense products of
+    2 to ``ROWS_MM_MAX`` rows in the kernel. The calls take turns over four weights, so each weight
+    was last read three calls (three times the last-level cache) before. Empty where the kernel
+    does not run here."""
     import torch
     import torch.nn.functional as F
 

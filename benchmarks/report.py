@@ -170,7 +170,7 @@ def _levers_table(lv: dict | None) -> list[str]:
     for r in lv["rows"]:
         lines.append(f"| {r['batch']} | " + " | ".join(f"{r[n]:.1f}" for n in names) + " |")
     return lines + ["", "Default on CPU: C++ wrapper, the decode-matmul pass (one-row matmuls as reductions, "
-                    "bf16 matmuls of 2-8 rows as `ascend_graph::rows_mm`) and the generated cache write "
+                    "bf16 matmuls of 2-64 rows as `ascend_graph::rows_mm`) and the generated cache write "
                     "(`ascend_graph/backends/inductor.py`); a lever is kept only where it wins here. `batch-1 bmm kept`: "
                     "the pass without its rewrite of batch-1 `bmm` (MLA decode's attention at batch 1) into "
                     "`mm`. `few-row matmuls in aten`: the pass without `rows_mm`, as before it. `cache write as "

@@ -1,5 +1,5 @@
 """The CPU decode-matmul pass keeps the results: a one-row bfloat16 matmul as a reduction, a
-bfloat16 matmul of 2 to FEW_ROWS_MAX rows as the project's kernel (``rows_mm``), a batch-1 bmm as
+bfloat16 matmul of 2 to ROWS_MM_MAX rows as the project's kernel (``rows_mm``), a batch-1 bmm as
 an mm."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ascend_graph.backends.inductor import FEW_ROWS_MAX, DecodeMatmulPass, InductorBackend
+from ascend_graph.backends.inductor import ROWS_MM_MAX, DecodeMatmulPass, InductorBackend
 from ascend_graph.models import expert_rows
 
 
@@ -141,9 +141,9 @@ def test_batch_of_one_bmm_runs_as_mm_and_matches_eager(batch):
     assert ("bmm" in calls) == (batch > 1) and ("_mm" in calls or "mm(" in calls)
 
 
-@pytest.mark.parametrize("rows", [2, FEW_ROWS_MAX, FEW_ROWS_MAX + 1])
+@pytest.mark.parametrize("rows", [2, 24, ROWS_MM_MAX, ROWS_MM_MAX + 1])  # 24: the wide form
 def test_few_row_bfloat16_matmuls_run_the_kernel_and_keep_the_exact_product(rows):
-    """Up to FEW_ROWS_MAX rows, the linear and the residual add Inductor fuses into an ``addmm``
+    """Up to ROWS_MM_MAX rows, the linear and the residual add Inductor fuses into an ``addmm``
     both run ``rows_mm`` (where it runs here); past it, aten. Each product is the exact one,
     rounded to bfloat16, as in eager."""
     from torch._inductor.utils import run_and_get_code
@@ -155,7 +155,7 @@ def test_few_row_bfloat16_matmuls_run_the_kernel_and_keep_the_exact_product(rows
     residual = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
     fn = lambda x, r: r + F.linear(F.silu(F.linear(x, w1)), w2)  # noqa: E731
     got, code = run_and_get_code(_compiled(fn, with_pass=True), x, residual)
-    kernel = expert_rows.available() and rows <= FEW_ROWS_MAX
+    kernel = expert_rows.available() and rows <= ROWS_MM_MAX
     assert "".join(code).count("ascend_graph.rows_mm.default(") == (2 if kernel else 0)
     h = F.silu((x.double() @ w1.double().T).to(torch.bfloat16).float()).to(torch.bfloat16)
     reference = residual.double() + h.double() @ w2.double().T

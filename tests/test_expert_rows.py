@@ -135,6 +135,41 @@ def test_rows_mm_is_a_linear_within_one_rounding(rows):
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+# from expert_rows.WIDE_MIN_ROWS (21) on, the wide form: 16 rows per vector, 64 per pass over the
+# weight (65 and 130 take more than one pass, the last of 1 and 2 rows); K odd (a last half pair),
+# 1 (nothing but that half) and even; N = 120 + 11, a second work item ending in part tiles
+@pytest.mark.parametrize("rows,k", [(20, 2081), (21, 2081), (32, 64), (33, 1), (48, 2048), (64, 95), (65, 33),
+                                    (130, 64)])
+def test_rows_mm_wide_form_is_a_linear_within_one_rounding(rows, k, threads):
+    gen = torch.Generator().manual_seed(rows * k)
+    w = torch.randn(131, k, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = torch.ops.ascend_graph.rows_mm(x, w)
+    finally:
+        torch.set_num_threads(before)
+    exact = x.double() @ w.double().T
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 131)
+    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all()
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w), atol=5e-2, rtol=2e-2)
+
+
+@needs_kernel
+def test_rows_mm_wide_form_keeps_nan_and_inf():
+    """A NaN or an infinity in a row reaches that row's outputs only, as in aten."""
+    x, w = torch.ones(24, 64, dtype=torch.bfloat16), torch.ones(40, 64, dtype=torch.bfloat16)
+    x[3, 5], x[7, 0] = float("nan"), float("inf")
+    got = torch.ops.ascend_graph.rows_mm(x, w)
+    assert got[3].isnan().all() and (got[7] == float("inf")).all()
+    keep = torch.ones(24, dtype=torch.bool)
+    keep[[3, 7]] = False
+    assert (got[keep] == 64).all()
+
+
+@needs_kernel
 def test_rows_mm_refuses_bad_input_by_name():
     x, w = torch.zeros(2, 32, dtype=torch.bfloat16), torch.zeros(8, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="rows_mm: x and w must be bfloat16"):

@@ -56,20 +56,20 @@ def test_the_pre_packed_replay_computes_the_same_products():
 
 
 def test_the_compiled_forms_replay_runs_few_row_linears_in_rows_mm_with_the_same_products(monkeypatch):
-    """``as_compiled``: the bfloat16 linears of 2 to FEW_ROWS_MAX rows run in ``rows_mm`` (as the
+    """``as_compiled``: the bfloat16 linears of 2 to ROWS_MM_MAX rows run in ``rows_mm`` (as the
     compiled step runs them), the rest as recorded; each product within bf16 rounding of aten's."""
-    from ascend_graph.backends.inductor import FEW_ROWS_MAX
+    from ascend_graph.backends.inductor import ROWS_MM_MAX
     from ascend_graph.models import expert_rows
 
     model = small_model("mla", dtype=torch.bfloat16)
-    for batch in (4, FEW_ROWS_MAX + 1):
+    for batch in (4, 32, ROWS_MM_MAX + 1):  # 32: the wide form
         runner = make_runner(model, GraphConfig(enabled=False), (batch,), 16)
         entries = decode_batch(runner, BlockManager(runner.num_blocks, runner.block_size), batch, 16)
         floor = StepMatmuls(model, lambda: runner.execute(entries, mode="eager"))
         op, kernel_calls = torch.ops.ascend_graph.rows_mm, []
         monkeypatch.setattr(torch.ops.ascend_graph, "rows_mm", lambda *a: kernel_calls.append(a) or op(*a))
         compiled = floor.as_compiled()
-        if not expert_rows.available() or batch > FEW_ROWS_MAX:
+        if not expert_rows.available() or batch > ROWS_MM_MAX:
             assert compiled is None
             continue
         plain, forms = floor(), compiled()

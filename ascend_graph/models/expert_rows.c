@@ -1,6 +1,7 @@
 /* Few-row matmuls on CPU for a decode step: the routed experts' rows (a few per expert) and, with
  * one "expert", a dense product of a few rows; over the weights as the checkpoint stores them
- * (row-major [N, K] per expert, nothing packed).
+ * (row-major [N, K] per expert, nothing packed). wide_rows: a dense product of more rows (17-64
+ * of a decode batch), where the dot products, not the weight stream, bound the time.
  * Built at first use with the system C compiler for this CPU and called through ctypes by
  * expert_rows.py. bfloat16 pair dot products (vdpbf16ps) accumulate in float32; each output is
  * rounded once to bfloat16, to nearest even. */
@@ -12,7 +13,7 @@
 #define TM 4          /* a tile: TM input rows by TN weight rows, TM * TN float32 sums in registers; */
 #define TN 6          /* each weight load feeds TM dot products, each input load TN */
 #define AHEAD 2       /* tiles: the weight rows 2 tiles on are prefetched into L2 while this one runs */
-#define COLS 120      /* weight rows (outputs) per work item, a multiple of TN */
+#define COLS 120      /* weight rows (outputs) per work item, a multiple of TN and of the wide form's 8 and 6 */
 
 /* 1 where this build has the kernel (the CPU has AVX512-BF16), else 0. */
 int expert_rows_available(void) {
@@ -99,7 +100,107 @@ static void rows_block(const uint16_t *w, long n, long k, const uint16_t *x, lon
                      a ? NULL : pf);
     }
 }
+
+/* The wide form. With 17 or more rows the product is compute-bound, and the tiles above spend
+ * their time on loads and on reducing each sum across a vector. Here the rows are repacked once
+ * per call, bf16 pairs [k/2][16 * mj] (mj vectors of 16 rows), and each weight pair is broadcast
+ * against them: every sum stays in its own lane, each weight element is read from memory once,
+ * and nothing is transposed. NW weight rows at a time: more than 8 rows 4 KiB apart share an L1
+ * set (12 measured slower than 8 at K = 2048). */
+#define NW 8
+#define WIDE_ROWS 64  /* rows per pass over the weight: 4 vectors of 16 */
+
+/* out[m, i + b] = dot(x row m, w row i + b) for m < rows, b < nw: xq the rows' pairs, 16 * mj a
+ * pair (the last pair (x[k - 1], 0) where k is odd); pf: nw weight rows to prefetch into L2, or NULL. */
+static inline __attribute__((always_inline)) void wide_tile(const uint16_t *w, long k, const uint32_t *xq,
+                                                            uint16_t *out, long ldo, long rows, long i, const int nw,
+                                                            const int mj, const uint16_t *pf) {
+    const long pairs = k / 2, mq = 16 * mj;
+    const uint16_t *wr = w + i * k;
+    __m512 acc[NW][4];
+    __m512bh xv[4];
+    for (int b = 0; b < nw; b++)
+        for (int j = 0; j < mj; j++) acc[b][j] = _mm512_setzero_ps();
+    for (long p = 0; p < pairs; p++) {
+        if (pf && (p & 15) == 0) /* one 64-byte line of each row per 16 pairs */
+            for (int b = 0; b < nw; b++) _mm_prefetch((const char *)(pf + b * k + 2 * p), _MM_HINT_T2);
+        for (int j = 0; j < mj; j++) xv[j] = (__m512bh)_mm512_loadu_si512(xq + p * mq + 16 * j);
+        for (int b = 0; b < nw; b++) {
+            int32_t pair;
+            memcpy(&pair, wr + b * k + 2 * p, 4);
+            __m512bh wb = (__m512bh)_mm512_set1_epi32(pair);
+            for (int j = 0; j < mj; j++) acc[b][j] = _mm512_dpbf16_ps(acc[b][j], wb, xv[j]);
+        }
+    }
+    if (k & 1) {
+        for (int j = 0; j < mj; j++) xv[j] = (__m512bh)_mm512_loadu_si512(xq + pairs * mq + 16 * j);
+        for (int b = 0; b < nw; b++) {
+            __m512bh wb = (__m512bh)_mm512_set1_epi32((int32_t)wr[b * k + k - 1]);
+            for (int j = 0; j < mj; j++) acc[b][j] = _mm512_dpbf16_ps(acc[b][j], wb, xv[j]);
+        }
+    }
+    float sums[NW * 64] __attribute__((aligned(64)));
+    for (int b = 0; b < nw; b++)
+        for (int j = 0; j < mj; j++) _mm512_store_ps(sums + b * mq + 16 * j, acc[b][j]);
+    for (long m = 0; m < rows; m++)
+        for (int b = 0; b < nw; b++) out[m * ldo + i + b] = to_bf16(sums[b * mq + m]);
+}
+
+#define WIDE_MJ(nwv)                                                                        \
+    switch (mj) {                                                                           \
+        case 1: wide_tile(w, k, xq, out, ldo, rows, i, nwv, 1, pf); break;                  \
+        case 2: wide_tile(w, k, xq, out, ldo, rows, i, nwv, 2, pf); break;                  \
+        case 3: wide_tile(w, k, xq, out, ldo, rows, i, nwv, 3, pf); break;                  \
+        default: wide_tile(w, k, xq, out, ldo, rows, i, nwv, 4, pf); break;                 \
+    }
+
+/* Weight rows i0..i1-1 against 16 * mj packed rows (``rows`` of them real). */
+static void wide_block(const uint16_t *w, long n, long k, const uint32_t *xq, uint16_t *out, long ldo, long rows,
+                       int mj, long i0, long i1) {
+    const int nw = mj == 4 ? 6 : NW; /* 24 sums in registers at most */
+    for (long i = i0; i < i1; i += nw) {
+        const uint16_t *pf = i + (AHEAD + 1) * nw <= n ? w + (i + AHEAD * nw) * k : NULL;
+        if (i1 - i < nw) { /* the last few weight rows, one at a time */
+            for (; i < i1; i++) WIDE_MJ(1)
+            break;
+        }
+        if (nw == NW) WIDE_MJ(NW) else WIDE_MJ(6)
+    }
+}
 #endif
+
+/* out = x @ w.T: x [rows, k], w [n, k], out [rows, n], bfloat16, contiguous; the wide form above,
+ * WIDE_ROWS rows per pass over the weight. Returns 0, or -1 where this build lacks the kernel or
+ * memory for the packed rows. */
+int wide_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, long rows, long n, long k, int threads) {
+#if defined(__AVX512BF16__)
+    long pairs = (k + 1) / 2;
+    uint32_t *xq = aligned_alloc(64, (size_t)(pairs ? pairs : 1) * WIDE_ROWS * 4);
+    if (!xq) return -1;
+    for (long m0 = 0; m0 < rows; m0 += WIDE_ROWS) {
+        long mr = rows - m0 < WIDE_ROWS ? rows - m0 : WIDE_ROWS;
+        int mj = (int)((mr + 15) / 16);
+        long mq = 16 * mj;
+        memset(xq, 0, (size_t)pairs * mq * 4);
+        for (long m = 0; m < mr; m++) {
+            const uint16_t *xr = x + (m0 + m) * k;
+            for (long p = 0; p < k / 2; p++) memcpy(xq + p * mq + m, xr + 2 * p, 4);
+            if (k & 1) xq[(pairs - 1) * mq + m] = xr[k - 1];
+        }
+        long blocks = (n + COLS - 1) / COLS;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+        for (long b = 0; b < blocks; b++) {
+            long i0 = b * COLS, i1 = i0 + COLS < n ? i0 + COLS : n;
+            wide_block(w, n, k, xq, out + m0 * n, n, mr, mj, i0, i1);
+        }
+    }
+    free(xq);
+    return 0;
+#else
+    (void)x; (void)w; (void)out; (void)rows; (void)n; (void)k; (void)threads;
+    return -1;
+#endif
+}
 
 /* out[p, :] = x[p, :] @ w[e].T for the rows p of expert e, ends[e-1] <= p < ends[e] (ends
  * non-decreasing, ends[experts-1] = the row count): x [rows, k], w [experts, n, k], out [rows, n],
