@@ -136,12 +136,13 @@ def test_rows_mm_is_a_linear_within_one_rounding(rows):
 
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
-# from expert_rows.WIDE_MIN_ROWS (21) on, the wide form: 16 rows per vector, 64 per pass over the
-# weight (65 and 130 take more than one pass, the last of 1 and 2 rows); K odd (a last half pair),
-# 1 (nothing but that half) and even; N = 120 + 11, a second work item ending in part tiles
-@pytest.mark.parametrize("rows,k", [(20, 2081), (21, 2081), (32, 64), (33, 1), (48, 2048), (64, 95), (65, 33),
-                                    (130, 64)])
-def test_rows_mm_wide_form_is_a_linear_within_one_rounding(rows, k, threads):
+# from 5 rows the wide forms (expert_rows.c): 8 rows by 2 pairs per vector up to 8 rows (K ending
+# in 1-3 elements past whole steps of 4), 16 rows by 1 pair from 9, 64 rows per pass over the
+# weight (65 and 130 take more than one, the last of 1 and 2 rows); K odd, 1, even; N = 120 + 11,
+# a second work item ending in part tiles
+@pytest.mark.parametrize("rows,k", [(4, 2081), (5, 2081), (6, 2082), (8, 2083), (8, 1), (9, 64), (16, 95),
+                                    (21, 2081), (32, 64), (33, 1), (48, 2048), (64, 95), (65, 33), (130, 64)])
+def test_rows_mm_wide_forms_are_a_linear_within_one_rounding(rows, k, threads):
     gen = torch.Generator().manual_seed(rows * k)
     w = torch.randn(131, k, generator=gen).to(torch.bfloat16)
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
@@ -158,13 +159,14 @@ def test_rows_mm_wide_form_is_a_linear_within_one_rounding(rows, k, threads):
 
 
 @needs_kernel
-def test_rows_mm_wide_form_keeps_nan_and_inf():
+@pytest.mark.parametrize("rows", [8, 24])
+def test_rows_mm_wide_forms_keep_nan_and_inf_to_their_rows(rows):
     """A NaN or an infinity in a row reaches that row's outputs only, as in aten."""
-    x, w = torch.ones(24, 64, dtype=torch.bfloat16), torch.ones(40, 64, dtype=torch.bfloat16)
+    x, w = torch.ones(rows, 64, dtype=torch.bfloat16), torch.ones(40, 64, dtype=torch.bfloat16)
     x[3, 5], x[7, 0] = float("nan"), float("inf")
     got = torch.ops.ascend_graph.rows_mm(x, w)
     assert got[3].isnan().all() and (got[7] == float("inf")).all()
-    keep = torch.ones(24, dtype=torch.bool)
+    keep = torch.ones(rows, dtype=torch.bool)
     keep[[3, 7]] = False
     assert (got[keep] == 64).all()
 

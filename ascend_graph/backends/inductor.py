@@ -30,8 +30,8 @@ DEFAULT_CPP_WRAPPER = {"cpu": True, "cuda": False, "npu": False}
 # GEMV streams the weight at 0.43 of the copy bandwidth, the generated reduction at 0.84. With 2+
 # rows the reduction re-reads the weight per row (2 rows: 5.6 vs aten 6.7 GB/s), so only 1 row.
 # With 2 to ROWS_MM_MAX rows, a bfloat16 matmul over a plain weight runs the project's kernel
-# (``ascend_graph::rows_mm``, models/expert_rows.py) where it is available: up to 20 rows in
-# tiles of dot products, from 21 rows in its wide form (each weight pair broadcast against the
+# (``ascend_graph::rows_mm``, models/expert_rows.py) where it is available: up to 4 rows in
+# tiles of dot products, from 5 rows in its wide forms (weight elements broadcast against the
 # rows packed in pairs). aten re-lays the weight out for oneDNN on every call. Measured with
 # ``python -m benchmarks.peak`` (torch 2.13, 1 thread, [12288, 2048] weights read from memory,
 # GB/s of weight streamed, aten F.linear vs the kernel): 2 rows 14.1 vs 21.4, 4 rows 12.8 vs

@@ -1,7 +1,6 @@
 /* Few-row matmuls on CPU for a decode step: the routed experts' rows (a few per expert) and, with
  * one "expert", a dense product of a few rows; over the weights as the checkpoint stores them
- * (row-major [N, K] per expert, nothing packed). wide_rows: a dense product of more rows (17-64
- * of a decode batch), where the dot products, not the weight stream, bound the time.
+ * (row-major [N, K] per expert, nothing packed). From 5 rows of one weight, the wide forms (below).
  * Built at first use with the system C compiler for this CPU and called through ctypes by
  * expert_rows.py. bfloat16 pair dot products (vdpbf16ps) accumulate in float32; each output is
  * rounded once to bfloat16, to nearest even. */
@@ -101,14 +100,91 @@ static void rows_block(const uint16_t *w, long n, long k, const uint16_t *x, lon
     }
 }
 
-/* The wide form. With 17 or more rows the product is compute-bound, and the tiles above spend
- * their time on loads and on reducing each sum across a vector. Here the rows are repacked once
- * per call, bf16 pairs [k/2][16 * mj] (mj vectors of 16 rows), and each weight pair is broadcast
- * against them: every sum stays in its own lane, each weight element is read from memory once,
- * and nothing is transposed. NW weight rows at a time: more than 8 rows 4 KiB apart share an L1
- * set (12 measured slower than 8 at K = 2048). */
+/* The wide forms, for PAIRS_MIN or more rows of one weight. There the tiles above spend their time
+ * on loads and on reducing each sum across a vector. Instead the rows are repacked once per call
+ * and each weight element is broadcast against them, so every sum stays in its own vector lane;
+ * each weight element is still read from memory once, and nothing is transposed.
+ * - 5-8 rows, the pairs form: a vector holds 8 rows by 2 bf16 pairs (lane 2r + q: row r, pair
+ *   2s + q), and each step broadcasts 4 weight elements (64 bits). Time with the tiles over time
+ *   with the pairs form, one-off, interleaved, [12288, 2048] / [2048, 3648] / [2816, 2048]:
+ *   8 rows 1.34/1.24/1.19; 5 and 6 rows 1.03/0.99/0.97 and 0.94/1.05/1.04 (both stream the
+ *   weight at the memory's rate there); 12 rows (wide form) 1.20/1.10/1.07, 16 rows 1.35/1.38/1.31.
+ * - 9 or more rows, the wide form: vectors of 16 rows by 1 pair (bf16 pairs [k/2][16 * mj], mj
+ *   vectors), each step broadcasting one weight pair (32 bits); at most WIDE_ROWS rows per pass
+ *   over the weight. One-off, GFLOP/s, tiles vs wide form, 16 rows: 118/122/109 vs 162/176/143
+ *   ([12288, 2048] / [2048, 3648] / [576, 2048]); 9 rows 99/97/87 vs 93/92/80; 32 rows: aten
+ *   141-147, wide form 194-195.
+ * Weight rows at a time: PW and NW. More than 8 weight rows 4 KiB apart share an L1 set (12
+ * measured slower than 8 at K = 2048; for the pairs form 6 beat 8 and 10). */
+#define PAIRS_MIN 5
+#define PW 6
 #define NW 8
-#define WIDE_ROWS 64  /* rows per pass over the weight: 4 vectors of 16 */
+#define WIDE_ROWS 64 /* rows per pass over the weight: 4 vectors of 16 */
+
+/* dwords of one packed chunk of ``rows`` <= WIDE_ROWS rows */
+static long chunk_dwords(long rows, long k) {
+    return rows <= 8 ? (k + 3) / 4 * 16 : (k + 1) / 2 * 16 * ((rows + 15) / 16);
+}
+
+static long packed_dwords(long rows, long k) {
+    long total = 0;
+    for (long m0 = 0; m0 < rows; m0 += WIDE_ROWS) total += chunk_dwords(rows - m0 < WIDE_ROWS ? rows - m0 : WIDE_ROWS, k);
+    return total;
+}
+
+/* x rows (stride k) packed for the wide forms, WIDE_ROWS at a time; lanes without a row, and the
+ * halves past k, are zero. */
+static void pack_rows(const uint16_t *x, long k, long rows, uint32_t *xq) {
+    for (long m0 = 0; m0 < rows; m0 += WIDE_ROWS) {
+        long mr = rows - m0 < WIDE_ROWS ? rows - m0 : WIDE_ROWS, size = chunk_dwords(mr, k);
+        memset(xq, 0, (size_t)size * 4);
+        for (long m = 0; m < mr; m++) {
+            const uint16_t *xr = x + (m0 + m) * k;
+            if (mr <= 8) { /* step s, lanes 2m and 2m + 1: elements 4s .. 4s + 3 of row m */
+                for (long s = 0; s < k / 4; s++) memcpy(xq + s * 16 + 2 * m, xr + 4 * s, 8);
+                if (k & 3) memcpy(xq + k / 4 * 16 + 2 * m, xr + k / 4 * 4, (size_t)(k & 3) * 2);
+            } else {
+                long mq = 16 * ((mr + 15) / 16);
+                for (long p = 0; p < k / 2; p++) memcpy(xq + p * mq + m, xr + 2 * p, 4);
+                if (k & 1) xq[k / 2 * mq + m] = xr[k - 1];
+            }
+        }
+        xq += size;
+    }
+}
+
+/* out[m, i + b] = dot(x row m, w row i + b) for m < rows <= 8, b < nw; xq packed in the pairs
+ * form; pf: nw weight rows to prefetch into L2, or NULL. */
+static inline __attribute__((always_inline)) void pairs_tile(const uint16_t *w, long k, const uint32_t *xq,
+                                                             uint16_t *out, long ldo, long rows, long i, const int nw,
+                                                             const uint16_t *pf) {
+    const long steps = k / 4;
+    const uint16_t *wr = w + i * k;
+    __m512 acc[PW];
+    for (int b = 0; b < nw; b++) acc[b] = _mm512_setzero_ps();
+    for (long s = 0; s < steps; s++) {
+        if (pf && (s & 7) == 0) /* one 64-byte line of each row per 8 steps */
+            for (int b = 0; b < nw; b++) _mm_prefetch((const char *)(pf + b * k + 4 * s), _MM_HINT_T2);
+        __m512bh xv = (__m512bh)_mm512_loadu_si512(xq + s * 16);
+        for (int b = 0; b < nw; b++) {
+            int64_t four;
+            memcpy(&four, wr + b * k + 4 * s, 8);
+            acc[b] = _mm512_dpbf16_ps(acc[b], (__m512bh)_mm512_set1_epi64(four), xv);
+        }
+    }
+    if (k & 3) { /* the last 1-3 elements, zero-extended: no read past the row */
+        __m512bh xv = (__m512bh)_mm512_loadu_si512(xq + steps * 16);
+        for (int b = 0; b < nw; b++) {
+            int64_t four = 0;
+            memcpy(&four, wr + b * k + 4 * steps, (size_t)(k & 3) * 2);
+            acc[b] = _mm512_dpbf16_ps(acc[b], (__m512bh)_mm512_set1_epi64(four), xv);
+        }
+    }
+    float sums[PW * 16] __attribute__((aligned(64)));
+    for (int b = 0; b < nw; b++) _mm512_store_ps(sums + b * 16, acc[b]);
+    for (long m = 0; m < rows; m++)
+        for (int b = 0; b < nw; b++) out[m * ldo + i + b] = to_bf16(sums[b * 16 + 2 * m] + sums[b * 16 + 2 * m + 1]);
+}
 
 /* out[m, i + b] = dot(x row m, w row i + b) for m < rows, b < nw: xq the rows' pairs, 16 * mj a
  * pair (the last pair (x[k - 1], 0) where k is odd); pf: nw weight rows to prefetch into L2, or NULL. */
@@ -154,67 +230,68 @@ static inline __attribute__((always_inline)) void wide_tile(const uint16_t *w, l
         default: wide_tile(w, k, xq, out, ldo, rows, i, nwv, 4, pf); break;                 \
     }
 
-/* Weight rows i0..i1-1 against 16 * mj packed rows (``rows`` of them real). */
+/* Weight rows i0..i1-1 against one packed chunk of ``rows`` rows, in the form its size takes. */
 static void wide_block(const uint16_t *w, long n, long k, const uint32_t *xq, uint16_t *out, long ldo, long rows,
-                       int mj, long i0, long i1) {
-    const int nw = mj == 4 ? 6 : NW; /* 24 sums in registers at most */
+                       long i0, long i1) {
+    const int mj = (int)((rows + 15) / 16);
+    const int nw = rows <= 8 ? PW : mj == 4 ? 6 : NW; /* 24 sums in registers at most */
     for (long i = i0; i < i1; i += nw) {
         const uint16_t *pf = i + (AHEAD + 1) * nw <= n ? w + (i + AHEAD * nw) * k : NULL;
         if (i1 - i < nw) { /* the last few weight rows, one at a time */
-            for (; i < i1; i++) WIDE_MJ(1)
+            for (; i < i1; i++) {
+                if (rows <= 8) pairs_tile(w, k, xq, out, ldo, rows, i, 1, NULL);
+                else WIDE_MJ(1)
+            }
             break;
         }
-        if (nw == NW) WIDE_MJ(NW) else WIDE_MJ(6)
+        if (rows <= 8) pairs_tile(w, k, xq, out, ldo, rows, i, PW, pf);
+        else if (nw == NW) WIDE_MJ(NW)
+        else WIDE_MJ(6)
     }
 }
-#endif
 
-/* out = x @ w.T: x [rows, k], w [n, k], out [rows, n], bfloat16, contiguous; the wide form above,
- * WIDE_ROWS rows per pass over the weight. Returns 0, or -1 where this build lacks the kernel or
- * memory for the packed rows. */
-int wide_rows(const uint16_t *x, const uint16_t *w, uint16_t *out, long rows, long n, long k, int threads) {
-#if defined(__AVX512BF16__)
-    long pairs = (k + 1) / 2;
-    uint32_t *xq = aligned_alloc(64, (size_t)(pairs ? pairs : 1) * WIDE_ROWS * 4);
-    if (!xq) return -1;
+/* Weight rows i0..i1-1 against ``rows`` packed rows (pack_rows), WIDE_ROWS at a time. */
+static void wide_range(const uint16_t *w, long n, long k, const uint32_t *xq, uint16_t *out, long ldo, long rows,
+                       long i0, long i1) {
     for (long m0 = 0; m0 < rows; m0 += WIDE_ROWS) {
         long mr = rows - m0 < WIDE_ROWS ? rows - m0 : WIDE_ROWS;
-        int mj = (int)((mr + 15) / 16);
-        long mq = 16 * mj;
-        memset(xq, 0, (size_t)pairs * mq * 4);
-        for (long m = 0; m < mr; m++) {
-            const uint16_t *xr = x + (m0 + m) * k;
-            for (long p = 0; p < k / 2; p++) memcpy(xq + p * mq + m, xr + 2 * p, 4);
-            if (k & 1) xq[(pairs - 1) * mq + m] = xr[k - 1];
-        }
-        long blocks = (n + COLS - 1) / COLS;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
-        for (long b = 0; b < blocks; b++) {
-            long i0 = b * COLS, i1 = i0 + COLS < n ? i0 + COLS : n;
-            wide_block(w, n, k, xq, out + m0 * n, n, mr, mj, i0, i1);
-        }
+        wide_block(w, n, k, xq, out + m0 * ldo, ldo, mr, i0, i1);
+        xq += chunk_dwords(mr, k);
     }
-    free(xq);
-    return 0;
-#else
-    (void)x; (void)w; (void)out; (void)rows; (void)n; (void)k; (void)threads;
-    return -1;
-#endif
 }
+#endif
 
 /* out[p, :] = x[p, :] @ w[e].T for the rows p of expert e, ends[e-1] <= p < ends[e] (ends
  * non-decreasing, ends[experts-1] = the row count): x [rows, k], w [experts, n, k], out [rows, n],
- * all bfloat16 and contiguous. threads > 1 splits the work over OpenMP threads. Returns 0, or -1
- * where this build lacks the kernel or the rows cannot be padded. */
+ * all bfloat16 and contiguous. An expert's rows go through the tiles, or from PAIRS_MIN rows one
+ * of the wide forms. threads > 1 splits the work over OpenMP threads. Returns 0, or -1 where this
+ * build lacks the kernel or memory for the copied rows. */
 int expert_rows(const uint16_t *x, const uint16_t *w, const int32_t *ends, uint16_t *out, long experts, long n,
                 long k, int threads) {
 #if defined(__AVX512BF16__)
     long rows = experts ? ends[experts - 1] : 0;
-    /* rows of x copied 64 bytes further apart than k: rows 4 KiB apart share the same L1 sets */
-    long ldx = (k + 31) / 32 * 32 + 32;
+    /* rows of x copied 64 bytes further apart than k, for the tiles: rows 4 KiB apart share the
+     * same L1 sets; each expert of PAIRS_MIN rows or more packed for the wide forms, at packed[e] */
+    long ldx = (k + 31) / 32 * 32 + 32, total = 0;
+    long *packed = malloc((size_t)(experts ? experts : 1) * sizeof(long));
+    if (!packed) return -1;
+    for (long e = 0; e < experts; e++) {
+        long count = ends[e] - (e ? ends[e - 1] : 0);
+        packed[e] = total;
+        if (count >= PAIRS_MIN) total += packed_dwords(count, k);
+    }
     uint16_t *xp = aligned_alloc(64, (size_t)(rows ? rows : 1) * ldx * 2);
-    if (!xp) return -1;
-    for (long p = 0; p < rows; p++) memcpy(xp + p * ldx, x + p * k, (size_t)k * 2);
+    uint32_t *xq = aligned_alloc(64, (size_t)(total ? total : 1) * 4);
+    if (!xp || !xq) {
+        free(packed), free(xp), free(xq);
+        return -1;
+    }
+    for (long e = 0; e < experts; e++) {
+        long start = e ? ends[e - 1] : 0, count = ends[e] - start;
+        if (count >= PAIRS_MIN) pack_rows(x + start * k, k, count, xq + packed[e]);
+        else
+            for (long p = start; p < ends[e]; p++) memcpy(xp + p * ldx, x + p * k, (size_t)k * 2);
+    }
     long blocks = (n + COLS - 1) / COLS, items = experts * blocks;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
     for (long item = 0; item < items; item++) {
@@ -222,9 +299,12 @@ int expert_rows(const uint16_t *x, const uint16_t *w, const int32_t *ends, uint1
         long start = e ? ends[e - 1] : 0, count = ends[e] - start;
         if (count <= 0) continue;
         long i0 = b * COLS, i1 = i0 + COLS < n ? i0 + COLS : n;
-        rows_block(w + e * n * k, n, k, xp + start * ldx, ldx, out + start * n, n, i0, i1, count);
+        if (count >= PAIRS_MIN)
+            wide_range(w + e * n * k, n, k, xq + packed[e], out + start * n, n, count, i0, i1);
+        else
+            rows_block(w + e * n * k, n, k, xp + start * ldx, ldx, out + start * n, n, i0, i1, count);
     }
-    free(xp);
+    free(packed), free(xp), free(xq);
     return 0;
 #else
     (void)x; (void)w; (void)ends; (void)out; (void)experts; (void)n; (void)k; (void)threads;

@@ -7,17 +7,20 @@ aten's bf16 matmul reorders a plain weight into oneDNN's blocked layout on every
 at 11.8-13.6 GB/s with aten, 17-26.6 GB/s with this kernel). oneDNN's pre-packed weights avoid
 that but need a packed copy of every weight (2x the experts' memory, and the batch-1 form reads
 the plain ones).
-``expert_rows.c`` multiplies the rows by the weights as they are stored, in tiles of 4 rows by 6
-weight rows, prefetching the weight rows two tiles ahead into L2 (without it the loads and the dot
-products take turns: 8-row products 10.4 vs 11.6 GB/s, 4-row 13.9 vs 19.8, one-off). Two ops:
-``ascend_graph::expert_rows_mm``, that both the eager runner and the compiled step call for the
-MoE (``RoutedExperts.sorted_by_expert``), so the two modes still compute the MoE the same way;
-and ``ascend_graph::rows_mm`` (one weight), that the compiled step runs for bf16 matmuls of 2 to
-``backends.inductor.ROWS_MM_MAX`` rows (``DecodeMatmulPass``). From ``WIDE_MIN_ROWS`` rows the
-product is bound by the dot products rather than the weight stream, and ``rows_mm`` runs the
-kernel's wide form: the rows repacked in bf16 pairs, each weight pair broadcast against 16 rows
-at a time, so every sum stays in its own vector lane (no reduction across a vector) and each
-weight element is still read once (32 rows: 194-195 GFLOP/s against aten's 141-147, one-off).
+``expert_rows.c`` multiplies the rows by the weights as they are stored. Up to 4 rows of one
+weight it takes tiles of 4 rows by 6 weight rows, prefetching the weight rows two tiles ahead into
+L2 (without it the loads and the dot products take turns: 8-row products 10.4 vs 11.6 GB/s, 4-row
+13.9 vs 19.8, one-off). From 5 rows, where the tiles' loads and their sums reduced across a
+vector bound the time, it repacks the rows once per call and broadcasts each weight element
+against them, every sum in its own vector lane: 8 rows by 2 bf16 pairs per vector up to 8 rows,
+16 rows by 1 pair from 9 (figures in ``expert_rows.c``; one-off, 8 rows 1.19-1.34x and 16 rows
+1.31-1.38x faster than the tiles; 32 rows 194-195 GFLOP/s against aten's 141-147, one core's peak
+being 234). The MoE's experts get a few rows each at decode (at most 12 of a V2-Lite layer's at
+64 tokens) and stream at the memory's rate either way.
+Two ops: ``ascend_graph::expert_rows_mm``, that both the eager runner and the compiled step call
+for the MoE (``RoutedExperts.sorted_by_expert``), so the two modes still compute the MoE the same
+way; and ``ascend_graph::rows_mm`` (one weight), that the compiled step runs for bf16 matmuls of
+2 to ``backends.inductor.ROWS_MM_MAX`` rows (``DecodeMatmulPass``).
 
 It is built on first use with the system C compiler (``cc``, or ``$CC``) for this CPU
 (``-march=native``, OpenMP where the compiler has it: ``torch.get_num_threads()`` threads). Where
@@ -37,10 +40,6 @@ import tempfile
 import torch
 from torch import Tensor
 
-# From this many rows on, ``rows_mm`` runs the kernel's wide form (``wide_rows`` in expert_rows.c):
-# one-off, GFLOP/s tiles vs wide form, [12288, 2048] / [2048, 3648] / [576, 2048]: 17 rows 113/105,
-# 101/105, 100/91; 20 rows 120/123, 110/123, 107/107; 24 rows 106/146, 132/147, 110/126.
-WIDE_MIN_ROWS = 21
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "expert_rows.c")
 
 
@@ -64,8 +63,6 @@ def _library() -> ctypes.CDLL | None:
         return None
     dll.expert_rows.restype = ctypes.c_int
     dll.expert_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    dll.wide_rows.restype = ctypes.c_int
-    dll.wide_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
     return dll
 
 
@@ -100,7 +97,7 @@ def _run(name: str, x: Tensor, w: Tensor, ends: int) -> Tensor:
     status = _library().expert_rows(x.data_ptr(), w.data_ptr(), ends, out.data_ptr(),
                                     w.shape[0], w.shape[1], w.shape[2], torch.get_num_threads())
     if status != 0:
-        raise RuntimeError(f"{name}: the kernel could not run (out of memory for the padded rows)")
+        raise RuntimeError(f"{name}: the kernel could not run (out of memory for the copied rows)")
     return out
 
 
@@ -118,13 +115,6 @@ def rows_mm(x: Tensor, w: Tensor) -> Tensor:
         raise ValueError(f"rows_mm: x and w must be bfloat16 CPU tensors, got {x.dtype}/{w.dtype} on {x.device}")
     if x.dim() != 2 or w.dim() != 2 or w.shape[1] != x.shape[1]:
         raise ValueError(f"rows_mm: expected x [M, K] and w [N, K]; got {tuple(x.shape)}, {tuple(w.shape)}")
-    if x.shape[0] >= WIDE_MIN_ROWS:
-        x, w = x.contiguous(), w.contiguous()
-        out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
-        if _library().wide_rows(x.data_ptr(), w.data_ptr(), out.data_ptr(), x.shape[0], w.shape[0], w.shape[1],
-                                torch.get_num_threads()) != 0:
-            raise RuntimeError("rows_mm: the kernel could not run (out of memory for the packed rows)")
-        return out
     end = ctypes.c_int32(x.shape[0])  # one "expert": no tensor for its row end on every call
     return _run("rows_mm", x, w.unsqueeze(0), ctypes.addressof(end))
 
