@@ -5,7 +5,8 @@ A decode step of B rows multiplies every dense weight by B rows and each routed 
 by the rows that chose it (B * K row-expert pairs in all); absorbed MLA adds per row and layer
 ``2 H (Dn C + T (C + R) + T C + C Dv)``. The rate is the median of a ``[B, 2048] x [2048, 10944]``
 bfloat16 matmul (the dense MLP's shape) timed interleaved with the copy probe, with aten's
-weights and with weights pre-packed for oneDNN (what ``inductor_freezing_min_batch`` compiles to).
+weights, with weights pre-packed for oneDNN (what ``inductor_freezing_min_batch`` compiles to),
+and, at the batches where the compiled step runs it, with the project's kernel (``rows_mm``).
 Above every matmul rate: the core's peak multiply-add rate (``benchmarks/peak.py``).
 
 ``StepMatmuls`` is the tighter floor, timed in the decode rounds themselves: the step's own
@@ -161,6 +162,8 @@ def _packed_linear(x: torch.Tensor, w: torch.Tensor):
 
 def measure(batches=(1, 8, 32, 64), context: int = 256, rounds: int = 7) -> dict:
     """FLOPs per step and the bf16 matmul rate (FLOP/s) at each batch, with copy bandwidth."""
+    from ascend_graph.backends.inductor import runs_rows_mm
+
     probe, rows = CopyProbe(), []
     w = torch.randn(10944, 2048).to(torch.bfloat16)
     for b in batches:
@@ -169,16 +172,21 @@ def measure(batches=(1, 8, 32, 64), context: int = 256, rounds: int = 7) -> dict
         packed = _packed_linear(x, w)
         if packed is not None:
             fns["packed"] = packed
+        if runs_rows_mm(x, w):
+            fns["kernel"] = lambda: torch.ops.ascend_graph.rows_mm(x, w)
         t = interleaved_medians(fns, rounds=rounds, calls_per_round=3)
         rate = 2 * b * w.numel() / t["mm"]
         rows.append({"batch": b, "step_flops": step_flops(b, context), "bf16_matmul_flops_per_s": rate,
                      "copy_bytes_per_s": probe.bytes / t["copy"]})
-        if "packed" in t:
-            rows[-1]["bf16_packed_matmul_flops_per_s"] = 2 * b * w.numel() / t["packed"]
-        packed_rate = rows[-1].get("bf16_packed_matmul_flops_per_s")
+        for name, key in (("packed", "bf16_packed_matmul_flops_per_s"), ("kernel", "bf16_kernel_matmul_flops_per_s")):
+            if name in t:
+                rows[-1][key] = 2 * b * w.numel() / t[name]
+        packed_rate, kernel_rate = (rows[-1].get(k) for k in ("bf16_packed_matmul_flops_per_s",
+                                                               "bf16_kernel_matmul_flops_per_s"))
         print(f"  compute batch {b}: step {rows[-1]['step_flops'] / 1e9:.1f} GFLOP, bf16 matmul "
               f"{rate / 1e9:.1f} GFLOP/s -> {rows[-1]['step_flops'] / rate * 1e3:.0f} ms"
-              + (f"; pre-packed {packed_rate / 1e9:.1f} GFLOP/s" if packed_rate else ""), flush=True)
+              + (f"; pre-packed {packed_rate / 1e9:.1f} GFLOP/s" if packed_rate else "")
+              + (f"; rows_mm {kernel_rate / 1e9:.1f} GFLOP/s" if kernel_rate else ""), flush=True)
     core = peak.measure()
     if core.get("bf16_dot_flops_per_s"):
         print(f"  compute: one core's peak bf16 dot-product rate {core['bf16_dot_flops_per_s'] / 1e9:.0f} GFLOP/s, "

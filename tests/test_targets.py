@@ -121,3 +121,33 @@ def test_a_floor_timed_in_the_compiled_forms_says_so_and_gives_the_aten_figure()
     row = by_name(targets(run), "V2-Lite slice: graph / transformers, batch 8")
     assert ("replayed alone in the same rounds (as the compiled step runs them: `rows_mm` up to 8 rows, aten "
             "beyond; all in aten they take 70.0 ms), take 60 ms, which leaves 20 ms of the goal's 80 ms") in row["bound"]
+
+
+def test_the_batch_32_compute_bound_takes_the_kernels_rate_where_it_was_measured():
+    run = v2_run()
+    plain = by_name(targets(run), "V2-Lite slice batch 32: roofline time / step time (within 2x)")["bound"]
+    assert plain.startswith("24.0 GFLOP at the measured bf16 matmul rate (120 GFLOP/s) take 200 ms")
+    run["compute"]["rows"][0]["bf16_kernel_matmul_flops_per_s"] = 200e9
+    rows = targets(run)
+    bound = by_name(rows, "V2-Lite slice batch 32: roofline time / step time (within 2x)")["bound"]
+    assert bound.startswith("24.0 GFLOP at the measured bf16 matmul rate of `rows_mm`, as the compiled step runs its "
+                            "dense products (200 GFLOP/s; aten 120) take 120 ms vs 60 ms of memory traffic: "
+                            "compute-bound, share at most 0.50 at that rate")
+    # the frozen step multiplies pre-packed weights with oneDNN: its bound keeps that rate
+    frozen = by_name(rows, "V2-Lite slice batch 32: roofline time / step time, freezing on")["bound"]
+    assert frozen.startswith("24.0 GFLOP at the measured pre-packed matmul rate (150 GFLOP/s) take 160 ms")
+
+
+def test_the_attention_bound_takes_the_best_rate_measured_aten_or_kernel():
+    dims = {"batch": 32, "context": 2048, "heads": 16, "rope": 64, "kv_lora_rank": 512}
+    att = {"conditions": {"dims": dims}, "capacity_ratio": {"tuple (kv_c, k_pe)/compiled": 1.05},
+           "rows": [{"step": "tuple (kv_c, k_pe)", "mode": "compiled", "num_blocks": 256, "bytes_per_s": 2e9,
+                     "share_of_copy_bandwidth": 0.1},
+                    {"step": "floor: matmuls over pre-gathered KV (eager)", "mode": "probe", "num_blocks": 256,
+                     "median_ms": 30.0, "share_of_copy_bandwidth": 0.12}]}
+    compute = {"rows": [{"batch": 32, "step_flops": 1.0, "bf16_matmul_flops_per_s": 150e9},
+                        {"batch": 64, "step_flops": 1.0, "bf16_matmul_flops_per_s": 180e9,
+                         "bf16_kernel_matmul_flops_per_s": 200e9}]}
+    bound = by_name(targets({"attention": att, "compute": compute}), "decode attention b32")["bound"]
+    # 2 * 32 * 16 * 2048 * (2 * 512 + 64) = 2.28 GFLOP; at 200 GFLOP/s 11.4 ms; 0.12 * 30 ms of bytes
+    assert "its 2.28 GFLOP at the best measured bf16 matmul rate (200 GFLOP/s) take 11 ms, i.e. at most 0.32" in bound
