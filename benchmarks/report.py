@@ -182,8 +182,8 @@ def _levers_table(lv: dict | None) -> list[str]:
                     "(`GraphConfig.inductor_freezing_min_batch`) is opt-in: it costs a pre-packed copy of the dense "
                     "weights per frozen capture size, and at batch 1 it replaces the single-row reductions. "
                     "`AOTInductor package` (`GraphConfig.aot_inductor`, opt-in): the step compiled ahead of time "
-                    "with torch.export and AOTInductor, run on the model's own weights, without dynamo's guards "
-                    "(and without `rows_mm`: a package does not depend on the project's kernel being built).", ""]
+                    "with torch.export and AOTInductor, run on the model's own weights, without dynamo's guards; "
+                    "like the default, it calls the project's kernel (`rows_mm`, `expert_rows_mm`).", ""]
 
 
 def _huge_pages_table(h: dict | None) -> list[str]:

@@ -64,6 +64,24 @@ def test_packages_equal_eager_for_every_size(compiled):
     assert all(p.endswith(".pt2") for p in packages)  # no partial package left behind
 
 
+def test_a_package_calls_the_projects_kernel_where_it_runs(compiled, monkeypatch):
+    """At 2 rows the package multiplies as the Inductor backend's graphs do: the dense products in
+    ``rows_mm``, the MoE's experts in ``expert_rows_mm`` (as eager does)."""
+    from ascend_graph.models import expert_rows
+
+    _, model, runner, sched = compiled
+    calls, run = [], expert_rows._run
+    monkeypatch.setattr(expert_rows, "_run", lambda name, *a: calls.append(name) or run(name, *a))
+    report = compare_step(runner, sched.decode_entries()[:2])  # eager, then the package
+    assert report.ok, report.summary()
+    moe_layers = model.config.num_hidden_layers - model.config.first_k_dense_replace
+    if expert_rows.available():
+        assert calls.count("expert_rows_mm") == 2 * 2 * moe_layers  # gate/up and down, eager and package
+        assert calls.count("rows_mm") > 0
+    else:
+        assert calls == []
+
+
 def test_package_logits_are_not_overwritten_by_the_next_step(compiled):
     _, _, runner, sched = compiled
     assert_graph_outputs_are_fresh(runner, sched, [0, 1])

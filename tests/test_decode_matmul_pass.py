@@ -188,9 +188,16 @@ def test_few_row_kernel_only_for_bfloat16_row_major_weights_and_not_when_switche
     assert DecodeMatmulPass().uuid() != DecodeMatmulPass(few_rows_kernel=False).uuid() or not expert_rows.available()
 
 
-def test_aot_inductor_packages_keep_aten_for_few_rows():
+def test_aot_inductor_packages_take_the_same_pass_and_key_whether_the_kernel_runs(monkeypatch):
+    """A package calls the kernel as the Inductor backend's graphs do, and its key changes with
+    whether the kernel runs here: a package is never loaded where it cannot run."""
     from ascend_graph.backends.aot_inductor import inductor_options
     from ascend_graph.config import GraphConfig
 
-    options = inductor_options(GraphConfig(enabled=True, backend="inductor", aot_inductor=True), "cpu")
-    assert options["post_grad_custom_post_pass"].few_rows_kernel is False
+    config = GraphConfig(enabled=True, backend="inductor", aot_inductor=True)
+    aot_pass = inductor_options(config, "cpu")["post_grad_custom_post_pass"]
+    key = aot_pass.uuid()
+    assert aot_pass.few_rows_kernel is True and key == DecodeMatmulPass().uuid()
+    if expert_rows.available():
+        monkeypatch.setenv("ASCEND_GRAPH_EXPERT_KERNEL", "0")
+        assert inductor_options(config, "cpu")["post_grad_custom_post_pass"].uuid() != key

@@ -7,6 +7,12 @@ C++ compiler run, and no dynamo guard check on each replay.
 
 As in the Inductor backend, the cache write is generated code (``inductor.inline_cache_writes``
 on the exported program), not a call of the custom op through AOTInductor's proxy executor.
+Also as there, a step of 2 or more rows calls the project's CPU kernel for its few-row matmuls
+(``ascend_graph::rows_mm``, ``ascend_graph::expert_rows_mm``, ``models/expert_rows.py``) where
+it runs: the loading process builds it at first use with the system C compiler (about 2 s here),
+and the key below includes whether it runs, so a package is never loaded where it cannot.
+Without it a package's batch-8 V2-Lite-slice step took 97.6 ms against the Inductor backend's
+52.3 ms (the suite's `levers` table); with it, 53.1 against 55.9 ms (one `levers` run).
 
 The package holds code only. The weights stay the model's own tensors: at load they are handed
 to the package as user-managed constants, so nothing is copied and an in-place weight update is
@@ -15,7 +21,8 @@ dynamo graph would recompile instead); the parity check reports it.
 
 A package is found by a key over everything that shapes the compiled code: torch's version,
 the CPU's vector capability and the thread count the kernels are generated for, this package's
-version and source files, the model's class, config, parameter and buffer
+version and source files (C included), whether the project's CPU kernel runs here (part of the
+decode-matmul pass's key), the model's class, config, parameter and buffer
 shapes, dtypes and strides, the step's input shapes (capture size, caches, block table), and
 the Inductor options. Anything else that differs makes a new package; nothing is ever loaded
 for inputs it was not compiled for.
@@ -67,13 +74,9 @@ def package_dir(config: GraphConfig) -> str:
 def inductor_options(config: GraphConfig, platform: str) -> dict[str, Any]:
     """The Inductor options of the ``inductor`` backend that apply to AOTInductor, weights kept
     out of the package."""
-    from .inductor import DecodeMatmulPass, config_patches
+    from .inductor import config_patches
 
     options = {k: v for k, v in config_patches(config, platform).items() if k not in _NOT_FOR_AOT}
-    # A package keeps aten's matmuls: with rows_mm it would run only where the project's kernel
-    # builds (a C compiler at load time), and it is loaded to skip compiling.
-    if "post_grad_custom_post_pass" in options:
-        options["post_grad_custom_post_pass"] = DecodeMatmulPass(few_rows_kernel=False)
     options["aot_inductor.package_constants_in_so"] = False
     return options
 
@@ -102,13 +105,13 @@ def package_key(step: nn.Module, inputs: Sequence[Any], options: dict[str, Any])
 
 @functools.cache
 def _source_digest() -> str:
-    """This package's version and a digest of its Python sources (read once per process)."""
+    """This package's version and a digest of its Python and C sources (read once per process)."""
     import ascend_graph
 
     h = hashlib.sha256(ascend_graph.__version__.encode())
     root = os.path.dirname(os.path.abspath(ascend_graph.__file__))
     for folder, _, files in sorted(os.walk(root)):
-        for name in sorted(f for f in files if f.endswith(".py")):
+        for name in sorted(f for f in files if f.endswith((".py", ".c"))):
             path = os.path.join(folder, name)
             with open(path, "rb") as f:
                 h.update(os.path.relpath(path, root).encode() + hashlib.sha256(f.read()).digest())

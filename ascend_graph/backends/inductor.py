@@ -129,8 +129,7 @@ class DecodeMatmulPass(CustomGraphPass):
     rounded, as the eager step's separate add does; a linear's own bias (none in the DeepSeek
     models) is then rounded twice, where aten's ``addmm`` rounds once.
 
-    ``few_rows_kernel`` False keeps aten (AOTInductor packages, which would otherwise need the
-    kernel built where they are loaded; and for measuring the kernel).
+    ``few_rows_kernel`` False keeps aten (for measuring the kernel: the ``levers`` benchmark).
     """
 
     def __init__(self, split_long_reductions: bool = True, batch_one_bmm_as_mm: bool = True,

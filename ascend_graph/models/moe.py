@@ -192,11 +192,10 @@ class RoutedExperts(nn.Module):
 
     def uses_kernel(self, x: Tensor) -> bool:
         """Whether ``sorted_by_expert`` multiplies with ``expert_rows_mm`` (CPU, bfloat16, and the
-        kernel built here) rather than ``torch._grouped_mm``. Not in a program being exported for
-        an AOTInductor package: its proxy executor failed to run the Python-registered op (torch
-        2.13, ``tests/test_aot_inductor.py``)."""
+        kernel built here) rather than ``torch._grouped_mm``; in AOTInductor packages too
+        (``tests/test_aot_inductor.py``)."""
         return (x.device.type == "cpu" and x.dtype == self.gate_up_proj.dtype == torch.bfloat16
-                and not torch.compiler.is_exporting() and expert_rows.available())
+                and expert_rows.available())
 
     @property
     def expert_bytes(self) -> int:
