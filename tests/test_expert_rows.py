@@ -1,9 +1,13 @@
 """``ascend_graph::expert_rows_mm``, the CPU kernel for the routed experts' few rows per expert:
 it computes each row times its expert's weight (oracle: a float64 matmul of the same bfloat16
-values, rounded once), the MoE uses it in eager and compiled mode alike, and bad input is
-refused before anything is written."""
+values, rounded once), the MoE uses it in eager and compiled mode alike, bad input is refused
+before anything is written, and a built kernel is kept for later processes."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -94,8 +98,8 @@ def test_uses_kernel_only_for_bfloat16_on_cpu_and_not_when_switched_off(monkeypa
     assert not experts.uses_kernel(torch.zeros(2, 64))
     experts = experts.to(torch.bfloat16)
     assert experts.uses_kernel(torch.zeros(2, 64, dtype=torch.bfloat16)) == expert_rows.available()
-    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)  # AOTInductor packages keep _grouped_mm
-    assert not experts.uses_kernel(torch.zeros(2, 64, dtype=torch.bfloat16))
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)  # AOTInductor packages run it too
+    assert experts.uses_kernel(torch.zeros(2, 64, dtype=torch.bfloat16)) == expert_rows.available()
     monkeypatch.undo()
     monkeypatch.setenv("ASCEND_GRAPH_EXPERT_KERNEL", "0")
     assert not expert_rows.available()
@@ -178,3 +182,43 @@ def test_rows_mm_refuses_bad_input_by_name():
         torch.ops.ascend_graph.rows_mm(x.float(), w)
     with pytest.raises(ValueError, match=r"rows_mm: expected x \[M, K\] and w \[N, K\]; got \(2, 32\), \(8, 16\)"):
         torch.ops.ascend_graph.rows_mm(x, w[:, :16])
+
+
+def _fresh_process(script: str, cache: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ASCEND_GRAPH_KERNEL_CACHE": cache}
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+
+
+@needs_kernel
+def test_a_later_process_loads_the_built_kernel_without_compiling(tmp_path):
+    """The first process builds the kernel into the cache directory; the next one loads it and
+    runs no compiler (a guard on subprocess.run refuses a build)."""
+    cache = str(tmp_path / "kernels")
+    first = _fresh_process("from ascend_graph.models import expert_rows; assert expert_rows.available()", cache)
+    assert first.returncode == 0, first.stderr[-2000:]
+    built = os.listdir(cache)
+    assert len(built) == 1 and built[0].startswith("expert_rows-") and built[0].endswith(".so")
+    second = _fresh_process("""
+import subprocess
+run = subprocess.run
+def guarded(cmd, *a, **k):
+    assert "-shared" not in cmd, "the kernel was built again"
+    return run(cmd, *a, **k)
+subprocess.run = guarded
+import torch
+from ascend_graph.models import expert_rows
+assert expert_rows.available()
+x, w = torch.ones(3, 40, dtype=torch.bfloat16), torch.ones(7, 40, dtype=torch.bfloat16)
+assert (torch.ops.ascend_graph.rows_mm(x, w) == 40).all()
+""", cache)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert os.listdir(cache) == built
+
+
+@needs_kernel
+def test_an_unwritable_cache_directory_still_builds_the_kernel(tmp_path):
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    done = _fresh_process("from ascend_graph.models import expert_rows; assert expert_rows.available()",
+                          str(blocker / "kernels"))  # cannot be created: its parent is a file
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -23,7 +23,9 @@ way; and ``ascend_graph::rows_mm`` (one weight), that the compiled step runs for
 2 to ``backends.inductor.ROWS_MM_MAX`` rows (``DecodeMatmulPass``).
 
 It is built on first use with the system C compiler (``cc``, or ``$CC``) for this CPU
-(``-march=native``, OpenMP where the compiler has it: ``torch.get_num_threads()`` threads). Where
+(``-march=native``, OpenMP where the compiler has it: ``torch.get_num_threads()`` threads), about
+2 s here, and kept in ``cache_dir()`` for later processes, by a key over the source, the compiler,
+its flags and the CPU. Where
 there is no compiler, no AVX512-BF16, or ``ASCEND_GRAPH_EXPERT_KERNEL=0``, ``available()`` is
 False and the MoE keeps ``torch._grouped_mm``.
 """
@@ -32,7 +34,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -43,22 +47,66 @@ from torch import Tensor
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "expert_rows.c")
 
 
+def cache_dir() -> str:
+    """Where built kernels are kept between processes: ``$ASCEND_GRAPH_KERNEL_CACHE``, else
+    ``ascend_graph`` under ``$XDG_CACHE_HOME`` (default ``~/.cache``)."""
+    return os.environ.get("ASCEND_GRAPH_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "ascend_graph")
+
+
+def _build_key(cc: str, flags: list[str]) -> str:
+    """A digest of what the built library depends on: the source, the compiler and its flags,
+    and this CPU (``-march=native``; a cache directory may be shared between machines)."""
+    h = hashlib.sha256()
+    with open(SOURCE, "rb") as f:
+        h.update(f.read())
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    h.update(repr((os.path.realpath(cc), version, flags, platform.machine())).encode())
+    try:
+        with open("/proc/cpuinfo") as f:
+            h.update(next((line for line in f if line.startswith(("flags", "Features"))), "").encode())
+    except OSError:
+        h.update(platform.processor().encode())
+    return h.hexdigest()[:32]
+
+
+def _built(cc: str) -> str | None:
+    """The library's path, built now or by an earlier process (kept in ``cache_dir()``, written
+    under a temporary name and renamed, so a concurrent process never loads half a file); built
+    into a temporary directory where the cache directory cannot be written (the caller loads and
+    removes it). None where it does not compile."""
+    for openmp in (["-fopenmp"], []):
+        flags = ["-O3", "-march=native", *openmp, "-shared", "-fPIC"]
+        path = os.path.join(cache_dir(), f"expert_rows-{_build_key(cc, flags)}.so")
+        if os.path.exists(path):
+            return path
+        try:
+            os.makedirs(cache_dir(), exist_ok=True)
+            out_dir = cache_dir()
+        except OSError:
+            out_dir = tempfile.mkdtemp(prefix="ascend_graph-kernel-")
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        done = subprocess.run([cc, *flags, SOURCE, "-o", tmp], capture_output=True, text=True)
+        if done.returncode == 0:
+            if out_dir != cache_dir():
+                return tmp
+            os.replace(tmp, path)
+            return path
+        os.unlink(tmp)
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot be built or this CPU lacks AVX512-BF16."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
+    lib = cc and _built(cc)
+    if not lib:
         return None
-    with tempfile.TemporaryDirectory() as d:  # the loaded library outlives its file
-        lib = os.path.join(d, "expert_rows.so")
-        for openmp in (["-fopenmp"], []):
-            done = subprocess.run([cc, "-O3", "-march=native", *openmp, "-shared", "-fPIC", SOURCE, "-o", lib],
-                                  capture_output=True, text=True)
-            if done.returncode == 0:
-                break
-        else:
-            return None
-        dll = ctypes.CDLL(lib)
+    dll = ctypes.CDLL(lib)
+    if os.path.dirname(lib) != cache_dir():  # a temporary build: the loaded library outlives its file
+        shutil.rmtree(os.path.dirname(lib), ignore_errors=True)
     if not dll.expert_rows_available():
         return None
     dll.expert_rows.restype = ctypes.c_int
