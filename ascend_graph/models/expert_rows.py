@@ -71,30 +71,37 @@ def _build_key(cc: str, flags: list[str]) -> str:
 
 
 def _built(cc: str) -> str | None:
-    """The library's path, built now or by an earlier process (kept in ``cache_dir()``, written
-    under a temporary name and renamed, so a concurrent process never loads half a file); built
-    into a temporary directory where the cache directory cannot be written (the caller loads and
-    removes it). None where it does not compile."""
+    """The library's path, built by an earlier process (kept in ``cache_dir()``) or now; None
+    where it does not compile, with OpenMP or without."""
     for openmp in (["-fopenmp"], []):
         flags = ["-O3", "-march=native", *openmp, "-shared", "-fPIC"]
         path = os.path.join(cache_dir(), f"expert_rows-{_build_key(cc, flags)}.so")
-        if os.path.exists(path):
+        if os.path.exists(path) or (path := _compile(cc, flags, path)):
             return path
-        try:
-            os.makedirs(cache_dir(), exist_ok=True)
-            out_dir = cache_dir()
-        except OSError:
-            out_dir = tempfile.mkdtemp(prefix="ascend_graph-kernel-")
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-        done = subprocess.run([cc, *flags, SOURCE, "-o", tmp], capture_output=True, text=True)
-        if done.returncode == 0:
-            if out_dir != cache_dir():
-                return tmp
-            os.replace(tmp, path)
-            return path
-        os.unlink(tmp)
     return None
+
+
+def _compile(cc: str, flags: list[str], path: str) -> str | None:
+    """Build into ``path`` under a temporary name, then rename (a concurrent process never loads
+    half a file); where its directory cannot be written, into a temporary directory of its own
+    (the caller loads and removes it). None where it does not compile."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    except OSError:
+        path = None
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=tempfile.mkdtemp(prefix="ascend_graph-kernel-"))
+    os.close(fd)
+    if subprocess.run([cc, *flags, SOURCE, "-o", tmp], capture_output=True).returncode != 0:
+        if path is None:
+            shutil.rmtree(os.path.dirname(tmp), ignore_errors=True)
+        else:
+            os.unlink(tmp)
+        return None
+    if path is None:
+        return tmp
+    os.replace(tmp, path)
+    return path
 
 
 @functools.lru_cache(maxsize=1)
