@@ -121,6 +121,9 @@ static void rows_block(const uint16_t *w, long n, long k, const uint16_t *x, lon
 #define NW 8
 #define WIDE_ROWS 64 /* rows per pass over the weight: 4 vectors of 16 */
 
+/* rows of the chunk that starts at row m0: WIDE_ROWS, or what is left */
+static inline long chunk_rows(long rows, long m0) { return rows - m0 < WIDE_ROWS ? rows - m0 : WIDE_ROWS; }
+
 /* dwords of one packed chunk of ``rows`` <= WIDE_ROWS rows */
 static long chunk_dwords(long rows, long k) {
     return rows <= 8 ? (k + 3) / 4 * 16 : (k + 1) / 2 * 16 * ((rows + 15) / 16);
@@ -128,7 +131,7 @@ static long chunk_dwords(long rows, long k) {
 
 static long packed_dwords(long rows, long k) {
     long total = 0;
-    for (long m0 = 0; m0 < rows; m0 += WIDE_ROWS) total += chunk_dwords(rows - m0 < WIDE_ROWS ? rows - m0 : WIDE_ROWS, k);
+    for (long m0 = 0; m0 < rows; m0 += WIDE_ROWS) total += chunk_dwords(chunk_rows(rows, m0), k);
     return total;
 }
 
@@ -136,7 +139,7 @@ static long packed_dwords(long rows, long k) {
  * halves past k, are zero. */
 static void pack_rows(const uint16_t *x, long k, long rows, uint32_t *xq) {
     for (long m0 = 0; m0 < rows; m0 += WIDE_ROWS) {
-        long mr = rows - m0 < WIDE_ROWS ? rows - m0 : WIDE_ROWS, size = chunk_dwords(mr, k);
+        long mr = chunk_rows(rows, m0), size = chunk_dwords(mr, k);
         memset(xq, 0, (size_t)size * 4);
         for (long m = 0; m < mr; m++) {
             const uint16_t *xr = x + (m0 + m) * k;
@@ -254,7 +257,7 @@ static void wide_block(const uint16_t *w, long n, long k, const uint32_t *xq, ui
 static void wide_range(const uint16_t *w, long n, long k, const uint32_t *xq, uint16_t *out, long ldo, long rows,
                        long i0, long i1) {
     for (long m0 = 0; m0 < rows; m0 += WIDE_ROWS) {
-        long mr = rows - m0 < WIDE_ROWS ? rows - m0 : WIDE_ROWS;
+        long mr = chunk_rows(rows, m0);
         wide_block(w, n, k, xq, out + m0 * ldo, ldo, mr, i0, i1);
         xq += chunk_dwords(mr, k);
     }
