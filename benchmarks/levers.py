@@ -39,6 +39,7 @@ AOT = "AOTInductor package"
 OP_WRITE = "cache write as the op's call"
 BMM1 = "batch-1 bmm kept"
 FEW_ROWS = "few-row matmuls in aten"
+BATCHED = "attention products in aten"
 NO_PASS = "without decode-matmul pass"
 
 
@@ -60,9 +61,10 @@ def variants(config: GraphConfig, package_dir: str) -> dict[str, Variant]:
     no_split = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(split_long_reductions=False)}
     bmm_kept = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(batch_one_bmm_as_mm=False)}
     few_rows_aten = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(few_rows_kernel=False)}
+    batched_aten = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(batched_rows_kernel=False)}
     return {"default": Variant(config, default), NO_PASS: Variant(config, no_pass),
             "without long-reduction split": Variant(config, no_split), BMM1: Variant(config, bmm_kept),
-            FEW_ROWS: Variant(config, few_rows_aten),
+            FEW_ROWS: Variant(config, few_rows_aten), BATCHED: Variant(config, batched_aten),
             "without C++ wrapper": Variant(config, {**default, "cpp_wrapper": False}),
             OP_WRITE: Variant(config, default, inline_writes=False),
             ROW_MAJOR: Variant(config, default, row_major=True), "with freezing": Variant(frozen, default),

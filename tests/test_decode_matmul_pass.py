@@ -128,7 +128,7 @@ def test_long_reduction_is_split_into_chunks_and_matches_reference(k, chunks):
 def test_batch_of_one_bmm_runs_as_mm_and_matches_eager(batch):
     """MLA decode's scores at batch 1: ``bmm(q [1, H, C], kv [1, T, C]^T)`` over a kv that the
     graph computed. Inductor gives that buffer's size-1 batch a zero stride, and aten's CPU
-    ``bmm`` then copies the operand first; the pass makes it an ``mm``. Batch 2 stays a ``bmm``."""
+    ``bmm`` then copies the operand first; the pass makes it an ``mm``. Batch 2 stays batched."""
     from torch._inductor.utils import run_and_get_code
 
     gen = torch.Generator().manual_seed(4)
@@ -138,7 +138,8 @@ def test_batch_of_one_bmm_runs_as_mm_and_matches_eager(batch):
     got, code = run_and_get_code(_compiled(fn, with_pass=True), q, kv)
     torch.testing.assert_close(got, fn(q, kv), atol=1e-2, rtol=1e-2)
     calls = "".join(code)
-    assert ("bmm" in calls) == (batch > 1) and ("_mm" in calls or "mm(" in calls)
+    batched = "expert_rows_mm" if expert_rows.available() else "bmm"  # batch 2: one product per entry
+    assert (batched in calls) == (batch > 1) and ("_mm" in calls or "mm(" in calls)
 
 
 @pytest.mark.parametrize("rows", [2, 24, ROWS_MM_MAX, ROWS_MM_MAX + 1])  # 24: the wide form
@@ -201,3 +202,51 @@ def test_aot_inductor_packages_take_the_same_pass_and_key_whether_the_kernel_run
     if expert_rows.available():
         monkeypatch.setenv("ASCEND_GRAPH_EXPERT_KERNEL", "0")
         assert inductor_options(config, "cpu")["post_grad_custom_post_pass"].uuid() != key
+
+
+@pytest.mark.parametrize("heads", [3, 16])  # the tiles; the wide form
+def test_batched_products_over_transposed_rows_run_the_kernel_and_keep_each_product(heads):
+    """MLA decode's scores, ``bmm(q [B, H, C], kv [B, T, C]^T)`` and the same over the rope parts
+    (a query sliced from a wider row, so copied first), run ``expert_rows_mm`` with one
+    "expert" per batch entry; each product is the exact one rounded to bfloat16, as aten's."""
+    from torch._inductor.utils import run_and_get_code
+
+    gen = torch.Generator().manual_seed(6)
+    b, t, c, r = 5, 37, 96, 16
+    q = torch.randn(b, heads, c + r, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(b, t, c, generator=gen).to(torch.bfloat16)
+    pe = torch.randn(b, t, r, generator=gen).to(torch.bfloat16)
+
+    def scores(q, kv, pe):
+        return torch.einsum("bhc,btc->bht", q[..., :c], kv * 2) + torch.einsum("bhr,btr->bht", q[..., c:], pe)
+
+    got, code = run_and_get_code(_compiled(scores, with_pass=True), q, kv, pe)
+    assert "".join(code).count("ascend_graph.expert_rows_mm.default(") == (2 if expert_rows.available() else 0)
+    assert ("bmm" in "".join(code)) != expert_rows.available()
+    nope = torch.einsum("bhc,btc->bht", q[..., :c].double(), (kv * 2).double()).to(torch.bfloat16)
+    rope = torch.einsum("bhr,btr->bht", q[..., c:].double(), pe.double()).to(torch.bfloat16)
+    torch.testing.assert_close(got, nope + rope, atol=0, rtol=0)
+    torch.testing.assert_close(got, scores(q, kv, pe), atol=0, rtol=0)
+
+
+def test_batched_kernel_not_for_other_layouts_nor_when_switched_off():
+    from torch._inductor.utils import run_and_get_code
+
+    gen = torch.Generator().manual_seed(7)
+    p = torch.randn(4, 8, 24, generator=gen).to(torch.bfloat16)
+    v = torch.randn(4, 24, 32, generator=gen).to(torch.bfloat16)
+
+    def count(fn, pass_, *args):
+        backend = InductorBackend({"post_grad_custom_post_pass": pass_, "fx_graph_cache": False})
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            _, code = run_and_get_code(torch.compile(fn, backend=backend, fullgraph=True, dynamic=False), *args)
+        return "".join(code).count("ascend_graph.expert_rows_mm.default(")
+
+    assert count(lambda p, v: torch.einsum("bht,btc->bhc", p, v), DecodeMatmulPass(), p, v) == 0  # [K, N] rows
+    scores = lambda p, v: torch.einsum("bhc,btc->bht", p, v)  # noqa: E731
+    w = v.transpose(1, 2).contiguous()  # [4, 32, 24]: the product's rows as [N, K]
+    assert count(scores, DecodeMatmulPass(), p, w) == int(expert_rows.available())
+    assert count(scores, DecodeMatmulPass(batched_rows_kernel=False), p, w) == 0
+    assert count(scores, DecodeMatmulPass(few_rows_kernel=False), p, w) == 0
+    assert count(scores, DecodeMatmulPass(), p.float(), w.float()) == 0
+    assert len({DecodeMatmulPass().uuid(), DecodeMatmulPass(batched_rows_kernel=False).uuid()}) == 2

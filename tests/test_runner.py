@@ -249,6 +249,28 @@ def test_inductor_graph_equals_eager_at_batches_that_run_the_wide_matmul_form(mo
     assert set(rows_mm_rows) == ({32} if expert_rows.available() else set())  # graph mode only, padded to 32
 
 
+def test_inductor_graph_equals_eager_with_mla_scores_in_the_kernel(monkeypatch):
+    """bfloat16 MLA decode at 2-4 rows: the compiled step computes the attention scores (latent
+    and rope parts) with ``expert_rows_mm``, one "expert" per sequence over its gathered cache
+    rows; eager uses aten's ``bmm``. Graph equals eager."""
+    from ascend_graph.models import expert_rows
+
+    weights, run = [], expert_rows._run
+    monkeypatch.setattr(expert_rows, "_run", lambda name, x, w, *a: weights.append(tuple(w.shape)) or run(name, x, w, *a))
+    model = small_model("mla", torch.bfloat16)
+    runner = make_runner(model, graph_config(backend="inductor"))
+    sched = Schedule()
+    prefilled(runner, sched, 4, model.config.vocab_size)
+    weights.clear()  # the MoE runs the kernel in both modes; count the attention's
+    for n in (2, 4):
+        report = compare_step(runner, sched.decode_entries()[:n])
+        assert report.ok and report.untouched_ok, report.summary()
+    cfg = model.config
+    per_row = {w for w in weights if w[0] in (2, 4) and w[2] in (cfg.kv_lora_rank, cfg.qk_rope_head_dim)}
+    assert bool(per_row) == expert_rows.available(), weights
+    assert runner.stats.recompiles == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inductor_freezing_from_min_batch_folds_weights_and_equals_eager(dtype):
     """Sizes >= inductor_freezing_min_batch compile with the weights as graph constants (not
