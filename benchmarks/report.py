@@ -170,10 +170,13 @@ def _levers_table(lv: dict | None) -> list[str]:
     for r in lv["rows"]:
         lines.append(f"| {r['batch']} | " + " | ".join(f"{r[n]:.1f}" for n in names) + " |")
     return lines + ["", "Default on CPU: C++ wrapper, the decode-matmul pass (one-row matmuls as reductions, "
-                    "bf16 matmuls of 2-64 rows as `ascend_graph::rows_mm`) and the generated cache write "
+                    "bf16 matmuls of 2-64 rows as `ascend_graph::rows_mm`, MLA decode's batched attention products "
+                    "as `expert_rows_mm` and `rows_bmm`) and the generated cache write "
                     "(`ascend_graph/backends/inductor.py`); a lever is kept only where it wins here. `batch-1 bmm kept`: "
                     "the pass without its rewrite of batch-1 `bmm` (MLA decode's attention at batch 1) into "
-                    "`mm`. `few-row matmuls in aten`: the pass without `rows_mm`, as before it. `cache write as "
+                    "`mm`. `few-row matmuls in aten`: the pass without the kernel (`rows_mm` and the attention "
+                    "products), as before it. `attention products in aten`: the pass without the kernel for MLA "
+                    "decode's batched attention products only (scores, values, queries by `W_UK`). `cache write as "
                     "the op's call`: the step calls the `ascend_graph::write_slots` custom op once per layer, as "
                     "before `inline_cache_writes`. `row-major long "
                     "rows`: the dense MLP's down projection (rows of 10944) stored row-major, as before, instead of "

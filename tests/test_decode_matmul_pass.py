@@ -229,6 +229,33 @@ def test_batched_products_over_transposed_rows_run_the_kernel_and_keep_each_prod
     torch.testing.assert_close(got, scores(q, kv, pe), atol=0, rtol=0)
 
 
+def test_batched_products_over_k_by_n_matrices_run_the_kernel_and_keep_each_product():
+    """MLA decode's probabilities by each sequence's gathered ``kv_c`` (``[T, C]``) and the heads'
+    queries by their ``W_UK`` slices of ``kv_b_proj`` (``[Dn, C]`` each, heads apart) run
+    ``rows_bmm``; each product is the exact one rounded to bfloat16, as aten's."""
+    from torch._inductor.utils import run_and_get_code
+
+    gen = torch.Generator().manual_seed(8)
+    b, h, t, c, dn = 5, 16, 37, 96, 24
+    probs = torch.randn(b, h, t, generator=gen).softmax(-1).to(torch.bfloat16)
+    kv = torch.randn(b, t, c, generator=gen).to(torch.bfloat16)
+    q = torch.randn(b, h, dn, generator=gen).to(torch.bfloat16)
+    kv_b = torch.randn(h, 2 * dn, c, generator=gen).to(torch.bfloat16)
+
+    def products(probs, kv, q, kv_b):
+        return torch.einsum("bht,btc->bhc", probs, kv * 2), torch.einsum("bhd,hdc->bhc", q, kv_b[:, :dn])
+
+    (values, q_lat), code = run_and_get_code(_compiled(products, with_pass=True), probs, kv, q, kv_b)
+    assert "".join(code).count("ascend_graph.rows_bmm.default(") == (2 if expert_rows.available() else 0)
+    torch.testing.assert_close(values, torch.einsum("bht,btc->bhc", probs.double(), (kv * 2).double()).to(torch.bfloat16),
+                               atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(q_lat, torch.einsum("bhd,hdc->bhc", q.double(), kv_b[:, :dn].double()).to(torch.bfloat16),
+                               atol=0, rtol=2 ** -7)
+    eager_values, eager_q_lat = products(probs, kv, q, kv_b)
+    torch.testing.assert_close(values, eager_values, atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(q_lat, eager_q_lat, atol=0, rtol=2 ** -7)
+
+
 def test_batched_kernel_not_for_other_layouts_nor_when_switched_off():
     from torch._inductor.utils import run_and_get_code
 
@@ -236,13 +263,17 @@ def test_batched_kernel_not_for_other_layouts_nor_when_switched_off():
     p = torch.randn(4, 8, 24, generator=gen).to(torch.bfloat16)
     v = torch.randn(4, 24, 32, generator=gen).to(torch.bfloat16)
 
-    def count(fn, pass_, *args):
+    def count(fn, pass_, *args, op="expert_rows_mm"):
         backend = InductorBackend({"post_grad_custom_post_pass": pass_, "fx_graph_cache": False})
         with torch._functorch.config.patch(enable_autograd_cache=False):
             _, code = run_and_get_code(torch.compile(fn, backend=backend, fullgraph=True, dynamic=False), *args)
-        return "".join(code).count("ascend_graph.expert_rows_mm.default(")
+        return "".join(code).count(f"ascend_graph.{op}.default(")
 
-    assert count(lambda p, v: torch.einsum("bht,btc->bhc", p, v), DecodeMatmulPass(), p, v) == 0  # [K, N] rows
+    values = lambda p, v: torch.einsum("bht,btc->bhc", p, v)  # noqa: E731  ([K, N] matrices: rows_bmm)
+    assert count(values, DecodeMatmulPass(), p, v) == 0
+    assert count(values, DecodeMatmulPass(), p, v, op="rows_bmm") == int(expert_rows.available())
+    assert count(values, DecodeMatmulPass(batched_rows_kernel=False), p, v, op="rows_bmm") == 0
+    assert count(values, DecodeMatmulPass(), p[:, :1], v, op="rows_bmm") == 0  # one row: a reduction
     scores = lambda p, v: torch.einsum("bhc,btc->bht", p, v)  # noqa: E731
     w = v.transpose(1, 2).contiguous()  # [4, 32, 24]: the product's rows as [N, K]
     assert count(scores, DecodeMatmulPass(), p, w) == int(expert_rows.available())

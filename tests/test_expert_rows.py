@@ -1,7 +1,8 @@
 """``ascend_graph::expert_rows_mm``, the CPU kernel for the routed experts' few rows per expert:
 it computes each row times its expert's weight (oracle: a float64 matmul of the same bfloat16
 values, rounded once), the MoE uses it in eager and compiled mode alike, bad input is refused
-before anything is written, and a built kernel is kept for later processes."""
+before anything is written, and a built kernel is kept for later processes. Its other entries:
+``rows_mm`` (one weight) and ``rows_bmm`` (a batch of ``[K, N]`` matrices)."""
 
 from __future__ import annotations
 
@@ -181,6 +182,58 @@ def test_rows_mm_refuses_bad_input_by_name():
         torch.ops.ascend_graph.rows_mm(x.float(), w)
     with pytest.raises(ValueError, match=r"rows_mm: expected x \[M, K\] and w \[N, K\]; got \(2, 32\), \(8, 16\)"):
         torch.ops.ascend_graph.rows_mm(x, w[:, :16])
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+# M: tiles of 8 rows and part tiles; K: odd (a last pair with 0), 1, and past one panel of pairs
+# (N = 512: 64 pairs per panel); N: whole and part column blocks of 32
+@pytest.mark.parametrize("m,k,n", [(16, 256, 512), (3, 37, 45), (9, 2049, 70), (1, 1, 1), (32, 128, 512),
+                                   (13, 200, 33)])
+def test_rows_bmm_is_a_bmm_within_one_rounding(m, k, n, threads):
+    """``rows_bmm(x, w)``: ``torch.bmm`` over ``[K, N]`` matrices, the exact sum rounded once."""
+    gen = torch.Generator().manual_seed(m * k + n)
+    x = torch.randn(5, m, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(5, k, n, generator=gen).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = torch.ops.ascend_graph.rows_bmm(x, w)
+    finally:
+        torch.set_num_threads(before)
+    exact = x.double() @ w.double()
+    assert got.dtype == torch.bfloat16 and got.shape == (5, m, n)
+    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all()
+    torch.testing.assert_close(got, torch.bmm(x, w), atol=5e-2, rtol=2e-2)
+
+
+@needs_kernel
+def test_rows_bmm_reads_strided_entries_and_keeps_nan_and_inf_to_their_rows():
+    """The heads' ``W_UK`` slices of ``kv_b_proj`` (entries apart, rows contiguous) as they lie;
+    a NaN or an infinity in a row reaches that row's outputs only."""
+    gen = torch.Generator().manual_seed(11)
+    kv_b = torch.randn(4, 24, 64, generator=gen).to(torch.bfloat16)  # [H, Dn + Dv, C]
+    w_uk = kv_b[:, :16]  # [H, Dn, C]: stride 24 * 64 between heads
+    q = torch.randn(4, 6, 16, generator=gen).to(torch.bfloat16)
+    exact = q.double() @ w_uk.double()
+    got = torch.ops.ascend_graph.rows_bmm(q, w_uk)
+    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all()
+    x, w = torch.ones(2, 10, 64, dtype=torch.bfloat16), torch.ones(2, 64, 40, dtype=torch.bfloat16)
+    x[0, 3, 5], x[1, 7, 0] = float("nan"), float("inf")
+    got = torch.ops.ascend_graph.rows_bmm(x, w)
+    assert got[0, 3].isnan().all() and (got[1, 7] == float("inf")).all()
+    keep = torch.ones(2, 10, dtype=torch.bool)
+    keep[0, 3] = keep[1, 7] = False
+    assert (got[keep] == 64).all()
+
+
+@needs_kernel
+def test_rows_bmm_refuses_bad_input_by_name():
+    x, w = torch.zeros(2, 3, 32, dtype=torch.bfloat16), torch.zeros(2, 32, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rows_bmm: x and w must be bfloat16"):
+        torch.ops.ascend_graph.rows_bmm(x, w.float())
+    with pytest.raises(ValueError, match=r"rows_bmm: expected x \[X, M, K\] and w \[X, K, N\]; got \(2, 3, 32\), \(2, 16, 8\)"):
+        torch.ops.ascend_graph.rows_bmm(x, w[:, :16])
 
 
 def _fresh_process(script: str, cache: str) -> subprocess.CompletedProcess:

@@ -249,14 +249,17 @@ def test_inductor_graph_equals_eager_at_batches_that_run_the_wide_matmul_form(mo
     assert set(rows_mm_rows) == ({32} if expert_rows.available() else set())  # graph mode only, padded to 32
 
 
-def test_inductor_graph_equals_eager_with_mla_scores_in_the_kernel(monkeypatch):
+def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(monkeypatch):
     """bfloat16 MLA decode at 2-4 rows: the compiled step computes the attention scores (latent
     and rope parts) with ``expert_rows_mm``, one "expert" per sequence over its gathered cache
-    rows; eager uses aten's ``bmm``. Graph equals eager."""
+    rows, the output by ``W_UV`` likewise (one per head), and the probabilities by those rows and
+    the queries by ``W_UK`` with ``rows_bmm``;
+    eager uses aten's ``bmm``. Graph equals eager."""
     from ascend_graph.models import expert_rows
 
-    weights, run = [], expert_rows._run
+    weights, run, kn, run_kn = [], expert_rows._run, [], expert_rows._run_kn
     monkeypatch.setattr(expert_rows, "_run", lambda name, x, w, *a: weights.append(tuple(w.shape)) or run(name, x, w, *a))
+    monkeypatch.setattr(expert_rows, "_run_kn", lambda x, w: kn.append((tuple(x.shape), tuple(w.shape))) or run_kn(x, w))
     model = small_model("mla", torch.bfloat16)
     runner = make_runner(model, graph_config(backend="inductor"))
     sched = Schedule()
@@ -268,6 +271,12 @@ def test_inductor_graph_equals_eager_with_mla_scores_in_the_kernel(monkeypatch):
     cfg = model.config
     per_row = {w for w in weights if w[0] in (2, 4) and w[2] in (cfg.kv_lora_rank, cfg.qk_rope_head_dim)}
     assert bool(per_row) == expert_rows.available(), weights
+    heads, latent, nope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
+    by_w_uv = (heads, cfg.v_head_dim, latent) in weights  # the latent output by W_UV, one "expert" per head
+    assert by_w_uv == expert_rows.available(), weights
+    kinds = {"probs by kv_c" if x[1] == heads else "q by W_UK" for x, w in kn
+             if w[2] == latent and (x[1] == heads or (x[0], x[2]) == (heads, nope))}
+    assert kinds == ({"probs by kv_c", "q by W_UK"} if expert_rows.available() else set()), kn
     assert runner.stats.recompiles == 0
 
 

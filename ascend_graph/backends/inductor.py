@@ -132,10 +132,12 @@ class DecodeMatmulPass(CustomGraphPass):
     ``bmm(x [B, M, K], w [B, K, N])`` with 2 <= M <= ``ROWS_MM_MAX``, bfloat16, where ``w`` is a
     contiguous ``[B, N, K]`` transposed (MLA decode's scores: the heads' latent queries by each
     sequence's gathered ``kv_c``, and the rope parts by ``k_pe``): ``expert_rows_mm`` with one
-    "expert" per batch entry. Measured (torch 2.13, 1 thread, V2-Lite dims, batch 32, 16 heads,
-    one-off, aten vs kernel, ms): scores at context 256 1.88 vs 1.38, at 2048 12.8 vs 7.3; rope
-    parts at 2048 2.1 vs 1.5. The V2-Lite slice's step at batch 32, context 2048 (``levers``):
-    207.4 -> 192.5 ms; at context 256 within noise (159.7 -> 158.2).
+    "expert" per batch entry. Where each ``w[b]`` is a row-major ``[K, N]`` instead (the
+    probabilities by the gathered ``kv_c``, and the heads' queries by their ``W_UK`` slices of
+    ``kv_b_proj``): ``rows_bmm``, the kernel's ``[K, N]`` form. Measured (torch 2.13, 1 thread,
+    V2-Lite dims, batch 32, 16 heads, one-off, aten vs kernel, ms): scores at context 256 1.88 vs
+    1.38, at 2048 12.8 vs 7.3; rope parts at 2048 2.1 vs 1.5; probabilities by ``kv_c`` at 256
+    2.29 vs 1.94, at 2048 16.9 vs 9.5; queries by ``W_UK`` 1.25 vs 0.97.
 
     ``few_rows_kernel`` False keeps aten (for measuring the kernel: the ``levers`` benchmark), and
     ``batched_rows_kernel`` False keeps aten's ``bmm`` only.
@@ -168,6 +170,9 @@ class DecodeMatmulPass(CustomGraphPass):
             elif self.batched_rows_kernel and node.target is aten.bmm.default and self._few_rows_batched(x, w):
                 with graph.inserting_before(node):
                     out = self._as_expert_rows_mm(graph, x, w)
+            elif self.batched_rows_kernel and node.target is aten.bmm.default and self._few_rows_kn(x, w):
+                with graph.inserting_before(node):
+                    out = _call(graph, torch.ops.ascend_graph.rows_bmm.default, x, w)
             elif (self.few_rows_kernel and node.target is not aten.bmm.default and self._few_rows(x, w)
                   and (bias is None or bias.meta["val"].dtype == torch.bfloat16)):
                 with graph.inserting_before(node):
@@ -242,6 +247,21 @@ class DecodeMatmulPass(CustomGraphPass):
         return (vals is not None and vals[0].dim() == vals[1].dim() == 3
                 and all(isinstance(d, int) for d in (*vals[0].shape, *vals[1].shape))
                 and runs_rows_mm(vals[0][0], vals[1][0].t()) and vals[1].transpose(1, 2).is_contiguous())
+
+    @staticmethod
+    def _few_rows_kn(x, w) -> bool:
+        """``bmm(x [B, M, K], w [B, K, N])``, 2 <= M <= ``ROWS_MM_MAX``, bfloat16 on CPU, each
+        ``w[b]`` a row-major ``[K, N]``: ``rows_bmm`` (where the kernel runs)."""
+        from ..models import expert_rows
+
+        vals = _fake_values(x, w)
+        if vals is None or vals[0].dim() != 3 or vals[1].dim() != 3:
+            return False
+        (xv, wv), shape = vals, (*vals[0].shape, *vals[1].shape)
+        return (all(isinstance(d, int) for d in shape) and all(v.dtype == torch.bfloat16 and v.device.type == "cpu"
+                                                                for v in vals)
+                and 2 <= xv.shape[1] <= ROWS_MM_MAX and wv.stride(2) == 1 and wv.stride(1) == wv.shape[2]
+                and expert_rows.available())
 
     @staticmethod
     def _as_expert_rows_mm(graph: torch.fx.Graph, x, w) -> torch.fx.Node:

@@ -1,6 +1,7 @@
 /* Few-row matmuls on CPU for a decode step: the routed experts' rows (a few per expert) and, with
  * one "expert", a dense product of a few rows; over the weights as the checkpoint stores them
  * (row-major [N, K] per expert, nothing packed). From 5 rows of one weight, the wide forms (below).
+ * kn_rows: the same for matrices stored [K, N] (MLA decode's attention values and W_UK).
  * Built at first use with the system C compiler for this CPU and called through ctypes by
  * expert_rows.py. bfloat16 pair dot products (vdpbf16ps) accumulate in float32; each output is
  * rounded once to bfloat16, to nearest even. */
@@ -8,6 +9,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define TM 4          /* a tile: TM input rows by TN weight rows, TM * TN float32 sums in registers; */
 #define TN 6          /* each weight load feeds TM dot products, each input load TN */
@@ -262,6 +266,125 @@ static void wide_range(const uint16_t *w, long n, long k, const uint32_t *xq, ui
         xq += chunk_dwords(mr, k);
     }
 }
+
+/* The [K, N] form, for products whose matrix is stored with the reduced dimension first
+ * (row-major [k, n]: MLA decode's probabilities times each sequence's latent cache rows, and
+ * its queries times W_UK). A few matrix rows at a time are read whole (a sequential stream)
+ * and each two consecutive rows interleaved into bf16 pairs along k, 16 columns per vector, into
+ * a panel of at most KN_PANEL bytes (vpermt2w; in the panel's order: column block, pair, half).
+ * Each tile of input rows then broadcasts its pairs (x[m, t], x[m, t + 1]) against the panel,
+ * every sum in its own vector lane, kept between panels in sums[]. Reading the matrix 64 bytes
+ * per row per column block instead (rows 1-4 KiB apart) ran at half the rate: the rows share
+ * few cache sets and the prefetchers do not follow them. */
+#define KN_ROWS 8           /* input rows per tile: 16 sums in registers, each panel pair feeds 16 */
+#define KN_PANEL (64 << 10) /* bytes of interleaved pairs per panel: in L2 */
+
+/* sums (for m < mt: 32 floats of row m0 + m) += x rows' pairs p0 .. p0 + np - 1 (xq) times the
+ * panel's np pairs of one column block */
+static inline __attribute__((always_inline)) void kn_tile(const uint32_t *xq, long rows, long p0, long np,
+                                                          const __m512i *panel, float *sums, long m0, const int mt,
+                                                          const char *pf, long pstride) {
+    __m512 lo[KN_ROWS], hi[KN_ROWS];
+    for (int m = 0; m < mt; m++) {
+        lo[m] = _mm512_load_ps(sums + 32 * (m0 + m));
+        hi[m] = _mm512_load_ps(sums + 32 * (m0 + m) + 16);
+    }
+    for (long p = 0; p < np; p++) {
+        if (pf) { /* two lines of the next panel's rows per pair, while the dot products run */
+            _mm_prefetch(pf + 128 * p, _MM_HINT_T2);
+            _mm_prefetch(pf + 128 * p + 64, _MM_HINT_T2);
+        }
+        __m512bh a = (__m512bh)_mm512_load_si512(panel + 2 * p * pstride), b = (__m512bh)_mm512_load_si512(panel + 2 * p * pstride + 1);
+        const uint32_t *xp = xq + (p0 + p) * rows + m0;
+        for (int m = 0; m < mt; m++) {
+            __m512bh xv = (__m512bh)_mm512_set1_epi32((int32_t)xp[m]);
+            lo[m] = _mm512_dpbf16_ps(lo[m], a, xv);
+            hi[m] = _mm512_dpbf16_ps(hi[m], b, xv);
+        }
+    }
+    for (int m = 0; m < mt; m++) {
+        _mm512_store_ps(sums + 32 * (m0 + m), lo[m]);
+        _mm512_store_ps(sums + 32 * (m0 + m) + 16, hi[m]);
+    }
+}
+
+/* 16 float32 rounded to bfloat16 as to_bf16 rounds each */
+static inline __m256i to_bf16_16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* out (rows at stride n) = x rows (pairs xq) times w [k, n]; panel: KN_PANEL bytes, sums:
+ * rows * 32 * blocks floats, both 64-byte aligned. */
+static void kn_matrix(const uint32_t *xq, long rows, const uint16_t *w, long k, long n, uint16_t *out,
+                      __m512i *panel, float *sums) {
+    const long pairs = (k + 1) / 2, blocks = (n + 31) / 32;
+    long chunk = KN_PANEL / (blocks * 128);
+    if (chunk < 1) chunk = 1;
+    __m512i lo_idx, hi_idx; /* word 2j: row t's column j (or 16 + j), word 2j + 1: row t + 1's */
+    {
+        uint16_t lo[32], hi[32];
+        for (int j = 0; j < 16; j++) lo[2 * j] = j, lo[2 * j + 1] = 32 + j, hi[2 * j] = 16 + j, hi[2 * j + 1] = 48 + j;
+        lo_idx = _mm512_loadu_si512(lo), hi_idx = _mm512_loadu_si512(hi);
+    }
+    memset(sums, 0, (size_t)(rows * 32 * blocks) * sizeof(float));
+    for (long p0 = 0; p0 < pairs; p0 += chunk) {
+        long np = pairs - p0 < chunk ? pairs - p0 : chunk;
+        for (long p = 0; p < np; p++) {
+            long t = 2 * (p0 + p);
+            for (long b = 0; b < blocks; b++) {
+                long cols = n - 32 * b < 32 ? n - 32 * b : 32;
+                __mmask32 mask = (__mmask32)((1ull << cols) - 1);
+                __m512i r0 = _mm512_maskz_loadu_epi16(mask, w + t * n + 32 * b);
+                __m512i r1 = t + 1 < k ? _mm512_maskz_loadu_epi16(mask, w + (t + 1) * n + 32 * b) : _mm512_setzero_si512();
+                panel[(p * blocks + b) * 2] = _mm512_permutex2var_epi16(r0, lo_idx, r1);
+                panel[(p * blocks + b) * 2 + 1] = _mm512_permutex2var_epi16(r0, hi_idx, r1);
+            }
+        }
+        /* the next panel's rows (contiguous) are prefetched by the tiles, 128 bytes per pair each */
+        const char *next = (const char *)(w + 2 * (p0 + np) * n), *end = (const char *)(w + k * n);
+        for (long b = 0; b < blocks; b++)
+            for (long m0 = 0; m0 < rows; m0 += KN_ROWS) {
+                const __m512i *pb = panel + b * 2;
+                float *sb = sums + b * rows * 32;
+                const char *pf = next < end ? next : NULL;
+                next += 128 * np;
+                switch (rows - m0 < KN_ROWS ? rows - m0 : KN_ROWS) {
+                    case 1: kn_tile(xq, rows, p0, np, pb, sb, m0, 1, pf, blocks); break;
+                    case 2: kn_tile(xq, rows, p0, np, pb, sb, m0, 2, pf, blocks); break;
+                    case 3: kn_tile(xq, rows, p0, np, pb, sb, m0, 3, pf, blocks); break;
+                    case 4: kn_tile(xq, rows, p0, np, pb, sb, m0, 4, pf, blocks); break;
+                    case 5: kn_tile(xq, rows, p0, np, pb, sb, m0, 5, pf, blocks); break;
+                    case 6: kn_tile(xq, rows, p0, np, pb, sb, m0, 6, pf, blocks); break;
+                    case 7: kn_tile(xq, rows, p0, np, pb, sb, m0, 7, pf, blocks); break;
+                    default: kn_tile(xq, rows, p0, np, pb, sb, m0, KN_ROWS, pf, blocks); break;
+                }
+            }
+    }
+    for (long b = 0; b < blocks; b++) {
+        long cols = n - 32 * b < 32 ? n - 32 * b : 32;
+        __mmask32 mask = (__mmask32)((1ull << cols) - 1);
+        for (long m = 0; m < rows; m++) {
+            const float *sm = sums + (b * rows + m) * 32;
+            uint16_t *o = out + m * n + 32 * b;
+            _mm256_mask_storeu_epi16(o, (__mmask16)mask, to_bf16_16(_mm512_load_ps(sm)));
+            _mm256_mask_storeu_epi16(o + 16, (__mmask16)(mask >> 16), to_bf16_16(_mm512_load_ps(sm + 16)));
+        }
+    }
+}
+
+/* x rows (stride k) as pairs along k, pair p of row m at xq[p * rows + m]; an odd k's last pair
+ * is (x[m, k - 1], 0). */
+static void pack_kn(const uint16_t *x, long rows, long k, uint32_t *xq) {
+    for (long m = 0; m < rows; m++) {
+        const uint16_t *xr = x + m * k;
+        for (long p = 0; p < k / 2; p++) memcpy(xq + p * rows + m, xr + 2 * p, 4);
+        if (k & 1) xq[k / 2 * rows + m] = xr[k - 1];
+    }
+}
 #endif
 
 /* out[p, :] = x[p, :] @ w[e].T for the rows p of expert e, ends[e-1] <= p < ends[e] (ends
@@ -311,6 +434,41 @@ int expert_rows(const uint16_t *x, const uint16_t *w, const int32_t *ends, uint1
     return 0;
 #else
     (void)x; (void)w; (void)ends; (void)out; (void)experts; (void)n; (void)k; (void)threads;
+    return -1;
+#endif
+}
+
+/* out[e] = x[e] @ w[e] for e < experts: x [experts, rows, k] and out [experts, rows, n]
+ * contiguous, w[e] at w + e * ws a row-major [k, n] (rows at stride n); all bfloat16. threads > 1
+ * splits the experts over OpenMP threads. Returns 0, or -1 where this build lacks the kernel or
+ * memory for the packed rows. */
+int kn_rows(const uint16_t *x, const uint16_t *w, long ws, uint16_t *out, long experts, long rows, long k, long n,
+            int threads) {
+#if defined(__AVX512BF16__)
+    long per = (k + 1) / 2 * rows, total = experts * per, blocks = (n + 31) / 32;
+    long own = KN_PANEL + (rows * 32 * blocks * (long)sizeof(float) + 63) / 64 * 64; /* bytes per thread */
+    int workers = threads > 1 ? threads : 1;
+    uint32_t *xq = aligned_alloc(64, (size_t)(total ? total : 1) * 4);
+    char *scratch = aligned_alloc(64, (size_t)(workers * own));
+    if (!xq || !scratch) {
+        free(xq), free(scratch);
+        return -1;
+    }
+    for (long e = 0; e < experts; e++) pack_kn(x + e * rows * k, rows, k, xq + e * per);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+    for (long e = 0; e < experts; e++) {
+#ifdef _OPENMP
+        char *mine = scratch + omp_get_thread_num() * own;
+#else
+        char *mine = scratch;
+#endif
+        kn_matrix(xq + e * per, rows, w + e * ws, k, n, out + e * rows * n, (__m512i *)mine,
+                  (float *)(mine + KN_PANEL));
+    }
+    free(xq), free(scratch);
+    return 0;
+#else
+    (void)x; (void)w; (void)ws; (void)out; (void)experts; (void)rows; (void)k; (void)n; (void)threads;
     return -1;
 #endif
 }

@@ -17,10 +17,14 @@ against them, every sum in its own vector lane: 8 rows by 2 bf16 pairs per vecto
 1.31-1.38x faster than the tiles; 32 rows 194-195 GFLOP/s against aten's 141-147, one core's peak
 being 234). The MoE's experts get a few rows each at decode (at most 12 of a V2-Lite layer's at
 64 tokens) and stream at the memory's rate either way.
-Two ops: ``ascend_graph::expert_rows_mm``, that both the eager runner and the compiled step call
-for the MoE (``RoutedExperts.sorted_by_expert``), so the two modes still compute the MoE the same
-way; and ``ascend_graph::rows_mm`` (one weight), that the compiled step runs for bf16 matmuls of
-2 to ``backends.inductor.ROWS_MM_MAX`` rows (``DecodeMatmulPass``).
+Three ops: ``ascend_graph::expert_rows_mm``, that both the eager runner and the compiled step
+call for the MoE (``RoutedExperts.sorted_by_expert``), so the two modes still compute the MoE the
+same way, and that the compiled MLA decode step runs for its attention scores (one "expert" per
+sequence); ``ascend_graph::rows_mm`` (one weight), that the compiled step runs for bf16 matmuls
+of 2 to ``backends.inductor.ROWS_MM_MAX`` rows; and ``ascend_graph::rows_bmm``, the kernel's
+``[K, N]`` form (matrices stored with the reduced dimension first), that the compiled MLA decode
+step runs for the probabilities times the latent cache rows and the queries times ``W_UK``
+(``DecodeMatmulPass``: graph mode only; the eager runner keeps aten's ``bmm`` there).
 
 It is built on first use with the system C compiler (``cc``, or ``$CC``) for this CPU
 (``-march=native``, OpenMP where the compiler has it: ``torch.get_num_threads()`` threads), about
@@ -118,6 +122,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     dll.expert_rows.restype = ctypes.c_int
     dll.expert_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    dll.kn_rows.restype = ctypes.c_int
+    dll.kn_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 4 + [ctypes.c_int]
     return dll
 
 
@@ -177,3 +183,38 @@ def rows_mm(x: Tensor, w: Tensor) -> Tensor:
 @rows_mm.register_fake
 def _(x: Tensor, w: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], w.shape[0])
+
+
+@torch.library.custom_op("ascend_graph::rows_bmm", mutates_args=())
+def rows_bmm(x: Tensor, w: Tensor) -> Tensor:
+    """``x [X, M, K] @ w [X, K, N] -> [X, M, N]``, as ``torch.bmm``, over matrices stored with
+    the reduced dimension first (``w[e]`` row-major ``[K, N]``; the entries may lie apart, as
+    the heads' slices of ``kv_b_proj``'s weight do): the kernel's ``[K, N]`` form
+    (``expert_rows.c``, ``kn_rows``). CPU, bfloat16; call only where ``available()``. The
+    compiled MLA decode step runs it for the attention's probabilities times the latent cache
+    rows and for its queries times ``W_UK`` (``backends.inductor.DecodeMatmulPass``)."""
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu" or w.device.type != "cpu":
+        raise ValueError(f"rows_bmm: x and w must be bfloat16 CPU tensors, got {x.dtype}/{w.dtype} on {x.device}")
+    if x.dim() != 3 or w.dim() != 3 or w.shape[0] != x.shape[0] or w.shape[1] != x.shape[2]:
+        raise ValueError(f"rows_bmm: expected x [X, M, K] and w [X, K, N]; got {tuple(x.shape)}, {tuple(w.shape)}")
+    return _run_kn(x, w)
+
+
+def _run_kn(x: Tensor, w: Tensor) -> Tensor:
+    """The kernel's ``[K, N]`` form on checked arguments ``x [X, M, K]``, ``w [X, K, N]``."""
+    x = x.contiguous()
+    if w.stride(2) != 1 or w.stride(1) != w.shape[2]:
+        w = w.contiguous()
+    experts, rows, k = x.shape
+    n = w.shape[2]
+    out = torch.empty(experts, rows, n, dtype=torch.bfloat16)
+    status = _library().kn_rows(x.data_ptr(), w.data_ptr(), w.stride(0), out.data_ptr(), experts, rows, k, n,
+                                torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError("rows_bmm: the kernel could not run (out of memory for the packed rows)")
+    return out
+
+
+@rows_bmm.register_fake
+def _(x: Tensor, w: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], x.shape[1], w.shape[2])
