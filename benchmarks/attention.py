@@ -44,7 +44,7 @@ def measure(batch: int = 32, context: int = 2048, num_blocks=(256, 32768), reps:
                           "--reps", str(reps), "--num-blocks", *map(str, num_blocks)])
     probe = CopyProbe()
     floor_inputs = ac.make_inputs(args, min(num_blocks))
-    step = torch.compile(ac.tuple_step, fullgraph=True, dynamic=False)
+    step = ac.compiled(ac.tuple_step)
     probes = {"copy": probe, "floor: matmuls over pre-gathered KV (eager)": _floor(*floor_inputs)}
     small_pages = argparse.Namespace(**{**vars(args), "no_huge_pages": True})
     for n in num_blocks:  # the compiled tuple step over caches on 4 KiB pages (the runner's are on huge pages)
