@@ -66,20 +66,29 @@ def test_packages_equal_eager_for_every_size(compiled):
 
 def test_a_package_calls_the_projects_kernel_where_it_runs(compiled, monkeypatch):
     """At 2 rows the package multiplies as the Inductor backend's graphs do: the dense products in
-    ``rows_mm``, the MoE's experts in ``expert_rows_mm`` (as eager does)."""
+    ``rows_mm``, the MoE's experts in ``expert_rows_mm`` (as eager does), the attention's batched
+    products in ``expert_rows_mm`` and ``rows_bmm``."""
     from ascend_graph.models import expert_rows
 
     _, model, runner, sched = compiled
-    calls, run = [], expert_rows._run
-    monkeypatch.setattr(expert_rows, "_run", lambda name, *a: calls.append(name) or run(name, *a))
+    calls, run, kn, run_kn = [], expert_rows._run, [], expert_rows._run_kn
+    monkeypatch.setattr(expert_rows, "_run", lambda name, x, w, *a: calls.append((name, w.shape[0])) or run(name, x, w, *a))
+    monkeypatch.setattr(expert_rows, "_run_kn", lambda x, w: kn.append(x.shape) or run_kn(x, w))
     report = compare_step(runner, sched.decode_entries()[:2])  # eager, then the package
     assert report.ok, report.summary()
-    moe_layers = model.config.num_hidden_layers - model.config.first_k_dense_replace
+    cfg = model.config
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
     if expert_rows.available():
-        assert calls.count("expert_rows_mm") == 2 * 2 * moe_layers  # gate/up and down, eager and package
-        assert calls.count("rows_mm") > 0
+        experts = cfg.n_routed_experts
+        assert calls.count(("expert_rows_mm", experts)) == 2 * 2 * moe_layers  # gate/up and down, eager and package
+        assert [n for n, _ in calls].count("rows_mm") > 0
+        # per layer, package only: the latent scores (one "expert" per row) and the output by W_UV
+        # (one per head), the probabilities by kv_c and the queries by W_UK
+        assert calls.count(("expert_rows_mm", 2)) == calls.count(("expert_rows_mm", cfg.num_attention_heads)) \
+            == cfg.num_hidden_layers
+        assert len(kn) == 2 * cfg.num_hidden_layers
     else:
-        assert calls == []
+        assert calls == [] and kn == []
 
 
 def test_package_logits_are_not_overwritten_by_the_next_step(compiled):

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ascend_graph.backends.inductor import ROWS_MM_MAX, DecodeMatmulPass, InductorBackend
+from ascend_graph.backends.inductor import BATCHED_MIN_WIDTH, ROWS_MM_MAX, DecodeMatmulPass, InductorBackend
 from ascend_graph.models import expert_rows
 
 
@@ -278,6 +278,9 @@ def test_batched_kernel_not_for_other_layouts_nor_when_switched_off():
     w = v.transpose(1, 2).contiguous()  # [4, 32, 24]: the product's rows as [N, K]
     assert count(scores, DecodeMatmulPass(), p, w) == int(expert_rows.available())
     assert count(scores, DecodeMatmulPass(batched_rows_kernel=False), p, w) == 0
+    narrow = p[..., :BATCHED_MIN_WIDTH - 1].contiguous(), w[..., :BATCHED_MIN_WIDTH - 1].contiguous()
+    assert count(scores, DecodeMatmulPass(), *narrow) == 0  # a reduction narrower than BATCHED_MIN_WIDTH
+    assert count(values, DecodeMatmulPass(), p, v[..., :BATCHED_MIN_WIDTH - 1], op="rows_bmm") == 0  # a narrow output
     assert count(scores, DecodeMatmulPass(few_rows_kernel=False), p, w) == 0
     assert count(scores, DecodeMatmulPass(), p.float(), w.float()) == 0
     assert len({DecodeMatmulPass().uuid(), DecodeMatmulPass(batched_rows_kernel=False).uuid()}) == 2
