@@ -194,7 +194,7 @@ def _attention_bound(out: dict, floor: dict | None) -> str:
     """The matmul floor of decode attention, and its FLOPs at the machine's best bf16 matmul rate."""
     if not floor:
         return ""
-    text = f"the same matmuls over KV gathered beforehand reach {floor['share_of_copy_bandwidth']:.2f}"
+    text = f"aten's einsums over KV gathered beforehand (eager) reach {floor['share_of_copy_bandwidth']:.2f}"
     rates = [r[k] for r in (out.get("compute") or {}).get("rows", [])
              for k in ("bf16_matmul_flops_per_s", "bf16_kernel_matmul_flops_per_s") if k in r]
     d = out["attention"]["conditions"]["dims"]
