@@ -26,6 +26,21 @@ def _oracle(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tenso
     return torch.cat([x[s:e].double() @ w[i].double().T for i, (s, e) in enumerate(zip(starts, ends.tolist()))])
 
 
+def _on_threads(threads: int, call):
+    """``call()`` with torch at ``threads`` threads (the kernel's OpenMP split), then restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return call()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _assert_one_rounding(got: torch.Tensor, exact: torch.Tensor) -> None:
+    """float32 sums rounded once to bfloat16: within one bfloat16 step (2^-8 relative) of the exact sum."""
+    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all()
+
+
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 # K with and without a 32-wide tail; N ending in a part tile of 1 to 5 of the 6 weight rows taken together
@@ -36,16 +51,10 @@ def test_each_row_times_its_experts_weight(n, k, threads):
     gen = torch.Generator().manual_seed(n + k)
     w = torch.randn(len(counts), n, k, generator=gen).to(torch.bfloat16)
     x = torch.randn(int(ends[-1]), k, generator=gen).to(torch.bfloat16)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = torch.ops.ascend_graph.expert_rows_mm(x, w, ends)
-    finally:
-        torch.set_num_threads(before)
+    got = _on_threads(threads, lambda: torch.ops.ascend_graph.expert_rows_mm(x, w, ends))
     exact = _oracle(x, w, ends)
     assert got.dtype == torch.bfloat16 and got.shape == exact.shape
-    # float32 sums rounded once to bfloat16: within one bfloat16 step (2^-8 relative) of the exact sum
-    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all()
+    _assert_one_rounding(got, exact)
     if k % 8 == 0:  # _grouped_mm needs 16-byte strides
         torch.testing.assert_close(got, torch._grouped_mm(x, w.transpose(1, 2), offs=ends), atol=2e-2, rtol=2e-2)
 
@@ -138,15 +147,9 @@ def _check_rows_mm(rows: int, k: int, seed: int, threads: int = 1) -> None:
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(131, k, generator=gen).to(torch.bfloat16)
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = torch.ops.ascend_graph.rows_mm(x, w)
-    finally:
-        torch.set_num_threads(before)
-    exact = x.double() @ w.double().T
+    got = _on_threads(threads, lambda: torch.ops.ascend_graph.rows_mm(x, w))
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 131)
-    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all()
+    _assert_one_rounding(got, x.double() @ w.double().T)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w), atol=5e-2, rtol=2e-2)
 
 
@@ -195,15 +198,9 @@ def test_rows_bmm_is_a_bmm_within_one_rounding(m, k, n, threads):
     gen = torch.Generator().manual_seed(m * k + n)
     x = torch.randn(5, m, k, generator=gen).to(torch.bfloat16)
     w = torch.randn(5, k, n, generator=gen).to(torch.bfloat16)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = torch.ops.ascend_graph.rows_bmm(x, w)
-    finally:
-        torch.set_num_threads(before)
-    exact = x.double() @ w.double()
+    got = _on_threads(threads, lambda: torch.ops.ascend_graph.rows_bmm(x, w))
     assert got.dtype == torch.bfloat16 and got.shape == (5, m, n)
-    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all()
+    _assert_one_rounding(got, x.double() @ w.double())
     torch.testing.assert_close(got, torch.bmm(x, w), atol=5e-2, rtol=2e-2)
 
 
@@ -215,9 +212,7 @@ def test_rows_bmm_reads_strided_entries_and_keeps_nan_and_inf_to_their_rows():
     kv_b = torch.randn(4, 24, 64, generator=gen).to(torch.bfloat16)  # [H, Dn + Dv, C]
     w_uk = kv_b[:, :16]  # [H, Dn, C]: stride 24 * 64 between heads
     q = torch.randn(4, 6, 16, generator=gen).to(torch.bfloat16)
-    exact = q.double() @ w_uk.double()
-    got = torch.ops.ascend_graph.rows_bmm(q, w_uk)
-    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all()
+    _assert_one_rounding(torch.ops.ascend_graph.rows_bmm(q, w_uk), q.double() @ w_uk.double())
     x, w = torch.ones(2, 10, 64, dtype=torch.bfloat16), torch.ones(2, 64, 40, dtype=torch.bfloat16)
     x[0, 3, 5], x[1, 7, 0] = float("nan"), float("inf")
     got = torch.ops.ascend_graph.rows_bmm(x, w)
