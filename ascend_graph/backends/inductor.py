@@ -134,8 +134,9 @@ class DecodeMatmulPass(CustomGraphPass):
     models) is then rounded twice, where aten's ``addmm`` rounds once.
 
     ``bmm(x [B, M, K], w [B, K, N])`` with 2 <= M <= ``ROWS_MM_MAX``, K and N at least
-    ``BATCHED_MIN_WIDTH``, bfloat16, where ``w`` is a contiguous ``[B, N, K]`` transposed (MLA decode's scores: the heads' latent queries by each
-    sequence's gathered ``kv_c``, and the rope parts by ``k_pe``): ``expert_rows_mm`` with one
+    ``BATCHED_MIN_WIDTH``, bfloat16, where ``w`` is a contiguous ``[B, N, K]`` transposed (MLA
+    decode's scores: the heads' latent queries by each sequence's gathered ``kv_c``, and the rope
+    parts by ``k_pe``; the latent output by each head's ``W_UV``): ``expert_rows_mm`` with one
     "expert" per batch entry. Where each ``w[b]`` is a row-major ``[K, N]`` instead (the
     probabilities by the gathered ``kv_c``, and the heads' queries by their ``W_UK`` slices of
     ``kv_b_proj``): ``rows_bmm``, the kernel's ``[K, N]`` form. Measured (torch 2.13, 1 thread,
@@ -246,28 +247,31 @@ class DecodeMatmulPass(CustomGraphPass):
         return vals is not None and vals[1].dim() == 2 and runs_rows_mm(vals[0], vals[1].t())
 
     @staticmethod
-    def _few_rows_batched(x, w) -> bool:
-        vals = _fake_values(x, w)
-        return (vals is not None and vals[0].dim() == vals[1].dim() == 3
-                and all(isinstance(d, int) for d in (*vals[0].shape, *vals[1].shape))
-                and min(vals[1].shape[1:]) >= BATCHED_MIN_WIDTH
-                and runs_rows_mm(vals[0][0], vals[1][0].t()) and vals[1].transpose(1, 2).is_contiguous())
-
-    @staticmethod
-    def _few_rows_kn(x, w) -> bool:
-        """``bmm(x [B, M, K], w [B, K, N])``, 2 <= M <= ``ROWS_MM_MAX``, bfloat16 on CPU, each
-        ``w[b]`` a row-major ``[K, N]``: ``rows_bmm`` (where the kernel runs)."""
+    def _batched(x, w) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The fake values of ``bmm(x [B, M, K], w [B, K, N])`` where the kernel may take it:
+        static shapes, bfloat16 on CPU, 2 <= M <= ``ROWS_MM_MAX``, K and N at least
+        ``BATCHED_MIN_WIDTH``, the kernel built here; else None."""
         from ..models import expert_rows
 
         vals = _fake_values(x, w)
         if vals is None or vals[0].dim() != 3 or vals[1].dim() != 3:
-            return False
-        (xv, wv), shape = vals, (*vals[0].shape, *vals[1].shape)
-        return (all(isinstance(d, int) for d in shape) and all(v.dtype == torch.bfloat16 and v.device.type == "cpu"
-                                                                for v in vals)
+            return None
+        xv, wv = vals
+        fits = (all(isinstance(d, int) for d in (*xv.shape, *wv.shape))
+                and all(v.dtype == torch.bfloat16 and v.device.type == "cpu" for v in vals)
                 and 2 <= xv.shape[1] <= ROWS_MM_MAX and min(wv.shape[1:]) >= BATCHED_MIN_WIDTH
-                and wv.stride(2) == 1 and wv.stride(1) == wv.shape[2]
                 and expert_rows.available())
+        return (xv, wv) if fits else None
+
+    def _few_rows_batched(self, x, w) -> bool:
+        """Each ``w[b]`` a row-major ``[N, K]`` transposed: ``expert_rows_mm``."""
+        vals = self._batched(x, w)
+        return vals is not None and vals[1].transpose(1, 2).is_contiguous()
+
+    def _few_rows_kn(self, x, w) -> bool:
+        """Each ``w[b]`` a row-major ``[K, N]`` (the entries may lie apart): ``rows_bmm``."""
+        vals = self._batched(x, w)
+        return vals is not None and vals[1].stride(2) == 1 and vals[1].stride(1) == vals[1].shape[2]
 
     @staticmethod
     def _as_expert_rows_mm(graph: torch.fx.Graph, x, w) -> torch.fx.Node:
@@ -313,8 +317,8 @@ def _fake_values(*args) -> Optional[list[torch.Tensor]]:
 
 
 def _call(graph: torch.fx.Graph, target, *args, **kwargs) -> torch.fx.Node:
-    """A new node of ``target(*args, **kwargs)`` with its fake-tensor ``meta["val"]`` filled in
-    (at least one of ``args`` a node)."""
+    """A new node of ``target(*args, **kwargs)`` with its fake-tensor ``meta["val"]`` filled in,
+    under the fake mode of its tensor arguments (without any: the graph's)."""
     node = graph.call_function(target, tuple(args), kwargs)
     vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
     fake_mode = next((v.fake_mode for v in vals if isinstance(v, torch.Tensor)), None)

@@ -271,7 +271,7 @@ static void wide_range(const uint16_t *w, long n, long k, const uint32_t *xq, ui
  * (row-major [k, n]: MLA decode's probabilities times each sequence's latent cache rows, and
  * its queries times W_UK). A few matrix rows at a time are read whole (a sequential stream)
  * and each two consecutive rows interleaved into bf16 pairs along k, 16 columns per vector, into
- * a panel of at most KN_PANEL bytes (vpermt2w; in the panel's order: column block, pair, half).
+ * a panel of at most KN_PANEL bytes (vpermt2w; the panel's order: pair, column block, half).
  * Each tile of input rows then broadcasts its pairs (x[m, t], x[m, t + 1]) against the panel,
  * every sum in its own vector lane, kept between panels in sums[]. Reading the matrix 64 bytes
  * per row per column block instead (rows 1-4 KiB apart) ran at half the rate: the rows share
@@ -279,8 +279,9 @@ static void wide_range(const uint16_t *w, long n, long k, const uint32_t *xq, ui
 #define KN_ROWS 8           /* input rows per tile: 16 sums in registers, each panel pair feeds 16 */
 #define KN_PANEL (64 << 10) /* bytes of interleaved pairs per panel: in L2 */
 
-/* sums (for m < mt: 32 floats of row m0 + m) += x rows' pairs p0 .. p0 + np - 1 (xq) times the
- * panel's np pairs of one column block */
+/* sums (for m < mt: 32 floats of row m0 + m) += x rows' pairs p0 .. p0 + np - 1 (xq) times one
+ * column block's np pairs in the panel (2 vectors each, pstride pairs of vectors apart); pf: the
+ * next panel's rows to prefetch, 128 bytes per pair, or NULL */
 static inline __attribute__((always_inline)) void kn_tile(const uint32_t *xq, long rows, long p0, long np,
                                                           const __m512i *panel, float *sums, long m0, const int mt,
                                                           const char *pf, long pstride) {
@@ -294,7 +295,8 @@ static inline __attribute__((always_inline)) void kn_tile(const uint32_t *xq, lo
             _mm_prefetch(pf + 128 * p, _MM_HINT_T2);
             _mm_prefetch(pf + 128 * p + 64, _MM_HINT_T2);
         }
-        __m512bh a = (__m512bh)_mm512_load_si512(panel + 2 * p * pstride), b = (__m512bh)_mm512_load_si512(panel + 2 * p * pstride + 1);
+        __m512bh a = (__m512bh)_mm512_load_si512(panel + 2 * p * pstride);
+        __m512bh b = (__m512bh)_mm512_load_si512(panel + 2 * p * pstride + 1);
         const uint32_t *xp = xq + (p0 + p) * rows + m0;
         for (int m = 0; m < mt; m++) {
             __m512bh xv = (__m512bh)_mm512_set1_epi32((int32_t)xp[m]);

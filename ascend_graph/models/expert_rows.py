@@ -20,7 +20,7 @@ being 234). The MoE's experts get a few rows each at decode (at most 12 of a V2-
 Three ops: ``ascend_graph::expert_rows_mm``, that both the eager runner and the compiled step
 call for the MoE (``RoutedExperts.sorted_by_expert``), so the two modes still compute the MoE the
 same way, and that the compiled MLA decode step runs for its attention scores (one "expert" per
-sequence); ``ascend_graph::rows_mm`` (one weight), that the compiled step runs for bf16 matmuls
+sequence) and its output by ``W_UV`` (one per head); ``ascend_graph::rows_mm`` (one weight), that the compiled step runs for bf16 matmuls
 of 2 to ``backends.inductor.ROWS_MM_MAX`` rows; and ``ascend_graph::rows_bmm``, the kernel's
 ``[K, N]`` form (matrices stored with the reduced dimension first), that the compiled MLA decode
 step runs for the probabilities times the latent cache rows and the queries times ``W_UK``
