@@ -66,8 +66,7 @@ def test_packages_equal_eager_for_every_size(compiled):
 
 def test_a_package_calls_the_projects_kernel_where_it_runs(compiled, monkeypatch):
     """At 2 rows the package multiplies as the Inductor backend's graphs do: the dense products in
-    ``rows_mm``, the MoE's experts in ``expert_rows_mm`` (as eager does), the attention's batched
-    products in ``expert_rows_mm`` and ``rows_bmm``."""
+    ``rows_mm``, the MoE's experts in ``expert_rows_mm`` (as eager does)."""
     from ascend_graph.models import expert_rows
 
     _, model, runner, sched = compiled
@@ -82,11 +81,9 @@ def test_a_package_calls_the_projects_kernel_where_it_runs(compiled, monkeypatch
         experts = cfg.n_routed_experts
         assert calls.count(("expert_rows_mm", experts)) == 2 * 2 * moe_layers  # gate/up and down, eager and package
         assert [n for n, _ in calls].count("rows_mm") > 0
-        # per layer, package only: the latent scores (one "expert" per row) and the output by W_UV
-        # (one per head), the probabilities by kv_c and the queries by W_UK
-        assert calls.count(("expert_rows_mm", 2)) == calls.count(("expert_rows_mm", cfg.num_attention_heads)) \
-            == cfg.num_hidden_layers
-        assert len(kn) == 2 * cfg.num_hidden_layers
+        # this model's attention products are below BATCHED_MIN_ELEMENTS: aten's, as in the
+        # Inductor backend's graphs (tests/test_runner.py runs them in the kernel)
+        assert calls.count(("expert_rows_mm", 2)) == 0 and kn == []
     else:
         assert calls == [] and kn == []
 

@@ -8,12 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ascend_graph.backends.inductor import BATCHED_MIN_WIDTH, ROWS_MM_MAX, DecodeMatmulPass, InductorBackend
+from ascend_graph.backends.inductor import (BATCHED_MIN_ELEMENTS, BATCHED_ROWS_MAX, ROWS_MM_MAX, DecodeMatmulPass,
+                                            InductorBackend)
 from ascend_graph.models import expert_rows
 
 
-def _compiled(fn, with_pass: bool):
-    patches = {"post_grad_custom_post_pass": DecodeMatmulPass()} if with_pass else {}
+def _compiled(fn, with_pass: bool, pass_: DecodeMatmulPass | None = None):
+    patches = {"post_grad_custom_post_pass": pass_ or DecodeMatmulPass()} if with_pass else {}
     return torch.compile(fn, backend=InductorBackend(patches), fullgraph=True, dynamic=False)
 
 
@@ -128,7 +129,7 @@ def test_long_reduction_is_split_into_chunks_and_matches_reference(k, chunks):
 def test_batch_of_one_bmm_runs_as_mm_and_matches_eager(batch):
     """MLA decode's scores at batch 1: ``bmm(q [1, H, C], kv [1, T, C]^T)`` over a kv that the
     graph computed. Inductor gives that buffer's size-1 batch a zero stride, and aten's CPU
-    ``bmm`` then copies the operand first; the pass makes it an ``mm``. Batch 2 stays batched."""
+    ``bmm`` then copies the operand first; the pass makes it an ``mm``. Batch 2 stays a ``bmm``."""
     from torch._inductor.utils import run_and_get_code
 
     gen = torch.Generator().manual_seed(4)
@@ -138,8 +139,7 @@ def test_batch_of_one_bmm_runs_as_mm_and_matches_eager(batch):
     got, code = run_and_get_code(_compiled(fn, with_pass=True), q, kv)
     torch.testing.assert_close(got, fn(q, kv), atol=1e-2, rtol=1e-2)
     calls = "".join(code)
-    batched = "expert_rows_mm" if expert_rows.available() else "bmm"  # batch 2: one product per entry
-    assert (batched in calls) == (batch > 1) and ("_mm" in calls or "mm(" in calls)
+    assert ("bmm" in calls) == (batch > 1) and ("_mm" in calls or "mm(" in calls)  # batch 2: below BATCHED_MIN_ELEMENTS
 
 
 @pytest.mark.parametrize("rows", [2, 24, ROWS_MM_MAX, ROWS_MM_MAX + 1])  # 24: the wide form
@@ -220,7 +220,8 @@ def test_batched_products_over_transposed_rows_run_the_kernel_and_keep_each_prod
     def scores(q, kv, pe):
         return torch.einsum("bhc,btc->bht", q[..., :c], kv * 2) + torch.einsum("bhr,btr->bht", q[..., c:], pe)
 
-    got, code = run_and_get_code(_compiled(scores, with_pass=True), q, kv, pe)
+    small = DecodeMatmulPass(batched_min_elements=r * t)  # these test-sized products take the kernel
+    got, code = run_and_get_code(_compiled(scores, with_pass=True, pass_=small), q, kv, pe)
     assert "".join(code).count("ascend_graph.expert_rows_mm.default(") == (2 if expert_rows.available() else 0)
     assert ("bmm" in "".join(code)) != expert_rows.available()
     nope = torch.einsum("bhc,btc->bht", q[..., :c].double(), (kv * 2).double()).to(torch.bfloat16)
@@ -230,9 +231,10 @@ def test_batched_products_over_transposed_rows_run_the_kernel_and_keep_each_prod
 
 
 def test_batched_products_over_k_by_n_matrices_run_the_kernel_and_keep_each_product():
-    """MLA decode's probabilities by each sequence's gathered ``kv_c`` (``[T, C]``) and the heads'
-    queries by their ``W_UK`` slices of ``kv_b_proj`` (``[Dn, C]`` each, heads apart) run
-    ``rows_bmm``; each product is the exact one rounded to bfloat16, as aten's."""
+    """MLA decode's probabilities by each sequence's gathered ``kv_c`` (``[T, C]``), and products
+    like the heads' queries by their ``W_UK`` slices of ``kv_b_proj`` (``[Dn, C]`` each, heads
+    apart), run ``rows_bmm`` where the pass takes them; each product is the exact one rounded to
+    bfloat16, as aten's."""
     from torch._inductor.utils import run_and_get_code
 
     gen = torch.Generator().manual_seed(8)
@@ -245,7 +247,8 @@ def test_batched_products_over_k_by_n_matrices_run_the_kernel_and_keep_each_prod
     def products(probs, kv, q, kv_b):
         return torch.einsum("bht,btc->bhc", probs, kv * 2), torch.einsum("bhd,hdc->bhc", q, kv_b[:, :dn])
 
-    (values, q_lat), code = run_and_get_code(_compiled(products, with_pass=True), probs, kv, q, kv_b)
+    small = DecodeMatmulPass(batched_min_elements=dn * c)  # these test-sized products take the kernel
+    (values, q_lat), code = run_and_get_code(_compiled(products, with_pass=True, pass_=small), probs, kv, q, kv_b)
     assert "".join(code).count("ascend_graph.rows_bmm.default(") == (2 if expert_rows.available() else 0)
     torch.testing.assert_close(values, torch.einsum("bht,btc->bhc", probs.double(), (kv * 2).double()).to(torch.bfloat16),
                                atol=0, rtol=2 ** -7)
@@ -256,12 +259,16 @@ def test_batched_products_over_k_by_n_matrices_run_the_kernel_and_keep_each_prod
     torch.testing.assert_close(q_lat, eager_q_lat, atol=0, rtol=2 ** -7)
 
 
-def test_batched_kernel_not_for_other_layouts_nor_when_switched_off():
+def test_batched_kernel_only_for_its_layouts_sizes_and_not_when_switched_off():
+    """The kernel takes a batched product of 2 to BATCHED_ROWS_MAX rows per entry whose matrix has
+    at least BATCHED_MIN_ELEMENTS elements; aten's ``bmm`` keeps the rest, among them the heads'
+    products by V2-Lite's ``W_UK`` (``[128, 512]`` each), where it was faster."""
     from torch._inductor.utils import run_and_get_code
 
     gen = torch.Generator().manual_seed(7)
-    p = torch.randn(4, 8, 24, generator=gen).to(torch.bfloat16)
-    v = torch.randn(4, 24, 32, generator=gen).to(torch.bfloat16)
+    t, c = 512, BATCHED_MIN_ELEMENTS // 512  # a matrix of exactly BATCHED_MIN_ELEMENTS
+    p = torch.randn(2, 8, t, generator=gen).to(torch.bfloat16)
+    v = torch.randn(2, t, c, generator=gen).to(torch.bfloat16)
 
     def count(fn, pass_, *args, op="expert_rows_mm"):
         backend = InductorBackend({"post_grad_custom_post_pass": pass_, "fx_graph_cache": False})
@@ -269,18 +276,23 @@ def test_batched_kernel_not_for_other_layouts_nor_when_switched_off():
             _, code = run_and_get_code(torch.compile(fn, backend=backend, fullgraph=True, dynamic=False), *args)
         return "".join(code).count(f"ascend_graph.{op}.default(")
 
+    kernel = int(expert_rows.available())
     values = lambda p, v: torch.einsum("bht,btc->bhc", p, v)  # noqa: E731  ([K, N] matrices: rows_bmm)
     assert count(values, DecodeMatmulPass(), p, v) == 0
-    assert count(values, DecodeMatmulPass(), p, v, op="rows_bmm") == int(expert_rows.available())
+    assert count(values, DecodeMatmulPass(), p, v, op="rows_bmm") == kernel
     assert count(values, DecodeMatmulPass(batched_rows_kernel=False), p, v, op="rows_bmm") == 0
     assert count(values, DecodeMatmulPass(), p[:, :1], v, op="rows_bmm") == 0  # one row: a reduction
+    assert count(values, DecodeMatmulPass(), p, v[..., :c - 1], op="rows_bmm") == 0  # a matrix too small
+    many = torch.randn(2, BATCHED_ROWS_MAX + 1, t, generator=gen).to(torch.bfloat16)
+    assert count(values, DecodeMatmulPass(), many, v, op="rows_bmm") == 0  # more rows than BATCHED_ROWS_MAX
     scores = lambda p, v: torch.einsum("bhc,btc->bht", p, v)  # noqa: E731
-    w = v.transpose(1, 2).contiguous()  # [4, 32, 24]: the product's rows as [N, K]
-    assert count(scores, DecodeMatmulPass(), p, w) == int(expert_rows.available())
+    w = v.transpose(1, 2).contiguous()  # [2, c, t]: the product's rows as [N, K]
+    assert count(scores, DecodeMatmulPass(), p, w) == kernel
     assert count(scores, DecodeMatmulPass(batched_rows_kernel=False), p, w) == 0
-    narrow = p[..., :BATCHED_MIN_WIDTH - 1].contiguous(), w[..., :BATCHED_MIN_WIDTH - 1].contiguous()
-    assert count(scores, DecodeMatmulPass(), *narrow) == 0  # a reduction narrower than BATCHED_MIN_WIDTH
-    assert count(values, DecodeMatmulPass(), p, v[..., :BATCHED_MIN_WIDTH - 1], op="rows_bmm") == 0  # a narrow output
     assert count(scores, DecodeMatmulPass(few_rows_kernel=False), p, w) == 0
     assert count(scores, DecodeMatmulPass(), p.float(), w.float()) == 0
-    assert len({DecodeMatmulPass().uuid(), DecodeMatmulPass(batched_rows_kernel=False).uuid()}) == 2
+    q, w_uk = (torch.randn(16, 32, 128).to(torch.bfloat16), torch.randn(16, 128, 512).to(torch.bfloat16))
+    assert count(lambda q, w: torch.bmm(q, w), DecodeMatmulPass(), q, w_uk, op="rows_bmm") == 0
+    keys = {DecodeMatmulPass().uuid(), DecodeMatmulPass(batched_rows_kernel=False).uuid(),
+            DecodeMatmulPass(batched_min_elements=1).uuid()}
+    assert len(keys) == 3

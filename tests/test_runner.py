@@ -250,18 +250,25 @@ def test_inductor_graph_equals_eager_at_batches_that_run_the_wide_matmul_form(mo
 
 
 def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(monkeypatch):
-    """bfloat16 MLA decode at 2-4 rows: the compiled step computes the attention scores (latent
-    and rope parts) with ``expert_rows_mm``, one "expert" per sequence over its gathered cache
-    rows, the output by ``W_UV`` likewise (one per head), and the probabilities by those rows and
-    the queries by ``W_UK`` with ``rows_bmm``;
+    """bfloat16 MLA decode at 2-4 rows, with a pass that takes this small model's products: the
+    compiled step computes the attention scores (latent and rope parts) with ``expert_rows_mm``,
+    one "expert" per sequence over its gathered cache rows, the output by ``W_UV`` likewise (one
+    per head), and the probabilities by those rows and the queries by ``W_UK`` with ``rows_bmm``;
     eager uses aten's ``bmm``. Graph equals eager."""
     from ascend_graph.models import expert_rows
 
     weights, run, kn, run_kn = [], expert_rows._run, [], expert_rows._run_kn
     monkeypatch.setattr(expert_rows, "_run", lambda name, x, w, *a: weights.append(tuple(w.shape)) or run(name, x, w, *a))
     monkeypatch.setattr(expert_rows, "_run_kn", lambda x, w: kn.append((tuple(x.shape), tuple(w.shape))) or run_kn(x, w))
+    from ascend_graph.backends.inductor import INLINE_CACHE_WRITES, DecodeMatmulPass, InductorBackend, config_patches
+
     model = small_model("mla", torch.bfloat16)
-    runner = make_runner(model, graph_config(backend="inductor"))
+    config = graph_config(backend="inductor")
+    # this model's attention products are below BATCHED_MIN_ELEMENTS: a pass that takes them
+    small = DecodeMatmulPass(batched_min_elements=1)
+    backend = InductorBackend({**config_patches(config, "cpu"), "post_grad_custom_post_pass": small},
+                              inline_writes=INLINE_CACHE_WRITES["cpu"])
+    runner = make_runner(model, config, backend=backend)
     sched = Schedule()
     prefilled(runner, sched, 4, model.config.vocab_size)
     weights.clear()  # the MoE runs the kernel in both modes; count the attention's

@@ -268,8 +268,8 @@ static void wide_range(const uint16_t *w, long n, long k, const uint32_t *xq, ui
 }
 
 /* The [K, N] form, for products whose matrix is stored with the reduced dimension first
- * (row-major [k, n]: MLA decode's probabilities times each sequence's latent cache rows, and
- * its queries times W_UK). A few matrix rows at a time are read whole (a sequential stream)
+ * (row-major [k, n]: MLA decode's probabilities times each sequence's latent cache rows). A
+ * few matrix rows at a time are read whole (a sequential stream)
  * and each two consecutive rows interleaved into bf16 pairs along k, 16 columns per vector, into
  * a panel of at most KN_PANEL bytes (vpermt2w; the panel's order: pair, column block, half).
  * Each tile of input rows then broadcasts its pairs (x[m, t], x[m, t + 1]) against the panel,

@@ -20,11 +20,11 @@ being 234). The MoE's experts get a few rows each at decode (at most 12 of a V2-
 Three ops: ``ascend_graph::expert_rows_mm``, that both the eager runner and the compiled step
 call for the MoE (``RoutedExperts.sorted_by_expert``), so the two modes still compute the MoE the
 same way, and that the compiled MLA decode step runs for its attention scores (one "expert" per
-sequence) and its output by ``W_UV`` (one per head); ``ascend_graph::rows_mm`` (one weight), that the compiled step runs for bf16 matmuls
+sequence); ``ascend_graph::rows_mm`` (one weight), that the compiled step runs for bf16 matmuls
 of 2 to ``backends.inductor.ROWS_MM_MAX`` rows; and ``ascend_graph::rows_bmm``, the kernel's
 ``[K, N]`` form (matrices stored with the reduced dimension first), that the compiled MLA decode
-step runs for the probabilities times the latent cache rows and the queries times ``W_UK``
-(``DecodeMatmulPass``: graph mode only; the eager runner keeps aten's ``bmm`` there).
+step runs for the probabilities times the latent cache rows (``DecodeMatmulPass``: graph mode
+only; the eager runner keeps aten's ``bmm`` there).
 
 It is built on first use with the system C compiler (``cc``, or ``$CC``) for this CPU
 (``-march=native``, OpenMP where the compiler has it: ``torch.get_num_threads()`` threads), about
@@ -192,7 +192,7 @@ def rows_bmm(x: Tensor, w: Tensor) -> Tensor:
     the heads' slices of ``kv_b_proj``'s weight do): the kernel's ``[K, N]`` form
     (``expert_rows.c``, ``kn_rows``). CPU, bfloat16; call only where ``available()``. The
     compiled MLA decode step runs it for the attention's probabilities times the latent cache
-    rows and for its queries times ``W_UK`` (``backends.inductor.DecodeMatmulPass``)."""
+    rows (``backends.inductor.DecodeMatmulPass``)."""
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu" or w.device.type != "cpu":
         raise ValueError(f"rows_bmm: x and w must be bfloat16 CPU tensors, got {x.dtype}/{w.dtype} on {x.device}")
     if x.dim() != 3 or w.dim() != 3 or w.shape[0] != x.shape[0] or w.shape[1] != x.shape[2]:
