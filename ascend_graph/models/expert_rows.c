@@ -1,7 +1,7 @@
 /* Few-row matmuls on CPU for a decode step: the routed experts' rows (a few per expert) and, with
  * one "expert", a dense product of a few rows; over the weights as the checkpoint stores them
  * (row-major [N, K] per expert, nothing packed). From 5 rows of one weight, the wide forms (below).
- * kn_rows: the same for matrices stored [K, N] (MLA decode's attention values and W_UK).
+ * kn_rows: the same for matrices stored [K, N] (MLA decode's attention values).
  * Built at first use with the system C compiler for this CPU and called through ctypes by
  * expert_rows.py. bfloat16 pair dot products (vdpbf16ps) accumulate in float32; each output is
  * rounded once to bfloat16, to nearest even. */
