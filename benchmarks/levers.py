@@ -14,8 +14,8 @@ nothing. Freezing's memory cost is measured in ``benchmarks/memory.py`` (fresh p
 into a temporary directory; the same Inductor options as the default). ``batch-1 bmm kept``: the
 decode-matmul pass without its rewrite of batch-1 ``bmm`` into ``mm`` (MLA decode's attention at
 batch 1). ``attention products in aten``: the pass without the kernel for MLA decode's batched
-attention products (``expert_rows_mm`` for the scores, ``rows_bmm`` for the values and the
-queries by ``W_UK``). Run alone, e.g. at a longer context:
+attention products (``expert_rows_mm`` for the scores, ``rows_bmm`` for the values). Run
+alone, e.g. at a longer context:
 
     TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.levers --batches 1 --context 2048 \
         --names default "batch-1 bmm kept"

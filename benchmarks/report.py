@@ -176,7 +176,7 @@ def _levers_table(lv: dict | None) -> list[str]:
                     "the pass without its rewrite of batch-1 `bmm` (MLA decode's attention at batch 1) into "
                     "`mm`. `few-row matmuls in aten`: the pass without the kernel (`rows_mm` and the attention "
                     "products), as before it. `attention products in aten`: the pass without the kernel for MLA "
-                    "decode's batched attention products only (scores, values, queries by `W_UK`). `cache write as "
+                    "decode's batched attention products only (scores and values). `cache write as "
                     "the op's call`: the step calls the `ascend_graph::write_slots` custom op once per layer, as "
                     "before `inline_cache_writes`. `row-major long "
                     "rows`: the dense MLP's down projection (rows of 10944) stored row-major, as before, instead of "
