@@ -133,14 +133,19 @@ def available() -> bool:
     return os.environ.get("ASCEND_GRAPH_EXPERT_KERNEL", "1") != "0" and _library() is not None
 
 
+def _check_bf16_cpu(name: str, x: Tensor, w: Tensor) -> None:
+    """The kernel's ops take bfloat16 CPU tensors only."""
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu" or w.device.type != "cpu":
+        raise ValueError(f"{name}: x and w must be bfloat16 CPU tensors, got {x.dtype}/{w.dtype} on {x.device}/{w.device}")
+
+
 @torch.library.custom_op("ascend_graph::expert_rows_mm", mutates_args=())
 def expert_rows_mm(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
     """``x [P, K]`` rows sorted by expert, ``w [X, N, K]`` the experts' weights, ``ends [X]``
     int32 the end of each expert's rows (``ends[-1] = P``) -> ``[P, N]``: each row times its
     expert's weight transposed, as ``torch._grouped_mm(x, w.transpose(1, 2), offs=ends)``.
     CPU, bfloat16; call only where ``available()``."""
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu":
-        raise ValueError(f"expert_rows_mm: x and w must be bfloat16 CPU tensors, got {x.dtype}/{w.dtype} on {x.device}")
+    _check_bf16_cpu("expert_rows_mm", x, w)
     if x.dim() != 2 or w.dim() != 3 or w.shape[2] != x.shape[1] or ends.shape != (w.shape[0],):
         raise ValueError(f"expert_rows_mm: expected x [P, K], w [X, N, K], ends [X]; got {tuple(x.shape)}, "
                          f"{tuple(w.shape)}, {tuple(ends.shape)}")
@@ -172,8 +177,7 @@ def rows_mm(x: Tensor, w: Tensor) -> Tensor:
     """``x [M, K] @ w[N, K].T -> [M, N]``, as ``F.linear(x, w)``: the same kernel with one
     "expert". CPU, bfloat16; call only where ``available()``. The compiled decode step's dense
     products of a few rows run it (``backends.inductor.DecodeMatmulPass``)."""
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu":
-        raise ValueError(f"rows_mm: x and w must be bfloat16 CPU tensors, got {x.dtype}/{w.dtype} on {x.device}")
+    _check_bf16_cpu("rows_mm", x, w)
     if x.dim() != 2 or w.dim() != 2 or w.shape[1] != x.shape[1]:
         raise ValueError(f"rows_mm: expected x [M, K] and w [N, K]; got {tuple(x.shape)}, {tuple(w.shape)}")
     end = ctypes.c_int32(x.shape[0])  # one "expert": no tensor for its row end on every call
@@ -193,8 +197,7 @@ def rows_bmm(x: Tensor, w: Tensor) -> Tensor:
     (``expert_rows.c``, ``kn_rows``). CPU, bfloat16; call only where ``available()``. The
     compiled MLA decode step runs it for the attention's probabilities times the latent cache
     rows (``backends.inductor.DecodeMatmulPass``)."""
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu" or w.device.type != "cpu":
-        raise ValueError(f"rows_bmm: x and w must be bfloat16 CPU tensors, got {x.dtype}/{w.dtype} on {x.device}")
+    _check_bf16_cpu("rows_bmm", x, w)
     if x.dim() != 3 or w.dim() != 3 or w.shape[0] != x.shape[0] or w.shape[1] != x.shape[2]:
         raise ValueError(f"rows_bmm: expected x [X, M, K] and w [X, K, N]; got {tuple(x.shape)}, {tuple(w.shape)}")
     return _run_kn(x, w)
