@@ -188,19 +188,20 @@ class Engine:
         Such a step runs through ``compare_step`` (eager from the cache state, restored, then the
         graph; logits and written blocks compared, and with ``check_untouched`` every other block
         proven unchanged); the graph's logits continue the generation. Returns ``(tokens,
-        reports)``, one ``ParityReport`` per checked step. These steps are not in the runner's
+        reports)``, one ``ParityReport`` per checked step; with ``return_logits``, ``tokens`` is
+        ``(tokens, logits)`` as ``generate`` returns them. These steps are not in the runner's
         graph/eager counters. Needs graph mode on.
         """
         if not self.graph_config.enabled:
             raise ValueError("generate_checked compares graph with eager: it needs graph_config.enabled=True")
         unknown = set(kwargs) - {"temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos",
-                                 "show_progress"}
+                                 "show_progress", "return_logits"}
         if unknown:
             raise TypeError(f"generate_checked got unexpected argument(s): {', '.join(sorted(unknown))}")
-        show = kwargs.pop("show_progress", False)
+        show, keep_logits = kwargs.pop("show_progress", False), kwargs.pop("return_logits", False)
         stops = self._stop_ids(kwargs.pop("stop_token_ids", None), kwargs.pop("ignore_eos", False))
         params = SamplingParams(**kwargs)
-        requests = self._make_requests(prompt_token_ids, max_new_tokens, keep_logits=False)
+        requests = self._make_requests(prompt_token_ids, max_new_tokens, keep_logits=keep_logits)
         reports: list[ParityReport] = []
 
         def step(entries: list[SequenceStep]) -> Tensor:
@@ -210,7 +211,10 @@ class Engine:
             return reports[-1].graph_logits
 
         self._serve(requests, Sampler(params), stops, step, show)
-        return [r.output for r in requests], reports
+        tokens = [r.output for r in requests]
+        if keep_logits:
+            return (tokens, [torch.stack(r.logits) for r in requests]), reports
+        return tokens, reports
 
     # -- the serving loop -------------------------------------------------------------------
 

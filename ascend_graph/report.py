@@ -82,7 +82,7 @@ def format_demo(r: dict) -> str:
              f"  graph / eager: {t['speedup']:.2f}x", "",
              "Parity, graph vs eager",
              f"  tokens identical          {_yes(p['tokens_identical'])} ({req['count']} requests, "
-             f"{sum(req['new_tokens'])} tokens)",
+             f"{sum(req['new_tokens'])} tokens){_first_differences(p['first_differences'])}",
              f"  max |logit difference|    {_num(p['max_logit_diff'])} over {p['logit_rows_compared']} logit rows",
              f"  compare_step checks       {cs['checks'] - cs['failures']} of {cs['checks']} decode steps OK; "
              f"max logit diff {_num(cs['max_logit_diff'])}, max cache diff {_num(cs['max_cache_diff'])}, "
@@ -93,6 +93,15 @@ def format_demo(r: dict) -> str:
              f"sample: request 0 prompt {r['sample']['prompt'][:8]}... -> {r['sample']['tokens'][:12]}...",
              f"finished in {r['seconds']:.1f} s"]
     return "\n".join(lines)
+
+
+def _first_differences(firsts: list) -> str:
+    """Where requests' tokens first differed, and whether each was a near-tie ('' when none did)."""
+    if not firsts:
+        return ""
+    ties = sum(f["near_tie"] for f in firsts)
+    return (f"; {len(firsts)} request(s) first differ at a near-tie within tolerance" if ties == len(firsts) else
+            f"; {len(firsts) - ties} of {len(firsts)} request(s) first differ beyond tolerance")
 
 
 def format_generate(r: dict) -> str:
@@ -117,7 +126,7 @@ def format_parity(r: dict) -> str:
                      f"{_yes(s['untouched_ok']):>9}  {'ok' if s['ok'] else 'MISMATCH'}")
     sm = r["summary"]
     lines += ["", f"{sm['checks']} graph decode steps checked, {sm['failures']} mismatched; tokens identical to a "
-              f"separate eager run: {_yes(r['tokens_identical'])}",
+              f"separate eager run: {_yes(r['tokens_identical'])}{_first_differences(r['first_differences'])}",
               f"verdict: {'PASS' if r['ok'] else 'FAIL'}"]
     return "\n".join(lines)
 
