@@ -59,3 +59,24 @@ def test_compiled_gathered_by_expert_matches_eager_and_decode_picks_it_for_large
         monkeypatch.setattr(moe_module, "SORT_PAIRS_MIN_EXPERT_BYTES", threshold)
         moe.experts.decode(x, weights, experts)
     assert picked == ["gathered", "gathered" if tokens == 1 else "gathered_by_expert"]
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_compiled_decode_on_a_gpu_with_grouped_mm_takes_the_sorted_form_at_every_batch(tokens, monkeypatch):
+    """Where ``torch._grouped_mm`` runs on the GPU (``grouped_mm_on_gpu``), the compiled decode form
+    is ``sorted_by_expert`` without the CPU kernel, from one token on; tests/test_cuda.py runs it
+    on a GPU. Here: the choice, with the GPU check stood in for."""
+    import ascend_graph.models.moe as moe_module
+
+    moe = _moe().to(torch.bfloat16)
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    assert not moe_module.grouped_mm_on_gpu(x)  # a CPU tensor
+    with torch.no_grad():
+        weights, experts = moe.gate(x)
+    picked = []
+    monkeypatch.setattr(moe.experts, "sorted_by_expert", lambda *a, kernel=None: picked.append(kernel))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(moe.experts, "uses_kernel", lambda x: False)
+    monkeypatch.setattr(moe_module, "grouped_mm_on_gpu", lambda x: True)
+    moe.experts.decode(x, weights, experts)
+    assert picked == [False]
