@@ -73,8 +73,8 @@ def with_malloc(keep: bool, fn: Callable[[], object], restore: bool) -> Callable
     return run
 
 
-def conditions() -> dict:
-    """What the figures were measured on."""
+def conditions(device: str = "cpu") -> dict:
+    """What the figures were measured on (``device``'s name too where it is a GPU)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -83,7 +83,8 @@ def conditions() -> dict:
         pass
     return {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu,
             "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+            **({"device": torch.cuda.get_device_name(device)} if torch.device(device).type == "cuda" else {})}
 
 
 def write_json(path: str | None, data: dict) -> None:

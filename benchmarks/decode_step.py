@@ -49,9 +49,16 @@ class RunnerVariant:
         return lambda: self.runner.execute(entries, mode="graph")
 
 
+def synchronized(fn, device: torch.device):
+    """``fn`` followed by waiting for ``device``: a step's time on a GPU, not its launch's."""
+    if device.type != "cuda":
+        return fn
+    return lambda: (fn(), torch.cuda.synchronize(device))
+
+
 def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, backend: str = "inductor",
             model: torch.nn.Module | None = None, extra: dict | None = None, roofline: bool = False,
-            matmul_floor: bool = False) -> dict:
+            matmul_floor: bool = False, device: str = "cpu") -> dict:
     """Graph and eager step time of ``case`` at every batch size in ``sizes``.
 
     ``extra`` maps a name to ``f(batch) -> callable or None`` for more variants timed in the
@@ -60,8 +67,10 @@ def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, ba
     of 2 rows or more also time the step's matmuls alone (``benchmarks.compute.StepMatmuls``) in
     the forms the compiled step runs them (``matmuls``; ``matmuls_aten``: all in aten, where that
     differs), and where a ``graph_frozen`` variant runs, the same on pre-packed weights.
+    ``device``: where a model built here runs (a CUDA device: each step is timed to its end).
     """
-    model = build(case) if model is None else model
+    model = build(case, device=device) if model is None else model
+    dev = next(model.parameters()).device
     config = GraphConfig(enabled=True, backend=backend, capture_sizes=sizes, max_batch_size=max(sizes))
     runner = make_runner(model, config, sizes, case.context)
     runner.capture(show_progress=False)
@@ -71,6 +80,7 @@ def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, ba
         fns = {"eager": lambda: runner.execute(entries, mode="eager"),
                "graph": lambda: runner.execute(entries, mode="graph")}
         fns.update({name: fn for name, make in (extra or {}).items() if (fn := make(n)) is not None})
+        fns = {name: synchronized(fn, dev) for name, fn in fns.items()}
         if matmul_floor and n >= 2:
             floor = StepMatmuls(runner.model, fns["eager"])
             compiled_forms = floor.as_compiled()  # rows_mm where the compiled step runs it
@@ -96,6 +106,7 @@ def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, ba
         print(f"  {case.name} batch {n:>3}: " + "  ".join(f"{k} {v * 1e3:8.2f} ms" for k, v in t.items())
               + f"  graph/eager {row['speedup']:.2f}x", flush=True)
     return {"model": case.name, "dtype": case.dtype_name, "context": case.context, "backend": backend,
+            "device": str(dev),
             "capture": runner.stats.to_dict()["capture"], "rows": rows, "rounds": rounds,
             "calls_per_round": calls}
 
@@ -107,11 +118,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--backend", default="inductor")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--device", default="cpu", help="cpu, or a CUDA device (graph = Inductor with CUDA graphs)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     sizes = tuple(int(s) for s in args.sizes.split(","))
-    result = {"benchmark": "decode_step", "conditions": conditions(),
-              **measure(cases(False)[args.model], sizes, args.rounds, args.calls, args.backend)}
+    result = {"benchmark": "decode_step", "conditions": conditions(args.device),
+              **measure(cases(False)[args.model], sizes, args.rounds, args.calls, args.backend, device=args.device)}
     write_json(args.json, result)
     return result
 

@@ -57,11 +57,12 @@ def cases(quick: bool) -> dict[str, ModelCase]:
             "v2_lite_slice": ModelCase("v2_lite_slice", v2_lite_slice(), torch.bfloat16, 128 if quick else 256)}
 
 
-def build(case: ModelCase, huge_pages: bool = True) -> DeepseekForCausalLM:
+def build(case: ModelCase, huge_pages: bool = True, device: str = "cpu") -> DeepseekForCausalLM:
     """Our model of ``case`` with seeded random weights, on huge pages as ``load_deepseek`` puts
-    a checkpoint's (``huge_pages=False``: as torch allocated them)."""
-    model = DeepseekForCausalLM(case.config, dtype=case.dtype, seed=0).eval()
-    if huge_pages:
+    a checkpoint's (``huge_pages=False``: as torch allocated them); on ``device`` (no huge pages
+    off the CPU)."""
+    model = DeepseekForCausalLM(case.config, dtype=case.dtype, device=device, seed=0).eval()
+    if huge_pages and torch.device(device).type == "cpu":
         weights_on_huge_pages(model)
     return model
 

@@ -69,6 +69,13 @@ class Schedule:
         return [self.rng.randrange(vocab) for _ in range(self.rng.randint(2, 9))]
 
 
+def prefilled(runner, schedule: Schedule, n: int, vocab: int) -> None:
+    """Prefill ``n`` sequences (eagerly) so that a decode batch of ``n`` is ready."""
+    for s in range(n):
+        entry = schedule.add(s, schedule.random_prompt(vocab), new_tokens=100)
+        schedule.advance([s], [entry], runner.execute([entry]))
+
+
 def assert_graph_outputs_are_fresh(runner, sched: Schedule, seq_ids: list[int]) -> None:
     """Two graph steps in a row: the first step's logits are its own, not a buffer the second
     overwrites (the runner returns CPU graph outputs without copying them)."""

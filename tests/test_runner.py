@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from runner_helpers import Schedule, assert_graph_outputs_are_fresh, make_runner, small_model
+from runner_helpers import Schedule, assert_graph_outputs_are_fresh, make_runner, prefilled, small_model
 
 from ascend_graph.config import GraphConfig
 from ascend_graph.parity import compare_step
@@ -23,13 +23,6 @@ SIZES = (1, 2, 4)
 def graph_config(**kw) -> GraphConfig:
     base = dict(enabled=True, backend="aot_eager", capture_sizes=SIZES, max_batch_size=max(SIZES))
     return GraphConfig(**{**base, **kw})
-
-
-def prefilled(runner, schedule: Schedule, n: int, vocab: int) -> None:
-    """Prefill ``n`` sequences (eagerly) so that a decode batch of ``n`` is ready."""
-    for s in range(n):
-        entry = schedule.add(s, schedule.random_prompt(vocab), new_tokens=100)
-        schedule.advance([s], [entry], runner.execute([entry]))
 
 
 def snapshot(runner) -> list[list[torch.Tensor]]:
