@@ -14,8 +14,9 @@ nothing. Freezing's memory cost is measured in ``benchmarks/memory.py`` (fresh p
 into a temporary directory; the same Inductor options as the default). ``batch-1 bmm kept``: the
 decode-matmul pass without its rewrite of batch-1 ``bmm`` into ``mm`` (MLA decode's attention at
 batch 1). ``attention products in aten``: the pass without the kernel for MLA decode's batched
-attention products (``expert_rows_mm`` for the scores, ``rows_bmm`` for the values). Run
-alone, e.g. at a longer context:
+attention products (``paged_rows_mm`` for the scores, ``paged_rows_bmm`` for the values).
+``attention over gathered KV``: the kernel multiplies a gathered copy of the cache rows
+(``expert_rows_mm``, ``rows_bmm``), as before its paged forms. Run alone, e.g. at a longer context:
 
     TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.levers --batches 1 --context 2048 \
         --names default "batch-1 bmm kept"
@@ -42,6 +43,7 @@ OP_WRITE = "cache write as the op's call"
 BMM1 = "batch-1 bmm kept"
 FEW_ROWS = "few-row matmuls in aten"
 BATCHED = "attention products in aten"
+GATHERED = "attention over gathered KV"
 NO_PASS = "without decode-matmul pass"
 
 
@@ -64,9 +66,11 @@ def variants(config: GraphConfig, package_dir: str) -> dict[str, Variant]:
     bmm_kept = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(batch_one_bmm_as_mm=False)}
     few_rows_aten = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(few_rows_kernel=False)}
     batched_aten = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(batched_rows_kernel=False)}
+    gathered = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(paged_attention=False)}
     return {"default": Variant(config, default), NO_PASS: Variant(config, no_pass),
             "without long-reduction split": Variant(config, no_split), BMM1: Variant(config, bmm_kept),
             FEW_ROWS: Variant(config, few_rows_aten), BATCHED: Variant(config, batched_aten),
+            GATHERED: Variant(config, gathered),
             "without C++ wrapper": Variant(config, {**default, "cpp_wrapper": False}),
             OP_WRITE: Variant(config, default, inline_writes=False),
             ROW_MAJOR: Variant(config, default, row_major=True), "with freezing": Variant(frozen, default),

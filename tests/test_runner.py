@@ -242,23 +242,29 @@ def test_inductor_graph_equals_eager_at_batches_that_run_the_wide_matmul_form(mo
     assert set(rows_mm_rows) == ({32} if expert_rows.available() else set())  # graph mode only, padded to 32
 
 
-def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(monkeypatch):
+@pytest.mark.parametrize("paged", [True, False])
+def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(monkeypatch, paged):
     """bfloat16 MLA decode at 2-4 rows, with a pass that takes this small model's products: the
-    compiled step computes the attention scores (latent and rope parts) with ``expert_rows_mm``,
-    one "expert" per sequence over its gathered cache rows, the output by ``W_UV`` likewise (one
-    per head), and the probabilities by those rows and the queries by ``W_UK`` with ``rows_bmm``;
-    eager uses aten's ``bmm``. Graph equals eager."""
+    compiled step computes the attention scores (latent and rope parts) with ``paged_rows_mm``
+    over the cache blocks where they lie (``paged`` False: ``expert_rows_mm``, one "expert" per
+    sequence over its gathered cache rows), the probabilities by the latent rows with
+    ``paged_rows_bmm`` (else ``rows_bmm``), the output by ``W_UV`` with ``expert_rows_mm`` (one
+    "expert" per head) and the queries by ``W_UK`` with ``rows_bmm``; eager uses aten's ``bmm``.
+    Graph equals eager."""
     from ascend_graph.models import expert_rows
 
     weights, run, kn, run_kn = [], expert_rows._run, [], expert_rows._run_kn
+    pages, run_paged = [], expert_rows._run_paged
     monkeypatch.setattr(expert_rows, "_run", lambda name, x, w, *a: weights.append(tuple(w.shape)) or run(name, x, w, *a))
     monkeypatch.setattr(expert_rows, "_run_kn", lambda x, w: kn.append((tuple(x.shape), tuple(w.shape))) or run_kn(x, w))
+    monkeypatch.setattr(expert_rows, "_run_paged",
+                        lambda name, x, cache, *a: pages.append((name, cache.shape[-1])) or run_paged(name, x, cache, *a))
     from ascend_graph.backends.inductor import INLINE_CACHE_WRITES, DecodeMatmulPass, InductorBackend, config_patches
 
     model = small_model("mla", torch.bfloat16)
     config = graph_config(backend="inductor")
     # this model's attention products are below BATCHED_MIN_ELEMENTS: a pass that takes them
-    small = DecodeMatmulPass(batched_min_elements=1)
+    small = DecodeMatmulPass(batched_min_elements=1, paged_attention=paged)
     backend = InductorBackend({**config_patches(config, "cpu"), "post_grad_custom_post_pass": small},
                               inline_writes=INLINE_CACHE_WRITES["cpu"])
     runner = make_runner(model, config, backend=backend)
@@ -269,14 +275,18 @@ def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(m
         report = compare_step(runner, sched.decode_entries()[:n])
         assert report.ok and report.untouched_ok, report.summary()
     cfg = model.config
-    per_row = {w for w in weights if w[0] in (2, 4) and w[2] in (cfg.kv_lora_rank, cfg.qk_rope_head_dim)}
-    assert bool(per_row) == expert_rows.available(), weights
-    heads, latent, nope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
+    heads, latent, nope, rope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    on = expert_rows.available()
+    tokens = runner.table_width * runner.block_size  # the gathered rows of a sequence
+    gathered_scores = {w for w in weights if w[0] in (2, 4) and w[1:] in ((tokens, latent), (tokens, rope))}
+    assert bool(gathered_scores) == (on and not paged), weights
+    assert set(pages) == ({("paged_rows_mm", latent), ("paged_rows_mm", rope), ("paged_rows_bmm", latent)}
+                          if on and paged else set()), pages
     by_w_uv = (heads, cfg.v_head_dim, latent) in weights  # the latent output by W_UV, one "expert" per head
-    assert by_w_uv == expert_rows.available(), weights
-    kinds = {"probs by kv_c" if x[1] == heads else "q by W_UK" for x, w in kn
-             if w[2] == latent and (x[1] == heads or (x[0], x[2]) == (heads, nope))}
-    assert kinds == ({"probs by kv_c", "q by W_UK"} if expert_rows.available() else set()), kn
+    assert by_w_uv == on, weights
+    kinds = {"probs by kv_c" if w[1] == tokens else "q by W_UK" for x, w in kn
+             if w[2] == latent and (w[1] == tokens or (x[0], x[2]) == (heads, nope))}
+    assert kinds == ({"q by W_UK"} | ({"probs by kv_c"} if not paged else set()) if on else set()), kn
     assert runner.stats.recompiles == 0
 
 

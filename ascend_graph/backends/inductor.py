@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -149,18 +150,26 @@ class DecodeMatmulPass(CustomGraphPass):
     at context 256 1.88 vs 1.38, at 2048 12.8 vs 7.3; rope parts at 2048 2.1 vs 1.5;
     probabilities by ``kv_c`` at 256 2.29 vs 1.94, at 2048 16.9 vs 9.5.
 
-    ``few_rows_kernel`` False keeps aten (for measuring the kernel: the ``levers`` benchmark), and
-    ``batched_rows_kernel`` False keeps aten's ``bmm`` only.
+    Where such a product's matrices are the cache rows that ``attention.paging.gather_rows``
+    gathered (an ``index`` of a cache by the block table, seen through views only), the kernel
+    reads them where they lie instead, through the block table: ``paged_rows_mm`` for the scores,
+    ``paged_rows_bmm`` for the values, and the gathered copy is no longer made.
+
+    ``few_rows_kernel`` False keeps aten (for measuring the kernel: the ``levers`` benchmark),
+    ``batched_rows_kernel`` False keeps aten's ``bmm`` only, and ``paged_attention`` False has the
+    kernel multiply the gathered copy.
     """
 
     def __init__(self, split_long_reductions: bool = True, batch_one_bmm_as_mm: bool = True,
                  few_rows_kernel: bool = True, batched_rows_kernel: bool = True,
-                 batched_rows_max: int = BATCHED_ROWS_MAX, batched_min_elements: int = BATCHED_MIN_ELEMENTS) -> None:
+                 batched_rows_max: int = BATCHED_ROWS_MAX, batched_min_elements: int = BATCHED_MIN_ELEMENTS,
+                 paged_attention: bool = True) -> None:
         self.split_long_reductions = split_long_reductions  # False: only for measuring the split
         self.batch_one_bmm_as_mm = batch_one_bmm_as_mm  # False: only for measuring it
         self.few_rows_kernel = few_rows_kernel
         self.batched_rows_kernel = few_rows_kernel and batched_rows_kernel  # False: only for measuring it
         self.batched_rows_max, self.batched_min_elements = batched_rows_max, batched_min_elements  # tests: smaller models
+        self.paged_attention = paged_attention  # False: only for measuring it
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
@@ -181,10 +190,16 @@ class DecodeMatmulPass(CustomGraphPass):
                     out = self._as_mm(graph, x, w)
             elif self.batched_rows_kernel and node.target is aten.bmm.default and self._few_rows_batched(x, w):
                 with graph.inserting_before(node):
-                    out = self._as_expert_rows_mm(graph, x, w)
+                    if paged := self.paged_attention and _gathered_cache(w, transposed=True):
+                        out = _call(graph, torch.ops.ascend_graph.paged_rows_mm.default, x, *paged)
+                    else:
+                        out = self._as_expert_rows_mm(graph, x, w)
             elif self.batched_rows_kernel and node.target is aten.bmm.default and self._few_rows_kn(x, w):
                 with graph.inserting_before(node):
-                    out = _call(graph, torch.ops.ascend_graph.rows_bmm.default, x, w)
+                    if paged := self.paged_attention and _gathered_cache(w, transposed=False):
+                        out = _call(graph, torch.ops.ascend_graph.paged_rows_bmm.default, x, *paged)
+                    else:
+                        out = _call(graph, torch.ops.ascend_graph.rows_bmm.default, x, w)
             elif (self.few_rows_kernel and node.target is not aten.bmm.default and self._few_rows(x, w)
                   and (bias is None or bias.meta["val"].dtype == torch.bfloat16)):
                 with graph.inserting_before(node):
@@ -301,7 +316,8 @@ class DecodeMatmulPass(CustomGraphPass):
         available = int(self.few_rows_kernel and expert_rows.available())
         return (get_hash_for_files((__file__, runtime.__file__, expert_rows.__file__)).hex()
                 + f"-split{int(self.split_long_reductions)}-bmm1{int(self.batch_one_bmm_as_mm)}-rows{available}"
-                + f"-batched{int(self.batched_rows_kernel)}-{self.batched_rows_max}-{self.batched_min_elements}")
+                + f"-batched{int(self.batched_rows_kernel)}-{self.batched_rows_max}-{self.batched_min_elements}"
+                + f"-paged{int(self.paged_attention)}")
 
 
 def runs_rows_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -314,6 +330,50 @@ def runs_rows_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     rows = x.shape[0]
     return isinstance(rows, int) and 2 <= rows <= ROWS_MM_MAX and w.is_contiguous() and expert_rows.available()
+
+
+def _gathered_cache(w: torch.fx.Node, transposed: bool) -> Optional[tuple[torch.fx.Node, torch.fx.Node]]:
+    """``(cache, block_tables)`` where the ``bmm`` operand ``w`` is, through view operations only,
+    the rows ``cache[block_tables]`` gathered and viewed as ``[B, T, width]`` (``T`` = the table's
+    blocks x rows per block), or its transpose ``[B, width, T]`` (``transposed``); else None.
+
+    The views are replayed on a meta tensor of the gathered shape: ``w`` qualifies only where the
+    result is a view of it with exactly the strides of that ``[B, T, width]`` reading (or its
+    transpose), so each of ``w``'s elements is the cached element the kernel reads.
+    """
+    aten = torch.ops.aten
+    views = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
+             aten.squeeze.dim, aten.squeeze.default, aten.unsqueeze.default)
+    chain, node = [], w
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in views:
+        if any(isinstance(a, torch.fx.Node) for a in (*node.args[1:], *node.kwargs.values())):
+            return None
+        chain.append(node)
+        node = node.args[0]
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is aten.index.Tensor
+            and len(node.args) == 2 and len(node.args[1]) == 1 and isinstance(node.args[1][0], torch.fx.Node)):
+        return None
+    cache, table = node.args[0], node.args[1][0]
+    vals = _fake_values(cache, table, node)
+    if vals is None or vals[0].dim() < 3 or vals[1].dim() != 2 or vals[1].dtype not in (torch.int32, torch.int64):
+        return None
+    gathered = vals[2]
+    b, blocks = vals[1].shape
+    width, rows = vals[0].shape[-1], math.prod(vals[0].shape[1:-1])
+    if tuple(gathered.shape) != (b, blocks, *vals[0].shape[1:]) or not vals[0][:1].is_contiguous():
+        return None
+    base = torch.empty(gathered.shape, dtype=gathered.dtype, device="meta")
+    out = base
+    try:
+        for n in reversed(chain):
+            out = n.target(out, *n.args[1:], **n.kwargs)
+    except Exception:  # noqa: BLE001 - anything the replay cannot do is simply not rewritten
+        return None
+    t = blocks * rows
+    shape, stride = ((b, width, t), (t * width, 1, width)) if transposed else ((b, t, width), (t * width, width, 1))
+    viewed = out is base or out._base is base
+    return (cache, table) if (viewed and tuple(out.shape) == shape and tuple(out.stride()) == stride
+                              and out.storage_offset() == 0) else None
 
 
 def _fake_values(*args) -> Optional[list[torch.Tensor]]:

@@ -2,6 +2,8 @@
  * one "expert", a dense product of a few rows; over the weights as the checkpoint stores them
  * (row-major [N, K] per expert, nothing packed). From 5 rows of one weight, the wide forms (below).
  * kn_rows: the same for matrices stored [K, N] (MLA decode's attention values).
+ * paged_rows / paged_kn: MLA decode's attention scores and values over a paged KV cache, each
+ * block read where it lies through the block table.
  * Built at first use with the system C compiler for this CPU and called through ctypes by
  * expert_rows.py. bfloat16 pair dot products (vdpbf16ps) accumulate in float32; each output is
  * rounded once to bfloat16, to nearest even. */
@@ -89,15 +91,24 @@ static void tile_any(const uint16_t *w, long k, const uint16_t *x, long ldx, uin
     }
 }
 
+/* The rows to prefetch for the tile nw weight rows on from row ip - ... (ip = the row AHEAD tiles
+ * on): in this weight of n rows, else in the one read next (next, another n rows; paged_rows'
+ * next cache block), else none. */
+static inline const uint16_t *ahead(const uint16_t *w, long n, long k, long ip, long nw, const uint16_t *next) {
+    if (ip + nw <= n) return w + ip * k;
+    return next && ip >= n && ip - n + nw <= n ? next + (ip - n) * k : NULL;
+}
+
 /* out rows 0..rows-1 (stride ldo), columns i0..i1-1 = x rows (stride ldx) times w rows i0..i1-1
  * of n. Each tile of weight rows is read from memory once (for the first TM input rows, the rest
- * find it in cache), and the weight rows AHEAD tiles on are prefetched meanwhile: the hardware
- * prefetcher alone leaves the loads and the dot products to take turns. */
+ * find it in cache), and the weight rows AHEAD tiles on are prefetched meanwhile (from ``next``
+ * past the end: see ahead): the hardware prefetcher alone leaves the loads and the dot products
+ * to take turns. */
 static void rows_block(const uint16_t *w, long n, long k, const uint16_t *x, long ldx, uint16_t *out, long ldo,
-                       long i0, long i1, long rows) {
+                       long i0, long i1, long rows, const uint16_t *next) {
     for (long i = i0; i < i1; i += TN) {
         int tn = i1 - i < TN ? (int)(i1 - i) : TN;
-        const uint16_t *pf = i + (AHEAD + 1) * TN <= n ? w + (i + AHEAD * TN) * k : NULL;
+        const uint16_t *pf = ahead(w, n, k, i + AHEAD * TN, TN, next);
         for (long a = 0; a < rows; a += TM)
             tile_any(w, k, x + a * ldx, ldx, out + a * ldo, ldo, i, rows - a < TM ? (int)(rows - a) : TM, tn,
                      a ? NULL : pf);
@@ -239,11 +250,11 @@ static inline __attribute__((always_inline)) void wide_tile(const uint16_t *w, l
 
 /* Weight rows i0..i1-1 against one packed chunk of ``rows`` rows, in the form its size takes. */
 static void wide_block(const uint16_t *w, long n, long k, const uint32_t *xq, uint16_t *out, long ldo, long rows,
-                       long i0, long i1) {
+                       long i0, long i1, const uint16_t *next) {
     const int mj = (int)((rows + 15) / 16);
     const int nw = rows <= 8 ? PW : mj == 4 ? 6 : NW; /* 24 sums in registers at most */
     for (long i = i0; i < i1; i += nw) {
-        const uint16_t *pf = i + (AHEAD + 1) * nw <= n ? w + (i + AHEAD * nw) * k : NULL;
+        const uint16_t *pf = ahead(w, n, k, i + AHEAD * nw, nw, next);
         if (i1 - i < nw) { /* the last few weight rows, one at a time */
             for (; i < i1; i++) {
                 if (rows <= 8) pairs_tile(w, k, xq, out, ldo, rows, i, 1, NULL);
@@ -257,12 +268,13 @@ static void wide_block(const uint16_t *w, long n, long k, const uint32_t *xq, ui
     }
 }
 
-/* Weight rows i0..i1-1 against ``rows`` packed rows (pack_rows), WIDE_ROWS at a time. */
+/* Weight rows i0..i1-1 against ``rows`` packed rows (pack_rows), WIDE_ROWS at a time; next: as
+ * for rows_block. */
 static void wide_range(const uint16_t *w, long n, long k, const uint32_t *xq, uint16_t *out, long ldo, long rows,
-                       long i0, long i1) {
+                       long i0, long i1, const uint16_t *next) {
     for (long m0 = 0; m0 < rows; m0 += WIDE_ROWS) {
         long mr = chunk_rows(rows, m0);
-        wide_block(w, n, k, xq, out + m0 * ldo, ldo, mr, i0, i1);
+        wide_block(w, n, k, xq, out + m0 * ldo, ldo, mr, i0, i1, next);
         xq += chunk_dwords(mr, k);
     }
 }
@@ -319,9 +331,21 @@ static inline __m256i to_bf16_16(__m512 v) {
     return _mm512_cvtepi32_epi16(r);
 }
 
-/* out (rows at stride n) = x rows (pairs xq) times w [k, n]; panel: KN_PANEL bytes, sums:
- * rows * 32 * blocks floats, both 64-byte aligned. */
-static void kn_matrix(const uint32_t *xq, long rows, const uint16_t *w, long k, long n, uint16_t *out,
+/* Row t of a [k, n] matrix: w + t * n, or, through a block table (table not NULL), row t % bs of
+ * cache block table[t / bs], blocks bstride elements apart (a paged KV cache's rows, n each). */
+typedef struct {
+    const uint16_t *w;
+    const int32_t *table;
+    long bs, bstride;
+} kn_rows_at;
+
+static inline const uint16_t *kn_row(const kn_rows_at *at, long t, long n) {
+    return at->table ? at->w + at->table[t / at->bs] * at->bstride + t % at->bs * n : at->w + t * n;
+}
+
+/* out (rows at stride n) = x rows (pairs xq) times the [k, n] matrix at; panel: KN_PANEL bytes,
+ * sums: rows * 32 * blocks floats, both 64-byte aligned. */
+static void kn_matrix(const uint32_t *xq, long rows, const kn_rows_at *at, long k, long n, uint16_t *out,
                       __m512i *panel, float *sums) {
     const long pairs = (k + 1) / 2, blocks = (n + 31) / 32;
     long chunk = KN_PANEL / (blocks * 128);
@@ -337,23 +361,30 @@ static void kn_matrix(const uint32_t *xq, long rows, const uint16_t *w, long k, 
         long np = pairs - p0 < chunk ? pairs - p0 : chunk;
         for (long p = 0; p < np; p++) {
             long t = 2 * (p0 + p);
+            const uint16_t *w0 = kn_row(at, t, n), *w1 = t + 1 < k ? kn_row(at, t + 1, n) : NULL;
             for (long b = 0; b < blocks; b++) {
                 long cols = n - 32 * b < 32 ? n - 32 * b : 32;
                 __mmask32 mask = (__mmask32)((1ull << cols) - 1);
-                __m512i r0 = _mm512_maskz_loadu_epi16(mask, w + t * n + 32 * b);
-                __m512i r1 = t + 1 < k ? _mm512_maskz_loadu_epi16(mask, w + (t + 1) * n + 32 * b) : _mm512_setzero_si512();
+                __m512i r0 = _mm512_maskz_loadu_epi16(mask, w0 + 32 * b);
+                __m512i r1 = w1 ? _mm512_maskz_loadu_epi16(mask, w1 + 32 * b) : _mm512_setzero_si512();
                 panel[(p * blocks + b) * 2] = _mm512_permutex2var_epi16(r0, lo_idx, r1);
                 panel[(p * blocks + b) * 2 + 1] = _mm512_permutex2var_epi16(r0, hi_idx, r1);
             }
         }
-        /* the next panel's rows (contiguous) are prefetched by the tiles, 128 bytes per pair each */
-        const char *next = (const char *)(w + 2 * (p0 + np) * n), *end = (const char *)(w + k * n);
+        /* the next panel's rows are prefetched by the tiles, 128 bytes per pair each, a run of
+         * whole rows per tile found through kn_row (paged: a run may pass its block's end, a few
+         * lines prefetched in vain; a prefetch never faults) */
+        const long t1 = 2 * (p0 + np), row_bytes = n * 2;
+        const long next_bytes = (k - t1 < 2 * chunk ? k - t1 : 2 * chunk) * row_bytes; /* <= 0: none */
+        long next_off = 0;
         for (long b = 0; b < blocks; b++)
             for (long m0 = 0; m0 < rows; m0 += KN_ROWS) {
                 const __m512i *pb = panel + b * 2;
                 float *sb = sums + b * rows * 32;
-                const char *pf = next < end ? next : NULL;
-                next += 128 * np;
+                const char *pf = next_off < next_bytes
+                                     ? (const char *)kn_row(at, t1 + next_off / row_bytes, n) + next_off % row_bytes
+                                     : NULL;
+                next_off += 128 * np;
                 switch (rows - m0 < KN_ROWS ? rows - m0 : KN_ROWS) {
                     case 1: kn_tile(xq, rows, p0, np, pb, sb, m0, 1, pf, blocks); break;
                     case 2: kn_tile(xq, rows, p0, np, pb, sb, m0, 2, pf, blocks); break;
@@ -428,9 +459,9 @@ int expert_rows(const uint16_t *x, const uint16_t *w, const int32_t *ends, uint1
         if (count <= 0) continue;
         long i0 = b * COLS, i1 = i0 + COLS < n ? i0 + COLS : n;
         if (count >= PAIRS_MIN)
-            wide_range(w + e * n * k, n, k, xq + packed[e], out + start * n, n, count, i0, i1);
+            wide_range(w + e * n * k, n, k, xq + packed[e], out + start * n, n, count, i0, i1, NULL);
         else
-            rows_block(w + e * n * k, n, k, xp + start * ldx, ldx, out + start * n, n, i0, i1, count);
+            rows_block(w + e * n * k, n, k, xp + start * ldx, ldx, out + start * n, n, i0, i1, count, NULL);
     }
     free(packed), free(xp), free(xq);
     return 0;
@@ -440,13 +471,12 @@ int expert_rows(const uint16_t *x, const uint16_t *w, const int32_t *ends, uint1
 #endif
 }
 
-/* out[e] = x[e] @ w[e] for e < experts: x [experts, rows, k] and out [experts, rows, n]
- * contiguous, w[e] at w + e * ws a row-major [k, n] (rows at stride n); all bfloat16. threads > 1
- * splits the experts over OpenMP threads. Returns 0, or -1 where this build lacks the kernel or
- * memory for the packed rows. */
-int kn_rows(const uint16_t *x, const uint16_t *w, long ws, uint16_t *out, long experts, long rows, long k, long n,
-            int threads) {
 #if defined(__AVX512BF16__)
+/* out[e] = x[e] @ (the [k, n] matrix of entry e) for e < experts: x [experts, rows, k] and out
+ * [experts, rows, n] contiguous; entry e's rows as ``kn_row`` finds them from ``base``, offset by
+ * e * ws elements (dense) or by e * tw table entries (paged). */
+static int kn_all(const uint16_t *x, const kn_rows_at *base, long ws, long tw, uint16_t *out, long experts,
+                  long rows, long k, long n, int threads) {
     long per = (k + 1) / 2 * rows, total = experts * per, blocks = (n + 31) / 32;
     long own = KN_PANEL + (rows * 32 * blocks * (long)sizeof(float) + 63) / 64 * 64; /* bytes per thread */
     int workers = threads > 1 ? threads : 1;
@@ -464,13 +494,82 @@ int kn_rows(const uint16_t *x, const uint16_t *w, long ws, uint16_t *out, long e
 #else
         char *mine = scratch;
 #endif
-        kn_matrix(xq + e * per, rows, w + e * ws, k, n, out + e * rows * n, (__m512i *)mine,
-                  (float *)(mine + KN_PANEL));
+        kn_rows_at at = {base->w + e * ws, base->table ? base->table + e * tw : NULL, base->bs, base->bstride};
+        kn_matrix(xq + e * per, rows, &at, k, n, out + e * rows * n, (__m512i *)mine, (float *)(mine + KN_PANEL));
     }
     free(xq), free(scratch);
     return 0;
+}
+#endif
+
+/* out[e] = x[e] @ w[e] for e < experts: x [experts, rows, k] and out [experts, rows, n]
+ * contiguous, w[e] at w + e * ws a row-major [k, n] (rows at stride n); all bfloat16. threads > 1
+ * splits the experts over OpenMP threads. Returns 0, or -1 where this build lacks the kernel or
+ * memory for the packed rows. */
+int kn_rows(const uint16_t *x, const uint16_t *w, long ws, uint16_t *out, long experts, long rows, long k, long n,
+            int threads) {
+#if defined(__AVX512BF16__)
+    kn_rows_at base = {w, NULL, 0, 0};
+    return kn_all(x, &base, ws, 0, out, experts, rows, k, n, threads);
 #else
     (void)x; (void)w; (void)ws; (void)out; (void)experts; (void)rows; (void)k; (void)n; (void)threads;
+    return -1;
+#endif
+}
+
+/* MLA decode's attention products over a paged cache, read where it lies (no gathered copy).
+ * The cache: blocks of bs rows, block b at cache + b * bstride, its rows of ``width`` contiguous
+ * elements one after another; sequence s's token t is row t % bs of block table[s * tw + t / bs]
+ * (T = tw * bs tokens, ids checked by the caller). All bfloat16 but the int32 table.
+ * paged_rows: out[s] [rows, T] = x[s] [rows, width] times the tokens' rows transposed (the scores);
+ * each block is a weight of bs rows for the tiles or wide forms above.
+ * paged_kn: out[s] [rows, width] = x[s] [rows, T] times the tokens' rows [T, width] (the values);
+ * kn_matrix reading its panel rows through the table.
+ * threads > 1 splits the work over OpenMP threads. Return 0, or -1 where this build lacks the
+ * kernel or memory for the packed rows. */
+int paged_rows(const uint16_t *x, const uint16_t *cache, const int32_t *table, uint16_t *out, long seqs, long tw,
+               long bs, long bstride, long rows, long width, int threads) {
+#if defined(__AVX512BF16__)
+    const long k = width, t_all = tw * bs, wide = rows >= PAIRS_MIN;
+    const long ldx = (k + 31) / 32 * 32 + 32, per = wide ? packed_dwords(rows, k) : rows * ldx * 2 / 4;
+    void *xbuf = aligned_alloc(64, (size_t)(seqs * per > 0 ? seqs * per : 1) * 4);
+    if (!xbuf) return -1;
+    for (long s = 0; s < seqs; s++) {
+        if (wide) pack_rows(x + s * rows * k, k, rows, (uint32_t *)xbuf + s * per);
+        else
+            for (long m = 0; m < rows; m++)
+                memcpy((uint16_t *)xbuf + (s * rows + m) * ldx, x + (s * rows + m) * k, (size_t)k * 2);
+    }
+    long chunk = COLS / bs < 1 ? 1 : COLS / bs; /* blocks per work item */
+    long per_seq = (tw + chunk - 1) / chunk, items = seqs * per_seq;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+    for (long item = 0; item < items; item++) {
+        long s = item / per_seq, j0 = item % per_seq * chunk, j1 = j0 + chunk < tw ? j0 + chunk : tw;
+        for (long j = j0; j < j1; j++) {
+            const uint16_t *wb = cache + table[s * tw + j] * bstride;
+            const uint16_t *next = j + 1 < tw ? cache + table[s * tw + j + 1] * bstride : NULL;
+            uint16_t *o = out + s * rows * t_all + j * bs;
+            if (wide) wide_range(wb, bs, k, (uint32_t *)xbuf + s * per, o, t_all, rows, 0, bs, next);
+            else rows_block(wb, bs, k, (uint16_t *)xbuf + s * rows * ldx, ldx, o, t_all, 0, bs, rows, next);
+        }
+    }
+    free(xbuf);
+    return 0;
+#else
+    (void)x; (void)cache; (void)table; (void)out; (void)seqs; (void)tw; (void)bs; (void)bstride; (void)rows;
+    (void)width; (void)threads;
+    return -1;
+#endif
+}
+
+int paged_kn(const uint16_t *x, const uint16_t *cache, const int32_t *table, uint16_t *out, long seqs, long tw,
+             long bs, long bstride, long rows, long width, int threads) {
+#if defined(__AVX512BF16__)
+    kn_rows_at base = {cache, table, bs, bstride};
+    return kn_all(x, &base, 0, tw, out, seqs, rows, tw * bs, width, threads);
+#else
+    (void)x; (void)cache; (void)table; (void)out; (void)seqs; (void)tw; (void)bs; (void)bstride; (void)rows;
+    (void)width; (void)threads;
     return -1;
 #endif
 }
