@@ -318,7 +318,8 @@ def test_paged_products_read_only_the_blocks_named_and_keep_nan_to_their_rows():
     cache[unnamed] = float("nan")
     q = torch.ones(2, 16, 64, dtype=torch.bfloat16)
     assert not torch.ops.ascend_graph.paged_rows_mm(q, cache, tables).isnan().any()
-    assert not torch.ops.ascend_graph.paged_rows_bmm(torch.ones(2, 16, 12, dtype=torch.bfloat16), cache, tables).isnan().any()
+    probs = torch.ones(2, 16, 12, dtype=torch.bfloat16)
+    assert not torch.ops.ascend_graph.paged_rows_bmm(probs, cache, tables).isnan().any()
     cache[tables[1, 2], 3, 0, 7] = float("nan")  # sequence 1's token 2 * 4 + 3 = 11
     scores = torch.ops.ascend_graph.paged_rows_mm(q, cache, tables)
     bad = scores.isnan()

@@ -372,8 +372,14 @@ def _gathered_cache(w: torch.fx.Node, transposed: bool) -> Optional[tuple[torch.
     t = blocks * rows
     shape, stride = ((b, width, t), (t * width, 1, width)) if transposed else ((b, t, width), (t * width, width, 1))
     viewed = out is base or out._base is base
-    return (cache, table) if (viewed and tuple(out.shape) == shape and tuple(out.stride()) == stride
-                              and out.storage_offset() == 0) else None
+    if not (viewed and tuple(out.shape) == shape and tuple(out.stride()) == stride and out.storage_offset() == 0):
+        return None
+    # the index's int64 copy of an int32 table (gather_rows' .long()): the kernel takes the table itself
+    converted = table.op == "call_function" and table.target is torch.ops.prims.convert_element_type.default
+    source = table.args[0] if converted else None
+    if isinstance(source, torch.fx.Node) and getattr(source.meta.get("val"), "dtype", None) == torch.int32:
+        table = source
+    return cache, table
 
 
 def _fake_values(*args) -> Optional[list[torch.Tensor]]:
