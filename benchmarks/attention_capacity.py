@@ -16,6 +16,7 @@ N num_blocks, S block_size, T block-table token slots.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -84,21 +85,30 @@ def make_inputs(args: argparse.Namespace, num_blocks: int) -> tuple:
             (args.qk_nope + r) ** -0.5)
 
 
-def compiled(fn: Callable) -> Callable:
+def compiled(fn: Callable, paged: bool = True) -> Callable:
     """``fn`` compiled as the runner compiles a CPU decode step: the project's Inductor backend
-    (C++ wrapper, the decode-matmul pass with its kernels, the generated cache write)."""
-    from ascend_graph.backends.inductor import make_backend
+    (C++ wrapper, the decode-matmul pass with its kernels, the generated cache write); ``paged``
+    False: the pass's kernel multiplies a gathered copy of the cache rows instead of reading them
+    in place (at batch 1, aten's ``mm`` does)."""
+    from ascend_graph.backends.inductor import DecodeMatmulPass, make_backend
     from ascend_graph.config import GraphConfig
 
     backend = make_backend("inductor", GraphConfig(enabled=True, backend="inductor"), "cpu", None)
+    if not paged:
+        backend = dataclasses.replace(backend, config_patches={**backend.config_patches,
+                                                               "post_grad_custom_post_pass": DecodeMatmulPass(
+                                                                   paged_attention=False)})
     return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
 
 
-def variants(compile_too: bool) -> list[tuple[str, str, Callable]]:
-    """(step, mode, function) for every row of the table."""
+def variants(compile_too: bool, gathered: bool = False) -> list[tuple[str, str, Callable]]:
+    """(step, mode, function) for every row of the table; ``gathered``: also the compiled tuple
+    step over a gathered copy of the rows."""
     rows = [("tuple (kv_c, k_pe)", "eager", tuple_step), ("fused cat (old way)", "eager", fused_step)]
     if compile_too:
         rows += [(step, "compiled", compiled(fn)) for step, _, fn in rows]
+        if gathered:
+            rows.append(("tuple, over gathered KV", "compiled", compiled(tuple_step, paged=False)))
     return rows
 
 
@@ -114,7 +124,7 @@ def measure(args: argparse.Namespace, probes: dict[str, Callable] | None = None,
     """
     settle, before = settle or {}, before or {}
     inputs = {n: make_inputs(args, n) for n in args.num_blocks}
-    rows = variants(not args.no_compile)
+    rows = variants(not args.no_compile, getattr(args, "gathered", False))
     for _, _, fn in rows:  # warm-up, which also compiles one static graph per capacity
         for n in args.num_blocks:
             for _ in range(args.warmup):
@@ -190,6 +200,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (0: torch's default); one thread is least disturbed by other load")
     p.add_argument("--no-compile", action="store_true", help="eager rows only")
+    p.add_argument("--gathered", action="store_true",
+                   help="also the compiled tuple step with the kernel over a gathered copy of the cache rows "
+                        "(DecodeMatmulPass(paged_attention=False)), as before the paged forms")
     p.add_argument("--no-huge-pages", action="store_true",
                    help="caches on 4 KiB pages (default: huge pages, as the GraphRunner allocates them on CPU)")
     p.add_argument("--json", help="write conditions and results here")

@@ -11,15 +11,15 @@ become graph constants, pre-packed for oneDNN). Freezing has to be on while dyna
 compile option alone it finds no constant to fold (parameters are graph inputs) and changes
 nothing. Freezing's memory cost is measured in ``benchmarks/memory.py`` (fresh processes).
 ``AOTInductor package``: ``GraphConfig.aot_inductor`` (torch.export + AOTInductor, compiled
-into a temporary directory; the same Inductor options as the default). ``batch-1 bmm kept``: the
-decode-matmul pass without its rewrite of batch-1 ``bmm`` into ``mm`` (MLA decode's attention at
-batch 1). ``attention products in aten``: the pass without the kernel for MLA decode's batched
+into a temporary directory; the same Inductor options as the default). ``attention products in aten``: the pass without the kernel for MLA decode's batched
 attention products (``paged_rows_mm`` for the scores, ``paged_rows_bmm`` for the values).
 ``attention over gathered KV``: the kernel multiplies a gathered copy of the cache rows
-(``expert_rows_mm``, ``rows_bmm``), as before its paged forms. Run alone, e.g. at a longer context:
+(``expert_rows_mm``, ``rows_bmm``), as before its paged forms; at batch 1 those products then run
+as aten's ``mm`` of the gathered copy (the pass's batch-1 rewrite). Run alone, e.g. at a longer
+context:
 
     TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.levers --batches 1 --context 2048 \
-        --names default "batch-1 bmm kept"
+        --names default "attention over gathered KV"
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from benchmarks.models import build, cases, decode_batch, make_runner, with_row_
 ROW_MAJOR = "row-major long rows"
 AOT = "AOTInductor package"
 OP_WRITE = "cache write as the op's call"
-BMM1 = "batch-1 bmm kept"
 FEW_ROWS = "few-row matmuls in aten"
 BATCHED = "attention products in aten"
 GATHERED = "attention over gathered KV"
@@ -63,12 +62,11 @@ def variants(config: GraphConfig, package_dir: str) -> dict[str, Variant]:
     no_pass = {k: v for k, v in default.items() if k != "post_grad_custom_post_pass"}
     frozen = replace(config, inductor_freezing_min_batch=1)
     no_split = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(split_long_reductions=False)}
-    bmm_kept = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(batch_one_bmm_as_mm=False)}
     few_rows_aten = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(few_rows_kernel=False)}
     batched_aten = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(batched_rows_kernel=False)}
     gathered = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(paged_attention=False)}
     return {"default": Variant(config, default), NO_PASS: Variant(config, no_pass),
-            "without long-reduction split": Variant(config, no_split), BMM1: Variant(config, bmm_kept),
+            "without long-reduction split": Variant(config, no_split),
             FEW_ROWS: Variant(config, few_rows_aten), BATCHED: Variant(config, batched_aten),
             GATHERED: Variant(config, gathered),
             "without C++ wrapper": Variant(config, {**default, "cpp_wrapper": False}),

@@ -298,11 +298,14 @@ def test_batched_kernel_only_for_its_layouts_sizes_and_not_when_switched_off():
     assert len(keys) == 4
 
 
-def test_mla_decode_over_a_paged_cache_reads_the_blocks_in_place():
+@pytest.mark.parametrize("b", [3, 1])
+def test_mla_decode_over_a_paged_cache_reads_the_blocks_in_place(b):
     """MLA decode's scores (latent and rope parts) and values over cache rows gathered by block
     table run ``paged_rows_mm`` and ``paged_rows_bmm`` on the cache itself: no gathered copy is
     made, and the result is bit for bit the kernel's over the gathered copy (``paged_attention``
-    False) and within rounding of float64. Rows gathered and then sliced keep the copy."""
+    False) and within rounding of float64. At batch 1 too, where the gathered copy's products
+    would otherwise become ``mm`` (aten's: equal within rounding). Rows gathered and then sliced
+    keep the copy."""
     from torch._inductor.utils import run_and_get_code
 
     from ascend_graph.attention.metadata import DecodeMetadata
@@ -312,11 +315,11 @@ def test_mla_decode_over_a_paged_cache_reads_the_blocks_in_place():
     from ascend_graph.kv_cache import MLACache
 
     gen = torch.Generator().manual_seed(9)
-    b, h, dn, c, r, blocks, s, w = 3, 16, 24, 96, 32, 12, 4, 5
+    h, dn, c, r, blocks, s, w = 16, 24, 96, 32, 12, 4, 5
     rnd = lambda *shape: torch.randn(*shape, generator=gen).to(torch.bfloat16)  # noqa: E731
     cache = MLACache(rnd(blocks, s, 1, c), rnd(blocks, s, 1, r))
-    tables = torch.randint(1, blocks, (b, w), generator=gen, dtype=torch.int32)
-    decode = DecodeMetadata(tables, torch.tensor([20, 7, 13], dtype=torch.int32))
+    tables = torch.randint(1, blocks, (3, w), generator=gen, dtype=torch.int32)[:b]
+    decode = DecodeMetadata(tables, torch.tensor([20, 7, 13][:b], dtype=torch.int32))
     q_nope, q_pe, w_uk, w_uv = rnd(b, h, dn), rnd(b, h, r), rnd(h, dn, c) / c ** 0.5, rnd(h, dn, c) / c ** 0.5
 
     def step(q_nope, q_pe, kv_c, k_pe, tables, lens):
@@ -331,13 +334,17 @@ def test_mla_decode_over_a_paged_cache_reads_the_blocks_in_place():
     kernel = expert_rows.available()
     assert code.count("ascend_graph.paged_rows_mm.default(") == 2 * kernel
     assert code.count("ascend_graph.paged_rows_bmm.default(") == kernel
-    assert "ascend_graph.rows_bmm.default(" in code  # the queries by W_UK: not cache rows
+    assert "paged_rows" not in gathered_code
     count = lambda code, op: code.count(f"ascend_graph.{op}.default(")  # noqa: E731
-    # over the gathered copy instead: the two scores by expert_rows_mm, the values by rows_bmm
-    # (W_UV's product runs expert_rows_mm and W_UK's rows_bmm in both)
-    assert count(gathered_code, "expert_rows_mm") - count(code, "expert_rows_mm") == 2 * kernel
-    assert count(gathered_code, "rows_bmm") - count(code, "rows_bmm") == kernel
-    torch.testing.assert_close(paged, gathered, atol=0, rtol=0)
+    if b > 1:
+        assert "ascend_graph.rows_bmm.default(" in code  # the queries by W_UK: not cache rows
+        # over the gathered copy instead: the two scores by expert_rows_mm, the values by rows_bmm
+        # (W_UV's product runs expert_rows_mm and W_UK's rows_bmm in both)
+        assert count(gathered_code, "expert_rows_mm") - count(code, "expert_rows_mm") == 2 * kernel
+        assert count(gathered_code, "rows_bmm") - count(code, "rows_bmm") == kernel
+        torch.testing.assert_close(paged, gathered, atol=0, rtol=0)
+    else:  # over the gathered copy: the products as aten's mm, rounded differently
+        torch.testing.assert_close(paged, gathered, atol=2e-2, rtol=2e-2)
     exact = torch.cat([naive_mla(q_nope[i:i + 1], q_pe[i:i + 1], gather_sequence(cache.kv_c, tables[i], n).squeeze(1),
                                  gather_sequence(cache.k_pe, tables[i], n).squeeze(1), w_uk, w_uv, 0.2)
                        for i, n in enumerate(decode.context_lens.tolist())])
@@ -397,3 +404,11 @@ def test_gathered_rows_are_recognised_only_through_views_that_keep_the_tables_or
     assert _gathered_cache(reordered, transposed=False) is None
     sliced = graph_of((aten.reshape.default, [b, w * s, c]), (aten.slice.Tensor, 1, 1))
     assert _gathered_cache(sliced, transposed=False) is None
+    # a batch of one: its dimension's stride is whatever the views left (no address depends on it)
+    with mode:
+        vals["tables"] = torch.empty(1, w, dtype=torch.int64)
+    one = graph_of((aten.reshape.default, [1, w * s, c]), (aten.unsqueeze.default, 3),
+                   (aten.permute.default, [3, 2, 1, 0]), (aten.reshape.default, [1, c, w * s]))
+    assert one.meta["val"].stride()[0] != w * s * c
+    assert _gathered_cache(one, transposed=True) is not None
+    assert _gathered_cache(one, transposed=False) is None

@@ -244,13 +244,14 @@ def test_inductor_graph_equals_eager_at_batches_that_run_the_wide_matmul_form(mo
 
 @pytest.mark.parametrize("paged", [True, False])
 def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(monkeypatch, paged):
-    """bfloat16 MLA decode at 2-4 rows, with a pass that takes this small model's products: the
+    """bfloat16 MLA decode at 1-4 rows, with a pass that takes this small model's products: the
     compiled step computes the attention scores (latent and rope parts) with ``paged_rows_mm``
     over the cache blocks where they lie (``paged`` False: ``expert_rows_mm``, one "expert" per
     sequence over its gathered cache rows), the probabilities by the latent rows with
     ``paged_rows_bmm`` (else ``rows_bmm``), the output by ``W_UV`` with ``expert_rows_mm`` (one
-    "expert" per head) and the queries by ``W_UK`` with ``rows_bmm``; eager uses aten's ``bmm``.
-    Graph equals eager."""
+    "expert" per head) and the queries by ``W_UK`` with ``rows_bmm``; eager uses aten's ``bmm``. At
+    batch 1 the scores and values read the blocks in place too (else aten's ``mm`` of the gathered
+    rows). Graph equals eager."""
     from ascend_graph.models import expert_rows
 
     weights, run, kn, run_kn = [], expert_rows._run, [], expert_rows._run_kn
@@ -263,6 +264,8 @@ def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(m
 
     model = small_model("mla", torch.bfloat16)
     config = graph_config(backend="inductor")
+    assert 1 in config.capture_sizes
+    on = expert_rows.available()
     # this model's attention products are below BATCHED_MIN_ELEMENTS: a pass that takes them
     small = DecodeMatmulPass(batched_min_elements=1, paged_attention=paged)
     backend = InductorBackend({**config_patches(config, "cpu"), "post_grad_custom_post_pass": small},
@@ -270,13 +273,17 @@ def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(m
     runner = make_runner(model, config, backend=backend)
     sched = Schedule()
     prefilled(runner, sched, 4, model.config.vocab_size)
+    runner.capture(show_progress=False)  # every size's warm-up runs before anything is counted
     weights.clear()  # the MoE runs the kernel in both modes; count the attention's
+    pages.clear()
+    report = compare_step(runner, sched.decode_entries()[:1])  # batch 1: in place too, or aten's mm
+    assert report.ok and report.untouched_ok, report.summary()
+    assert {name for name, _ in pages} == ({"paged_rows_mm", "paged_rows_bmm"} if on and paged else set()), pages
     for n in (2, 4):
         report = compare_step(runner, sched.decode_entries()[:n])
         assert report.ok and report.untouched_ok, report.summary()
     cfg = model.config
     heads, latent, nope, rope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-    on = expert_rows.available()
     tokens = runner.table_width * runner.block_size  # the gathered rows of a sequence
     gathered_scores = {w for w in weights if w[0] in (2, 4) and w[1:] in ((tokens, latent), (tokens, rope))}
     assert bool(gathered_scores) == (on and not paged), weights
