@@ -80,10 +80,12 @@ def decode(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: bool
         aot = decode_step.RunnerVariant(model, case, tuple(aot_sizes), aot_inductor=True,
                                         compile_cache_dir=packages.name)
         extra["graph_aot"] = lambda n: aot.step_fn(n) if n in aot_sizes else None
-    probe = None
+    probe = read = None
     if case_name != "small":  # copy bandwidth timed in the same rounds as the steps it bounds
         probe = roofline.CopyProbe()
         extra["copy"] = lambda n: probe
+        read = roofline.ReadProbe()  # and one core's read ceiling, which bounds the batch-1 step
+        extra["read"] = lambda n: read if n == 1 else None
     res = decode_step.measure(case, sizes, rounds[0], rounds[1], model=model, extra=extra, roofline=probe is not None,
                               matmul_floor=probe is not None)
     if frozen is not None:
@@ -94,6 +96,8 @@ def decode(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: bool
     for row in res["rows"]:
         if probe is not None:
             row["copy_bytes_per_s"] = probe.bytes / row.pop("copy_s")
+        if "read_s" in row:
+            row["read_bytes_per_s"], row["read_how"] = read.bytes / row.pop("read_s"), read.how
     return res
 
 

@@ -41,7 +41,16 @@ def _build(out_dir: str) -> ctypes.CDLL | None:
         getattr(dll, name).restype, getattr(dll, name).argtypes = ctypes.c_double, [ctypes.c_long]
     dll.row_times_matrix.restype = ctypes.c_double
     dll.row_times_matrix.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    dll.read_f32.restype = ctypes.c_double
+    dll.read_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
     return dll
+
+
+def read_loop() -> ctypes.CDLL | None:
+    """The built library for a caller that keeps it (``read_f32``: one core's read ceiling), or
+    None without a C compiler. Built in a temporary directory; the loaded library outlives it."""
+    with tempfile.TemporaryDirectory() as d:
+        return _build(d)
 
 
 def _rate(fn, seconds: float = 0.2, runs: int = 5) -> float | None:

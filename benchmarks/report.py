@@ -47,7 +47,8 @@ def markdown(out: dict) -> str:
                   f"**{bw['bytes_per_s'] / 1e9:.2f} GB/s**."]
         rb = out.get("read_bandwidth")
         if rb:
-            lines += [f"Read-only bandwidth (a 256 MiB float32 `sum`, timed interleaved with a copy): "
+            lines += [f"Read-only bandwidth ({rb.get('read_how', 'a 256 MiB float32 `sum`')}, timed interleaved "
+                      "with a copy): "
                       f"{rb['read_bytes_per_s'] / 1e9:.2f} GB/s, {rb['read_over_copy']:.2f} of the copy's."]
         lines += [""]
     lines += ["### Targets", "", "| target | goal | measured | met | bound |", "| --- | --- | --- | --- | --- |"]

@@ -45,23 +45,42 @@ class CopyProbe:
 
 
 class ReadProbe:
-    """A reduction over ``mib`` MiB of float32 (bytes read only): the most a read-only stream gets."""
+    """One pass over ``mib`` MiB of float32, bytes read only: the most a read-only stream gets on
+    one core. A hand-written AVX-512 loop (``peak.c``'s ``read_f32``: four vector sums, nothing
+    stored) over memory on 2 MiB pages, as the weights lie; where that does not build, torch's
+    ``sum`` over ordinary memory (``self.how`` says which). The loop reads faster than ``sum``:
+    29-31 GB/s against 19 GB/s on the suite's machine."""
 
     def __init__(self, mib: int = 256) -> None:
-        self.src = torch.empty(mib * 2 ** 20 // 4).normal_()
+        from ascend_graph.runtime import huge_page_buffer
+        from benchmarks import peak
+
+        self.lib, self.sink = peak.read_loop(), torch.zeros(64)
+        if self.lib is not None and self.lib.read_f32(self.sink.data_ptr(), 64, self.sink.data_ptr()) == 0.0:
+            self.lib = None  # no AVX-512
+        if self.lib is not None:
+            self.src = huge_page_buffer(mib << 20).view(torch.float32)
+            self.src.normal_()
+            self.how = f"a {mib} MiB float32 read loop (AVX-512, 2 MiB pages)"
+        else:
+            self.src = torch.empty(mib * 2 ** 20 // 4).normal_()
+            self.how = f"a {mib} MiB float32 `sum`"
         self.bytes = self.src.numel() * 4
 
     def __call__(self) -> None:
-        self.src.sum()
+        if self.lib is not None:
+            self.lib.read_f32(self.src.data_ptr(), self.src.numel(), self.sink.data_ptr())
+        else:
+            self.src.sum()
 
 
 def read_vs_copy(rounds: int = 9) -> dict:
-    """Read-only bandwidth (a large ``sum``) and copy bandwidth, timed interleaved."""
+    """Read-only bandwidth (``ReadProbe``) and copy bandwidth, timed interleaved."""
     from benchmarks.common import interleaved_medians
 
     read, copy = ReadProbe(), CopyProbe()
     t = interleaved_medians({"read": read, "copy": copy}, rounds=rounds, calls_per_round=2)
-    res = {"read_bytes_per_s": read.bytes / t["read"], "copy_bytes_per_s": copy.bytes / t["copy"]}
+    res = {"read_bytes_per_s": read.bytes / t["read"], "copy_bytes_per_s": copy.bytes / t["copy"], "read_how": read.how}
     res["read_over_copy"] = res["read_bytes_per_s"] / res["copy_bytes_per_s"]
     print(f"  read {res['read_bytes_per_s'] / 1e9:.1f} GB/s, copy {res['copy_bytes_per_s'] / 1e9:.1f} GB/s "
           f"(read / copy {res['read_over_copy']:.2f})", flush=True)

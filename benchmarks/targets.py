@@ -75,8 +75,8 @@ def targets(out: dict) -> list[dict]:
             r["transformers_s"] / r["graph_frozen_s"], 3.0, "decode_v2", bound=_frozen_cost(out))
     rb = out.get("read_bandwidth")
     add("V2-Lite slice batch 1: share of the copy-bandwidth roofline", _roofline_fraction(out, 1), 0.7, "decode_v2",
-        bound=rb and (f"a read-only stream (a large float32 sum) reaches {rb['read_over_copy']:.2f} of the copy "
-                      "bandwidth on this core"))
+        bound=rb and (f"a read-only stream ({rb.get('read_how', 'a large float32 sum')}) reaches "
+                      f"{rb['read_over_copy']:.2f} of the copy bandwidth on this core"))
     add("V2-Lite slice batch 32: roofline time / step time (within 2x)", _roofline_fraction(out, 32), 0.5,
         "decode_v2", bound=_compute_bound(out, 32))
     if "graph_frozen_s" in (_row(out.get("decode_v2"), 32) or {}):
@@ -221,6 +221,12 @@ def _bound(out: dict, row: dict | None, other: str, goal: float) -> str:
             f"{row[other] / roofline_s:.2f}")
     if row["graph_s"] < roofline_s:
         text += ", a figure the step already beats (it streams weights faster than copy_ moves them)"
+    if "read_bytes_per_s" in row:  # batch 1, bandwidth-bound: its floor is the read ceiling, same rounds
+        read_s = row["bytes"]["total"] / row["read_bytes_per_s"]
+        text += (f"; at one core's read ceiling ({row['read_bytes_per_s'] / 1e9:.1f} GB/s in the same rounds, "
+                 f"{row['read_how']}) its {row['bytes']['total'] / 1e6:.0f} MB take "
+                 f"{read_s * 1e3:.1f} ms: the ratio would be at most {row[other] / read_s:.2f} with nothing else in "
+                 f"the step, which runs at {read_s / row['graph_s']:.2f} of that ceiling")
     ratios = (row.get("round_ratios") or {}).get(other[:-len("_s")])
     if ratios:
         text += (f"; round by round (graph and {other[:-len('_s')]} timed back to back) the ratio ran "

@@ -107,6 +107,16 @@ def test_a_batch_1_row_counts_the_rounds_that_met_the_goal():
     assert "(graph and transformers timed back to back) the ratio ran 2.90-3.10, at the goal or above in 2 of 3" in hf
 
 
+def test_a_batch_1_row_is_bounded_by_the_read_ceiling_timed_in_its_rounds():
+    run = v2_run()
+    run["decode_v2"]["rows"][0].update(read_bytes_per_s=30e9, read_how="a read loop")
+    eager = by_name(targets(run), "V2-Lite slice: graph / eager, batch 1")["bound"]
+    # 750 MB at 30 GB/s: 25 ms; eager takes 60 ms, so at most 2.40; the 30 ms step is at 25 / 30
+    assert ("at one core's read ceiling (30.0 GB/s in the same rounds, a read loop) its 750 MB take 25.0 ms: the ratio "
+            "would be at most 2.40 with nothing else in the step, which runs at 0.83 of that ceiling") in eager
+    assert "read ceiling" not in by_name(targets(v2_run()), "V2-Lite slice: graph / eager, batch 1")["bound"]
+
+
 def test_a_floor_just_short_of_the_allowance_prints_what_it_leaves_with_a_decimal():
     run = v2_run()
     run["decode_v2"]["rows"][2]["matmuls_s"] = 0.1197  # the goal allows 120 ms

@@ -1,0 +1,31 @@
+"""The suite's bandwidth probes read what they claim to read (their figures bound the targets)."""
+
+import torch
+
+from benchmarks.roofline import CopyProbe, ReadProbe
+
+
+def test_the_read_probe_reads_every_element_once():
+    """The read loop's sum over its buffer equals a float64 sum of the same buffer (so no load was
+    dropped or repeated), and it counts exactly the buffer's bytes; without the loop it is torch's
+    ``sum`` and says so."""
+    probe = ReadProbe(mib=4)
+    assert probe.bytes == 4 << 20 == probe.src.numel() * 4
+    if probe.lib is None:
+        assert "sum" in probe.how
+        return
+    assert "read loop" in probe.how
+    probe.src.copy_(torch.arange(probe.src.numel(), dtype=torch.float32) % 97 - 48)
+    probe()
+    exact = probe.src.double().sum().item()
+    assert abs(probe.sink[0].item() - exact) <= 1e-6 * probe.src.double().abs().sum().item()
+    probe.src[12345] += 1000.0  # one element more: the sum moves by it
+    probe()
+    assert abs(probe.sink[0].item() - exact - 1000.0) <= 1e-6 * probe.src.double().abs().sum().item()
+
+
+def test_the_copy_probe_copies_its_buffer():
+    probe = CopyProbe(mib=4)
+    probe.src.normal_()
+    probe()
+    assert torch.equal(probe.dst, probe.src) and probe.bytes == 2 * (4 << 20)
