@@ -166,6 +166,8 @@ def _matmul_floor(out: dict, row: dict, budget_s: float, packed: bool = False) -
             f"in the same rounds ({how}), take {mm_s * 1e3:.{digits}f} ms")
     if left_s <= 0:
         return text + f", more than the {budget_s * 1e3:.{digits}f} ms the goal allows the whole step"
+    if left_s < 0.00005:  # under the printed 0.1 ms: nothing left, not a rate of thousands of GB/s
+        return text + f", all of the {budget_s * 1e3:.{digits}f} ms the goal allows the whole step"
     text += (f", which leaves {left_s * 1e3:.{digits}f} ms of the goal's {budget_s * 1e3:.{digits}f} ms for the "
              f"{routed / 1e6:.0f} MB of routed experts: {routed / left_s / 1e9:.0f} GB/s")
     one = _row(out.get("decode_v2"), 1)

@@ -117,6 +117,14 @@ def test_a_batch_1_row_is_bounded_by_the_read_ceiling_timed_in_its_rounds():
     assert "read ceiling" not in by_name(targets(v2_run()), "V2-Lite slice: graph / eager, batch 1")["bound"]
 
 
+def test_a_floor_within_a_tenth_of_a_millisecond_of_the_allowance_leaves_nothing():
+    run = v2_run()
+    run["decode_v2"]["rows"][2]["matmuls_s"] = 0.119997  # the goal allows 120 ms
+    row = by_name(targets(run), "V2-Lite slice batch 32: roofline time / step time (within 2x)")
+    assert "take 120.0 ms, all of the 120.0 ms the goal allows the whole step" in row["bound"]
+    assert "GB/s, against" not in row["bound"]
+
+
 def test_a_floor_just_short_of_the_allowance_prints_what_it_leaves_with_a_decimal():
     run = v2_run()
     run["decode_v2"]["rows"][2]["matmuls_s"] = 0.1197  # the goal allows 120 ms
