@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 from typing import Optional, Sequence
@@ -18,6 +17,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from . import runtime
 from .config import GraphConfig
 from .engine import Engine
 from .parity import ParityReport, allowed_difference, tolerances
@@ -93,17 +93,9 @@ def measure_decode(engines: dict[str, Engine], prompts: list, budgets: list, rou
 
 
 def conditions(args: argparse.Namespace) -> dict:
-    """What the figures were measured on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu,
-            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": args.device,
-            "compile_threads": os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "default"),
-            **({"gpu": torch.cuda.get_device_name(args.device)} if torch.device(args.device).type == "cuda" else {})}
+    """What the figures were measured on (``runtime.machine``), the device and compile workers."""
+    return {**runtime.machine(args.device), "device": args.device,
+            "compile_threads": os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "default")}
 
 
 def settings(args: argparse.Namespace, engine: Engine) -> dict:

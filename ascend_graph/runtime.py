@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import platform
 import sys
 
 import torch
@@ -139,3 +140,17 @@ def weights_on_huge_pages(model: torch.nn.Module, min_bytes: int = HUGE_PAGE) ->
                 module._parameters[name] = torch.nn.Parameter(on_huge_pages(p.data), requires_grad=p.requires_grad)
                 moved += p.numel() * p.element_size()
     return moved
+
+
+def machine(device: str = "cpu") -> dict:
+    """What figures are measured on: torch and Python versions, the CPU's model name, its cores,
+    torch's threads, and where ``device`` is a CUDA device its name (``gpu``)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu,
+            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            **({"gpu": torch.cuda.get_device_name(device)} if torch.device(device).type == "cuda" else {})}

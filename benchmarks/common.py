@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import time
 from typing import Callable
 
 import torch
+
+from ascend_graph.runtime import machine
 
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], rounds: int = 20,
@@ -74,17 +75,11 @@ def with_malloc(keep: bool, fn: Callable[[], object], restore: bool) -> Callable
 
 
 def conditions(device: str = "cpu") -> dict:
-    """What the figures were measured on (``device``'s name too where it is a GPU)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu,
-            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-            **({"device": torch.cuda.get_device_name(device)} if torch.device(device).type == "cuda" else {})}
+    """What the figures were measured on (``runtime.machine``; ``device``'s name as ``device``
+    where it is a GPU) and when."""
+    found = machine(device)
+    gpu = found.pop("gpu", None)
+    return {**found, "when": time.strftime("%Y-%m-%d %H:%M:%S"), **({"device": gpu} if gpu else {})}
 
 
 def write_json(path: str | None, data: dict) -> None:
