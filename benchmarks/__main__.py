@@ -28,7 +28,13 @@ PARTS = ("bandwidth", "decode_small", "overhead", "decode_v2", "compute", "moe_f
 NOTES = [
     "One torch thread (`--threads 1`): the 2 cores are shared with other jobs; with 2 threads every OpenMP "
     "region waits for a descheduled thread (a V2-Lite batch-1 graph step measured 0.40-0.54 s at 2 threads vs "
-    "0.10 s at 1 thread, side by side in one session, kernels of a few microseconds taking 20 ms).",
+    "0.10 s at 1 thread, side by side in one session, kernels of a few microseconds taking 20 ms). On a quieter "
+    "day (2026-11-30; `OMP_NUM_THREADS=1` or `2 python -m benchmarks.decode_step --model v2_lite_slice --sizes "
+    "1,8,32 --rounds 5`, one run each) 2 threads ran: graph (eager) ms at batch 1, 23.4 (40.0) against 29.9 (68.2) "
+    "at 1 thread, graph/eager 1.71 against 2.29; at batch 32, 84.9 (110.6) against 143.8 (193.0), 1.30 against "
+    "1.34; decode attention alone (batch 32, context 2048) 14.3 against 19.3 ms, with copy bandwidth 25.5 against "
+    "19.6 GB/s, 0.22 against 0.21 of it. A second thread speeds eager up more than the graph and lifts no missed "
+    "target.",
     "glibc malloc keeps freed memory (mmap threshold 1 GiB, no trimming; `benchmarks/common.py`), for graph, "
     "eager and transformers alike: large temporaries are otherwise mapped fresh and page-faulted on every step. "
     "The attention table shows the compiled step under glibc's default as well.",
