@@ -54,11 +54,11 @@ def plan(quick: bool) -> dict:
     """Sizes and repetitions of every part."""
     if quick:
         return {"small_sizes": (1, 8, 32), "v2_sizes": (1,), "hf_sizes": (1, 8), "small_rounds": (7, 3),
-                "v2_rounds": (3, 1), "attention_reps": 3, "startup_sizes": (1,), "memory_model": "small",
+                "v2_rounds": (3, 1), "attention_reps": 3, "attention_batch_1_context": 4096, "startup_sizes": (1,), "memory_model": "small",
                 "memory_sizes": (1, 8), "moe_tokens": (1, 32), "levers": ("default", levers.NO_PASS),
                 "lever_batches": (1,), "v2_frozen_sizes": (), "small_aot_sizes": ()}
     return {"small_sizes": (1, 2, 4, 8, 16, 32, 64), "v2_sizes": (1, 8, 32, 64), "hf_sizes": (1, 8, 32),
-            "small_rounds": (15, 5), "v2_rounds": (7, 1), "attention_reps": 7,
+            "small_rounds": (15, 5), "v2_rounds": (7, 1), "attention_reps": 7, "attention_batch_1_context": 16384,
             "startup_sizes": (1, 2, 4, 8, 16, 32, 64), "memory_model": "v2_lite_slice", "memory_sizes": (1, 8),
             "moe_tokens": (1, 8, 16, 32), "levers": None, "lever_batches": (1, 8),
             "v2_frozen_sizes": (8, 32), "small_aot_sizes": (1, 8, 32, 64)}
@@ -132,6 +132,8 @@ def run_part(part: str, p: dict, quick: bool, out: dict) -> None:
         out["huge_pages"] = huge_pages.measure(rounds=3 if quick else 7, quick=quick)
     elif part == "attention":
         out["attention"] = attention.measure(reps=p["attention_reps"], malloc_keeps_freed=out["malloc_keeps_freed_memory"])
+        out["attention"]["batch_1"] = attention.batch_one(context=p["attention_batch_1_context"],
+                                                          reps=p["attention_reps"])
     elif part == "startup":
         out["startup"] = startup.measure("small", p["startup_sizes"], quick, portable=not quick, aot=not quick)
     elif part == "memory":

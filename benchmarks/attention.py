@@ -12,7 +12,7 @@ import argparse
 import torch
 
 from benchmarks import attention_capacity as ac
-from benchmarks.common import with_malloc
+from benchmarks.common import interleaved_medians, with_malloc
 from benchmarks.roofline import CopyProbe
 
 
@@ -90,3 +90,23 @@ def measure(batch: int = 32, context: int = 2048, num_blocks=(256, 32768), reps:
         print(f"  {r['step']}: {r['median_ms']:.2f} ms, {r['share_of_copy_bandwidth']:.3f} of copy bandwidth")
     return {"conditions": ac.conditions(args), "rows": results + extra, "capacity_ratio": ratios,
             "copy_bytes_per_s": copy_bw, "malloc_keeps_freed_memory": malloc_keeps_freed}
+
+
+def batch_one(context: int = 16384, reps: int = 9, dtype: str = "bfloat16") -> dict:
+    """One sequence at a long context: the compiled step reading the cache blocks in place against
+    the same step over a gathered copy of its rows (``DecodeMatmulPass(paged_attention=False)``:
+    at batch 1 aten's ``mm`` of the copy, as before the paged forms took batch 1), timed
+    interleaved over the same inputs; and whether the two outputs are equal."""
+    num_blocks = -(-context // 16) + 64
+    args = ac.parse_args(["--batch", "1", "--context", str(context), "--dtype", dtype, "--threads", "0",
+                          "--num-blocks", str(num_blocks)])
+    inputs = ac.make_inputs(args, num_blocks)
+    fns = {"in_place": ac.compiled(ac.tuple_step), "gathered": ac.compiled(ac.tuple_step, paged=False)}
+    outs = {name: fn(*inputs) for name, fn in fns.items()}  # compiles each
+    t = interleaved_medians({name: (lambda f: lambda: f(*inputs))(fn) for name, fn in fns.items()}, rounds=reps,
+                            calls_per_round=1, warmup=2)
+    res = {"context": context, "num_blocks": num_blocks, "in_place_ms": t["in_place"] * 1e3,
+           "gathered_ms": t["gathered"] * 1e3, "same_output": bool(torch.equal(outs["in_place"], outs["gathered"]))}
+    print(f"  attention batch 1, context {context}: in place {res['in_place_ms']:.2f} ms, over a gathered copy "
+          f"{res['gathered_ms']:.2f} ms", flush=True)
+    return res

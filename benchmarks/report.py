@@ -222,6 +222,12 @@ def _attention_table(a: dict | None, bw: dict | None) -> list[str]:
         share = r["share_of_copy_bandwidth"]
         lines.append(f"| {r['step']} | {r['mode']} | {r['num_blocks']} | {r['median_ms']:.2f} | "
                      f"{r['bytes_per_s'] / 1e9:.2f} | {_fmt(share)} |")
+    one = a.get("batch_1")
+    if one:
+        lines += ["", f"Batch 1, context {one['context']} ({one['num_blocks']} blocks), compiled: "
+                  f"{one['in_place_ms']:.2f} ms reading the cache blocks in place, {one['gathered_ms']:.2f} ms over a "
+                  "gathered copy of the rows (aten's `mm`, as before the paged forms took batch 1), timed interleaved; "
+                  + ("the same output." if one["same_output"] else "outputs within rounding, not bit for bit.")]
     return lines + [""]
 
 

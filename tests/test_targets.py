@@ -169,3 +169,17 @@ def test_the_attention_bound_takes_the_best_rate_measured_aten_or_kernel():
     bound = by_name(targets({"attention": att, "compute": compute}), "decode attention b32")["bound"]
     # 2 * 32 * 16 * 2048 * (2 * 512 + 64) = 2.28 GFLOP; at 200 GFLOP/s 11.4 ms; 0.12 * 30 ms of bytes
     assert "its 2.28 GFLOP at the best measured bf16 matmul rate (200 GFLOP/s) take 11 ms, i.e. at most 0.32" in bound
+
+
+def test_the_attention_table_states_the_batch_1_comparison_as_measured():
+    dims = {"batch": 32, "context": 2048, "dtype": "bfloat16"}
+    one = {"context": 16384, "num_blocks": 1088, "in_place_ms": 6.0, "gathered_ms": 10.25, "same_output": True}
+    row = {"step": "tuple (kv_c, k_pe)", "mode": "compiled", "num_blocks": 256, "median_ms": 20.0,
+           "bytes_per_s": 4e9, "share_of_copy_bandwidth": 0.2}
+    attention = {"conditions": {"dims": dims}, "copy_bytes_per_s": 20e9, "rows": [row], "capacity_ratio": {},
+                 "batch_1": one}
+    text = markdown({"conditions": CONDITIONS, "attention": attention})
+    assert ("Batch 1, context 16384 (1088 blocks), compiled: 6.00 ms reading the cache blocks in place, 10.25 ms over "
+            "a gathered copy") in text and "the same output." in text
+    attention["batch_1"] = {**one, "same_output": False}
+    assert "not bit for bit" in markdown({"conditions": CONDITIONS, "attention": attention})
