@@ -155,8 +155,9 @@ class DecodeMatmulPass(CustomGraphPass):
     reads them where they lie instead, through the block table: ``paged_rows_mm`` for the scores,
     ``paged_rows_bmm`` for the values, and the gathered copy is no longer made. At batch 1 as
     well, before the ``mm`` rewrite above: MLA decode attention alone (V2-Lite dims, 1 thread,
-    compiled, one interleaved run), batch 1, context 16384, 10.24 ms over the gathered copy vs
-    5.96 ms in place; at context 2048 0.88 vs 0.89 ms (the copy stays in cache); the same output.
+    compiled, interleaved; ``benchmarks/attention.py``, ``batch_one``), batch 1, context 16384,
+    10.11 ms over the gathered copy vs 5.41 ms in place; at context 2048 0.88 vs 0.89 ms (one
+    run; the copy stays in cache); the same output.
 
     ``few_rows_kernel`` False keeps aten (for measuring the kernel: the ``levers`` benchmark),
     ``batched_rows_kernel`` False keeps aten's ``bmm`` only, and ``paged_attention`` False has the
