@@ -48,8 +48,9 @@ class ReadProbe:
     """One pass over ``mib`` MiB of float32, bytes read only: the most a read-only stream gets on
     one core. A hand-written AVX-512 loop (``peak.c``'s ``read_f32``: four vector sums, nothing
     stored) over memory on 2 MiB pages, as the weights lie; where that does not build, torch's
-    ``sum`` over ordinary memory (``self.how`` says which). The loop reads faster than ``sum``:
-    29-31 GB/s against 19 GB/s on the suite's machine."""
+    ``sum`` over ordinary memory (``self.how`` says which). The loop reads faster than ``sum``: on
+    the suite's machine 23-32 GB/s over the day's runs (it moves with the machine's load), where
+    ``sum`` had given 19 GB/s."""
 
     def __init__(self, mib: int = 256) -> None:
         from ascend_graph.runtime import huge_page_buffer
