@@ -97,9 +97,9 @@ def batch_one(context: int = 16384, reps: int = 9, dtype: str = "bfloat16") -> d
     the same step over a gathered copy of its rows (``DecodeMatmulPass(paged_attention=False)``:
     at batch 1 aten's ``mm`` of the copy, as before the paged forms took batch 1), timed
     interleaved over the same inputs; and whether the two outputs are equal."""
-    num_blocks = -(-context // 16) + 64
-    args = ac.parse_args(["--batch", "1", "--context", str(context), "--dtype", dtype, "--threads", "0",
-                          "--num-blocks", str(num_blocks)])
+    args = ac.parse_args(["--batch", "1", "--context", str(context), "--dtype", dtype, "--threads", "0"])
+    num_blocks = ac.blocks_needed(args) + 64  # the sequence's blocks, and some it does not name
+    args.num_blocks = [num_blocks]
     inputs = ac.make_inputs(args, num_blocks)
     fns = {"in_place": ac.compiled(ac.tuple_step), "gathered": ac.compiled(ac.tuple_step, paged=False)}
     outs = {name: fn(*inputs) for name, fn in fns.items()}  # compiles each

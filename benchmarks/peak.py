@@ -46,9 +46,9 @@ def _build(out_dir: str) -> ctypes.CDLL | None:
     return dll
 
 
-def read_loop() -> ctypes.CDLL | None:
-    """The built library for a caller that keeps it (``read_f32``: one core's read ceiling), or
-    None without a C compiler. Built in a temporary directory; the loaded library outlives it."""
+def library() -> ctypes.CDLL | None:
+    """``peak.c`` built and loaded, or None without a C compiler. Built in a temporary directory;
+    the loaded library outlives it."""
     with tempfile.TemporaryDirectory() as d:
         return _build(d)
 
@@ -74,11 +74,10 @@ def _rate(fn, seconds: float = 0.2, runs: int = 5) -> float | None:
 
 def measure() -> dict:
     """``{"fp32_fma_flops_per_s", "bf16_dot_flops_per_s"}`` of one core (None: not measurable here)."""
-    with tempfile.TemporaryDirectory() as d:
-        dll = _build(d)
-        if dll is None:
-            return {"fp32_fma_flops_per_s": None, "bf16_dot_flops_per_s": None, "skipped": "no C compiler"}
-        return {"fp32_fma_flops_per_s": _rate(dll.fma_f32), "bf16_dot_flops_per_s": _rate(dll.dot_bf16)}
+    dll = library()
+    if dll is None:
+        return {"fp32_fma_flops_per_s": None, "bf16_dot_flops_per_s": None, "skipped": "no C compiler"}
+    return {"fp32_fma_flops_per_s": _rate(dll.fma_f32), "bf16_dot_flops_per_s": _rate(dll.dot_bf16)}
 
 
 def row_streams(weight_mib: int = 48, runs: int = 9) -> list[dict]:
@@ -89,26 +88,24 @@ def row_streams(weight_mib: int = 48, runs: int = 9) -> list[dict]:
 
     shapes = [(2048, 2048, False), (3648, 3648, False), (7168, 7168, False), (10944, 10944, False),
               (10944, 3648, False), (10944, 3648, True)]
-    rows = []
-    with tempfile.TemporaryDirectory() as d:
-        dll = _build(d)
-        if dll is None:
-            return rows
-        buf = huge_page_buffer(3 * weight_mib << 20).view(torch.bfloat16)
-        buf.normal_()
-        x, out = torch.ones(16384), torch.empty(1 << 16)
-        for k, chunk, chunk_major in shapes:
-            n = (weight_mib << 20) // (2 * k)
-            times = []
-            for r in range(runs):  # three weights in turn: none is in the last-level cache
-                w = buf[(r % 3) * (weight_mib << 19):]
-                t = time.perf_counter()
-                nbytes = dll.row_times_matrix(w.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, chunk, chunk_major)
-                times.append(time.perf_counter() - t)
-            if nbytes == 0.0:
-                return []
-            rows.append({"row": k, "chunk": chunk, "chunk_major": chunk_major,
-                         "bytes_per_s": nbytes / sorted(times)[runs // 2]})
+    rows, dll = [], library()
+    if dll is None:
+        return rows
+    buf = huge_page_buffer(3 * weight_mib << 20).view(torch.bfloat16)
+    buf.normal_()
+    x, out = torch.ones(16384), torch.empty(1 << 16)
+    for k, chunk, chunk_major in shapes:
+        n = (weight_mib << 20) // (2 * k)
+        times = []
+        for r in range(runs):  # three weights in turn: none is in the last-level cache
+            w = buf[(r % 3) * (weight_mib << 19):]
+            t = time.perf_counter()
+            nbytes = dll.row_times_matrix(w.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, chunk, chunk_major)
+            times.append(time.perf_counter() - t)
+        if nbytes == 0.0:
+            return []
+        rows.append({"row": k, "chunk": chunk, "chunk_major": chunk_major,
+                     "bytes_per_s": nbytes / sorted(times)[runs // 2]})
     return rows
 
 

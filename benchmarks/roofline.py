@@ -56,7 +56,7 @@ class ReadProbe:
         from ascend_graph.runtime import huge_page_buffer
         from benchmarks import peak
 
-        self.lib, self.sink = peak.read_loop(), torch.zeros(64)
+        self.lib, self.sink = peak.library(), torch.zeros(64)
         if self.lib is not None and self.lib.read_f32(self.sink.data_ptr(), 64, self.sink.data_ptr()) == 0.0:
             self.lib = None  # no AVX-512
         if self.lib is not None:
