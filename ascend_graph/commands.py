@@ -137,6 +137,7 @@ def reports_summary(reports: Sequence[ParityReport]) -> dict:
     """Totals and worst differences of ``compare_step`` reports."""
     cache = [d["max_abs"] for r in reports for layer in r.caches for d in layer.values()]
     return {"checks": len(reports), "failures": sum(not r.ok for r in reports),
+            "routing_flips": sum(len(r.routing_flips) for r in reports),
             "max_logit_diff": max((r.logits["max_abs"] for r in reports), default=None),
             "max_cache_diff": max(cache, default=None),
             "untouched_ok": all(r.untouched_ok is not False for r in reports) if reports else None}
@@ -225,7 +226,7 @@ def run_parity(args: argparse.Namespace) -> tuple[dict, str, int]:
     agreement = logit_agreement(tokens, eager_tokens, logits, eager_logits, model.dtype)
     steps = [{"step": i, "batch_size": r.batch_size, "ok": r.ok, "logits_max_abs": r.logits["max_abs"],
               "caches_max_abs": max((d["max_abs"] for layer in r.caches for d in layer.values()), default=0.0),
-              "untouched_ok": r.untouched_ok} for i, r in enumerate(reports)]
+              "untouched_ok": r.untouched_ok, "routing_flips": r.routing_flips} for i, r in enumerate(reports)]
     summary = reports_summary(reports)
     ok = bool(reports) and not summary["failures"] and agreement["tokens_agree"]
     result = {"command": "parity", "model": info, "settings": settings(args, graph), "ok": ok,

@@ -4,12 +4,21 @@ The check snapshots the blocks the step writes, runs eager, restores them, runs 
 caches end as after a normal graph step), then compares the logits and the written blocks per
 layer and element, and verifies that no other live block changed (padded rows write only into
 the null block).
+
+A mixture-of-experts router can sit at a near-tie: a token's K-th and (K+1)-th experts score
+within rounding of each other, and graph and eager, rounding apart, choose differently. That
+token's later layers then differ by far more than rounding. Such a step is not passed on a
+threshold: the eager run records each router's near-ties, and a decode token beyond tolerance is
+accepted only where eager, run again from the same caches with that one token's K-th expert
+swapped for its (K+1)-th at one router, equals the graph within tolerance (its logits row and the
+cache blocks it wrote). ``ParityReport.routing_flips`` lists the swaps that did.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -52,8 +61,13 @@ def _diff(graph: Tensor, eager: Tensor) -> dict:
 
 
 def _close(graph: Tensor, eager: Tensor, atol: float, rtol: float) -> bool:
-    return bool(torch.isfinite(graph).all()) and bool(
-        ((graph.double() - eager.double()).abs() <= allowed_difference(eager, atol, rtol)).all())
+    return bool(_close_rows(graph, eager, atol, rtol).all())
+
+
+def _close_rows(graph: Tensor, eager: Tensor, atol: float, rtol: float) -> Tensor:
+    """``[graph.shape[0]]`` bool: each leading-index slice finite and within tolerance of eager's."""
+    ok = torch.isfinite(graph) & ((graph.double() - eager.double()).abs() <= allowed_difference(eager, atol, rtol))
+    return ok.flatten(1).all(dim=1) if ok.dim() > 1 else ok
 
 
 @dataclass
@@ -66,18 +80,22 @@ class ParityReport:
     caches: list = field(default_factory=list)  # per layer: {element: {"max_abs", "max_rel"}}
     untouched_ok: Optional[bool] = None  # None when not checked
     graph_logits: Optional[Tensor] = None
+    # tokens beyond tolerance that eager with one router's near-tie swapped reproduced (module doc):
+    # {"token", "router", "experts": [eager's, graph's], "margin"}
+    routing_flips: list = field(default_factory=list)
 
     def summary(self) -> str:
         """One line for logs."""
         worst = max((d["max_abs"] for layer in self.caches for d in layer.values()), default=0.0)
+        flips = f"; {len(self.routing_flips)} routing near-tie(s) reproduced" if self.routing_flips else ""
         return (f"batch {self.batch_size}: {'OK' if self.ok else 'MISMATCH'}; logits max abs "
                 f"{self.logits['max_abs']:.3g}; caches max abs {worst:.3g}; "
-                f"untouched blocks {'unchecked' if self.untouched_ok is None else self.untouched_ok}")
+                f"untouched blocks {'unchecked' if self.untouched_ok is None else self.untouched_ok}{flips}")
 
     def to_dict(self) -> dict:
         """A JSON-safe copy (without the logits tensor)."""
         return {"ok": self.ok, "batch_size": self.batch_size, "logits": self.logits,
-                "caches": self.caches, "untouched_ok": self.untouched_ok}
+                "caches": self.caches, "untouched_ok": self.untouched_ok, "routing_flips": self.routing_flips}
 
 
 def compare_step(runner: "GraphRunner", seqs: Sequence["SequenceStep"], **kwargs) -> ParityReport:
@@ -101,24 +119,111 @@ def compare_prepared(runner: "GraphRunner", step: "PreparedStep", *, atol: Optio
     before = _blocks(caches, written)
     full = [[t.clone() for t in cache] for cache in caches] if check_untouched else None
 
-    eager_logits = runner.run_prepared(step, "eager")
+    routers, near = _routers(runner.model), []
+    with _routing(routers, rtol, near=near):
+        eager_logits = runner.run_prepared(step, "eager")
     eager_blocks = _blocks(caches, written)
     _restore(caches, written, before)
     graph_logits = runner.run_prepared(step, "graph")
     graph_blocks = _blocks(caches, written)
 
     live_rows = [i for i, b in enumerate(written.tolist()) if b != NULL_BLOCK]
-    layer_diffs, ok = [], _close(graph_logits, eager_logits, atol, rtol)
+    layer_diffs = []
     for cache, g_layer, e_layer in zip(caches, graph_blocks, eager_blocks):
-        diffs = {}
-        for name, g, e in zip(cache._fields, g_layer, e_layer):
-            diffs[name] = _diff(g[live_rows], e[live_rows])
-            ok &= _close(g[live_rows], e[live_rows], atol, rtol)
-        layer_diffs.append(diffs)
+        layer_diffs.append({name: _diff(g[live_rows], e[live_rows]) for name, g, e in zip(cache._fields, g_layer, e_layer)})
+    close = lambda e_logits, e_blocks: _close_tokens(graph_logits, graph_blocks, e_logits, e_blocks, atol, rtol)  # noqa: E731
+    tokens_ok, blocks_ok = close(eager_logits, eager_blocks)
+    bad = [i for i, good in enumerate(tokens_ok) if not good]
+    flips = []
+    if bad or not all(blocks_ok[live_rows]):
+        owners = _block_owners(step, written, runner.block_size)
+        explained = _flips_for(runner, step, bad, owners, blocks_ok, routers, near, before, written, close) if owners else {}
+        flips = [explained[i] for i in sorted(explained)]
+        if any(t not in explained for t in bad) or any(not blocks_ok[r] and owners.get(r) not in explained
+                                                       for r in live_rows):
+            flips = []  # a token that no swap reproduced: the step is a mismatch
+        _restore(caches, written, graph_blocks)  # the caches end as after the graph step
+    ok = not bad and all(blocks_ok[live_rows]) or bool(flips)
     untouched_ok = None if full is None else _untouched(caches, full, written)
     return ParityReport(ok=ok and untouched_ok is not False, batch_size=len(step.order),
                         logits=_diff(graph_logits, eager_logits), caches=layer_diffs,
-                        untouched_ok=untouched_ok, graph_logits=graph_logits)
+                        untouched_ok=untouched_ok, graph_logits=graph_logits, routing_flips=flips)
+
+
+def _close_tokens(graph_logits: Tensor, graph_blocks: list, eager_logits: Tensor, eager_blocks: list,
+                  atol: float, rtol: float) -> tuple[list[bool], Tensor]:
+    """Per logits row and per written block (over every layer and cache element): within tolerance."""
+    rows = _close_rows(graph_logits, eager_logits, atol, rtol).tolist()
+    blocks = torch.ones(graph_blocks[0][0].shape[0], dtype=torch.bool, device=graph_logits.device)
+    for g_layer, e_layer in zip(graph_blocks, eager_blocks):
+        for g, e in zip(g_layer, e_layer):
+            blocks &= _close_rows(g, e, atol, rtol)
+    return rows, blocks.cpu()
+
+
+def _block_owners(step: "PreparedStep", written: Tensor, block_size: int) -> dict[int, int]:
+    """Decode-only steps: the token (= logits row) that wrote each written block, by its index in
+    ``written``; empty otherwise (a prefill's tokens share blocks and rows; no swap is tried)."""
+    if not step.meta.is_decode_only:
+        return {}
+    index = {b: i for i, b in enumerate(written.tolist())}
+    return {index[s // block_size]: t for t, s in enumerate(step.meta.slot_mapping.tolist()) if s >= 0}
+
+
+def _flips_for(runner, step, bad: list[int], owners: dict[int, int], blocks_ok: Tensor, routers: list, near: list,
+               before: list, written: Tensor, close) -> dict[int, dict]:
+    """For each token beyond tolerance (a bad logits row or a bad block it wrote), the first of its
+    recorded near-ties whose swap makes eager equal the graph on that token."""
+    tokens = sorted({*bad, *(owners[r] for r in owners if not blocks_ok[r])})
+    rows_of = {t: [r for r, o in owners.items() if o == t] for t in tokens}
+    explained = {}
+    for t in tokens:
+        for tie in sorted((n for n in near if n["token"] == t), key=lambda n: n["margin"]):
+            _restore(runner.kv_caches, written, before)
+            with _routing(routers, 0.0, swap=(tie["router"], t)):
+                f_logits = runner.run_prepared(step, "eager")
+            rows_ok, f_blocks_ok = close(f_logits, _blocks(runner.kv_caches, written))
+            if rows_ok[t] and all(f_blocks_ok[r] for r in rows_of[t]):
+                explained[t] = {"token": t, "router": routers[tie["router"]][0], "experts": tie["experts"],
+                                "margin": tie["margin"]}
+                break
+    return explained
+
+
+def _routers(model) -> list:
+    """``(name, module)`` of the model's mixture-of-experts routers, in call order."""
+    from .models.moe import Router
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, Router)]
+
+
+@contextmanager
+def _routing(routers: list, rtol: float, near: Optional[list] = None,
+             swap: Optional[tuple[int, int]] = None) -> Iterator[None]:
+    """During one eager step: append each router's near-ties to ``near`` (a token whose K-th and
+    (K+1)-th choices differ by at most ``rtol`` times its row's largest |choice|: {"router" index,
+    "token", "margin", "experts": [K-th, (K+1)-th]}), or, with ``swap = (router index, token)``,
+    have that router give that token its (K+1)-th expert instead of its K-th."""
+    def hook(i, router, args, out):
+        scores, choice = router.scores(args[0])
+        top = choice.topk(router.top_k + 1, dim=-1)
+        if near is not None:
+            margin = top.values[:, -2] - top.values[:, -1]
+            scale = choice.masked_fill(~torch.isfinite(choice), 0).abs().amax(dim=-1)
+            for t in torch.nonzero(margin <= rtol * scale).flatten().tolist():
+                near.append({"router": i, "token": t, "margin": margin[t].item(),
+                             "experts": top.indices[t, -2:].tolist()})
+        if swap is None or swap[0] != i:
+            return None
+        experts = out[1].clone()
+        experts[swap[1], -1] = top.indices[swap[1], -1]
+        return router.expert_weights(scores, experts), experts
+
+    handles = [r.register_forward_hook(lambda mod, a, o, i=i: hook(i, mod, a, o)) for i, (_, r) in enumerate(routers)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _blocks(caches: tuple, blocks: Tensor) -> list[list[Tensor]]:

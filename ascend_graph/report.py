@@ -84,7 +84,8 @@ def format_demo(r: dict) -> str:
              f"  tokens identical          {_yes(p['tokens_identical'])} ({req['count']} requests, "
              f"{sum(req['new_tokens'])} tokens){_first_differences(p['first_differences'])}",
              f"  max |logit difference|    {_num(p['max_logit_diff'])} over {p['logit_rows_compared']} logit rows",
-             f"  compare_step checks       {cs['checks'] - cs['failures']} of {cs['checks']} decode steps OK; "
+             f"  compare_step checks       {cs['checks'] - cs['failures']} of {cs['checks']} decode steps OK"
+             f"{_flip_count(cs.get('routing_flips'))}; "
              f"max logit diff {_num(cs['max_logit_diff'])}, max cache diff {_num(cs['max_cache_diff'])}, "
              f"other blocks untouched: {_yes(cs['untouched_ok'])}",
              f"  verdict                   {_verdict(p['ok'])}",
@@ -123,12 +124,25 @@ def format_parity(r: dict) -> str:
              f"{'untouched':>9}  ok"]
     for s in r["steps"]:
         lines.append(f"{s['step']:>5} {s['batch_size']:>5} {s['logits_max_abs']:>17.3g} {s['caches_max_abs']:>16.3g} "
-                     f"{_yes(s['untouched_ok']):>9}  {'ok' if s['ok'] else 'MISMATCH'}")
+                     f"{_yes(s['untouched_ok']):>9}  {'ok' if s['ok'] else 'MISMATCH'}{_flips(s['routing_flips'])}")
     sm = r["summary"]
-    lines += ["", f"{sm['checks']} graph decode steps checked, {sm['failures']} mismatched; tokens identical to a "
+    lines += ["", f"{sm['checks']} graph decode steps checked, {sm['failures']} mismatched"
+              f"{_flip_count(sm['routing_flips'])}; tokens identical to a "
               f"separate eager run: {_yes(r['tokens_identical'])}{_first_differences(r['first_differences'])}",
               f"verdict: {'PASS' if r['ok'] else 'FAIL'}"]
     return "\n".join(lines)
+
+
+def _flip_count(n) -> str:
+    """How many tokens of the checks passed only as routing near-ties (``ParityReport.routing_flips``)."""
+    return (f" ({n} token(s) at a router's near-tie: the graph equals eager with that token's K-th expert "
+            "swapped for its (K+1)-th)") if n else ""
+
+
+def _flips(flips: list) -> str:
+    """A step's routing near-ties that eager, swapped, reproduced (``ParityReport.routing_flips``)."""
+    return "".join(f"; token {f['token']} at {f['router']}: expert {f['experts'][1]} for {f['experts'][0]} "
+                   f"(margin {f['margin']:.1e})" for f in flips)
 
 
 def format_bench(r: dict) -> str:

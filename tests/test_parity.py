@@ -55,3 +55,76 @@ def test_a_split_is_a_near_tie_only_within_twice_the_rows_tolerance():
     assert not r["tokens_agree"] and not r["first_differences"][0]["near_tie"]
     far = [_logits([[2.0, 0.0], [1.0, 1.3], [0.0, 9.0]])]  # margins 0.02 + 0.3 > 2 * (0.05 + 0.026)
     assert not logit_agreement([[0, 0, 0]], [[0, 1, 1]], graph, far, torch.bfloat16)["tokens_agree"]
+
+
+# -- routing near-ties ------------------------------------------------------------------------
+
+
+def _flip_case(monkeypatch, swap=None, bump=None):
+    """A bf16 MLA + MoE runner at a 3-sequence decode step whose first router (``model.layers.1``)
+    scores all experts within rounding of each other (every token at a near-tie there), and a
+    stand-in "graph": the eager step with ``swap = (router index, token)``'s K-th expert replaced by
+    its (K+1)-th, ``bump = (token, value)`` added to that token's logits. Returns ``(report, stand-in's caches after, routers,
+    margins {(router, token): margin / its row's largest choice})``."""
+    from ascend_graph import parity
+    from ascend_graph.config import GraphConfig
+    from tests.runner_helpers import Schedule, make_runner, prefilled, small_model
+
+    model = small_model("mla", dtype=torch.bfloat16)
+    routers = parity._routers(model)
+    assert [name for name, _ in routers] == ["model.layers.1.mlp.gate", "model.layers.2.mlp.gate"]
+    flat = routers[0][1].weight
+    with torch.no_grad():
+        flat.copy_(flat[:1] + 1e-5 * torch.randn(flat.shape, generator=torch.Generator().manual_seed(1)))
+    runner = make_runner(model, GraphConfig(enabled=False))
+    sched = Schedule()
+    prefilled(runner, sched, 3, model.config.vocab_size)
+    step = runner.prepare(sched.decode_entries())
+    eager = runner.run_prepared
+    every = []
+    with parity._routing(routers, float("inf"), near=every):
+        eager(step, "eager")
+    margins = {(n["router"], n["token"]): n["margin"] for n in every}
+    stand_in = {}
+
+    def run_prepared(step, mode):
+        if mode == "eager":
+            return eager(step, mode)
+        with parity._routing(routers, 0.0, swap=swap):
+            logits = eager(step, "eager")
+        stand_in["caches"] = [[t.clone() for t in cache] for cache in runner.kv_caches]
+        if bump is not None:
+            logits = logits.clone()
+            logits[bump[0]] += bump[1]
+        return logits
+
+    monkeypatch.setattr(runner, "run_prepared", run_prepared)
+    return parity.compare_prepared(runner, step), stand_in["caches"], runner, margins
+
+
+def test_a_graph_that_took_a_near_tied_expert_passes_with_the_flip_reported(monkeypatch):
+    """The stand-in graph swapped token 1's second expert at the flattened router: its logits and
+    cache blocks are beyond tolerance of eager's, yet eager with that same swap reproduces them, so
+    the step passes and names the flip; the caches end as after the graph step."""
+    plain, *_ = _flip_case(monkeypatch)
+    assert plain.ok and plain.routing_flips == []
+    report, graph_caches, runner, margins = _flip_case(monkeypatch, swap=(0, 1))
+    assert report.logits["max_abs"] > 0.1  # far beyond rounding: a different expert ran
+    assert report.ok, report.summary()
+    assert [(f["token"], f["router"]) for f in report.routing_flips] == [(1, "model.layers.1.mlp.gate")]
+    assert report.routing_flips[0]["margin"] == pytest.approx(margins[(0, 1)])
+    assert all(torch.equal(t, g) for cache, saved in zip(runner.kv_caches, graph_caches) for t, g in zip(cache, saved))
+    assert "1 routing near-tie(s) reproduced" in report.summary()
+
+
+def test_a_flip_that_is_no_near_tie_or_leaves_a_difference_is_a_mismatch(monkeypatch):
+    """Swapping where the router was not at a near-tie (the second router, its widest margin), or
+    a near-tie swap with another token's logits off (a real defect beside it) or its own, fails the step."""
+    *_, margins = _flip_case(monkeypatch)
+    router, token = max((k for k in margins if k[0] == 1), key=margins.get)
+    assert margins[(router, token)] > 0.05  # no near-tie by the bf16 rule (rtol 0.02 of a row's largest choice)
+    report, *_ = _flip_case(monkeypatch, swap=(router, token))
+    assert report.logits["max_abs"] > 0.1 and not report.ok and report.routing_flips == []
+    for bumped in (2, 1):
+        report, *_ = _flip_case(monkeypatch, swap=(0, 1), bump=(bumped, 0.5))
+        assert not report.ok and report.routing_flips == []

@@ -77,16 +77,27 @@ class Router(Float32Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``x [T, E]`` -> ``(weights [T, K] float32, experts [T, K] int64)``."""
+        scores, choice = self.scores(x)
+        experts = choice.topk(self.top_k, dim=-1).indices  # [T, K]
+        return self.expert_weights(scores, experts), experts
+
+    def scores(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``x [T, E]`` -> ``(scores, choice)``, both ``[T, X]`` float32: the experts' scores, and
+        what the top-K is taken over (the scores with the correction bias, outside the best groups
+        -inf)."""
         logits = F.linear(x.float(), self.weight.float())  # [T, X]
         scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if self.topk_method != "greedy" and self.num_groups > 1:
             choice = self._best_groups_only(choice)
-        experts = choice.topk(self.top_k, dim=-1).indices  # [T, K]
+        return scores, choice
+
+    def expert_weights(self, scores: Tensor, experts: Tensor) -> Tensor:
+        """The chosen ``experts [T, K]``'s weights: their scores, optionally normalised, scaled."""
         weights = scores.gather(1, experts)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, experts
+        return weights * self.scaling
 
     def _best_groups_only(self, choice: Tensor) -> Tensor:
         """Mask (to -inf) the experts outside each token's ``topk_group`` best groups."""
