@@ -118,7 +118,8 @@ class StepMatmuls:
     def packed(self):
         """The replay with every bias-free ``linear`` on a weight pre-packed for oneDNN, as Inductor's
         freezing packs it (``inductor_freezing_min_batch``); None where this torch has no oneDNN
-        linear. The packed copies live as long as the returned function."""
+        linear for these weights (no oneDNN, or bfloat16 weights on a CPU without AVX-512 or
+        AVX-NE-CONVERT). The packed copies live as long as the returned function."""
         calls = []
         for op, args, kwargs in self.calls:
             fn = None
@@ -151,7 +152,7 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 def _packed_linear(x: torch.Tensor, w: torch.Tensor):
     """``linear(x, w)`` with ``w`` pre-packed for oneDNN as Inductor's freezing packs it (packed
-    for ``x``'s row count), or None where this torch has no oneDNN linear."""
+    for ``x``'s row count), or None where this torch has no oneDNN linear for ``w``'s dtype here."""
     try:
         packed = pack_for_onednn(w, x.flatten(0, -2).shape[0])
         onednn_linear(x, packed)

@@ -43,6 +43,7 @@ def _build(out_dir: str) -> ctypes.CDLL | None:
     dll.row_times_matrix.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
     dll.read_f32.restype = ctypes.c_double
     dll.read_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+    dll.vector_bits.restype, dll.vector_bits.argtypes = ctypes.c_int, []
     return dll
 
 
@@ -51,6 +52,12 @@ def library() -> ctypes.CDLL | None:
     the loaded library outlives it."""
     with tempfile.TemporaryDirectory() as d:
         return _build(d)
+
+
+def vector_isa() -> str | None:
+    """The vector instructions ``peak.c`` is built with on this CPU: "AVX-512", "AVX2" or None."""
+    dll = library()
+    return None if dll is None else {512: "AVX-512", 256: "AVX2"}.get(dll.vector_bits())
 
 
 def _rate(fn, seconds: float = 0.2, runs: int = 5) -> float | None:

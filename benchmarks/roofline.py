@@ -46,11 +46,11 @@ class CopyProbe:
 
 class ReadProbe:
     """One pass over ``mib`` MiB of float32, bytes read only: the most a read-only stream gets on
-    one core. A hand-written AVX-512 loop (``peak.c``'s ``read_f32``: four vector sums, nothing
-    stored) over memory on 2 MiB pages, as the weights lie; where that does not build, torch's
-    ``sum`` over ordinary memory (``self.how`` says which). The loop reads faster than ``sum``: on
-    the suite's machine 23-32 GB/s over the day's runs (it moves with the machine's load), where
-    ``sum`` had given 19 GB/s."""
+    one core. A hand-written loop (``peak.c``'s ``read_f32``: four AVX-512 or eight AVX2 vector
+    sums, nothing stored) over memory on 2 MiB pages, as the weights lie; where that does not build,
+    torch's ``sum`` over ordinary memory (``self.how`` says which). The loop reads faster than
+    ``sum``: on the suite's Zen 4 machine 23-32 GB/s over a day's runs (it moves with the machine's
+    load), where ``sum`` had given 19 GB/s; 18.5 GB/s on a Zen 3 (AVX2) machine."""
 
     def __init__(self, mib: int = 256) -> None:
         from ascend_graph.runtime import huge_page_buffer
@@ -58,11 +58,11 @@ class ReadProbe:
 
         self.lib, self.sink = peak.library(), torch.zeros(64)
         if self.lib is not None and self.lib.read_f32(self.sink.data_ptr(), 64, self.sink.data_ptr()) == 0.0:
-            self.lib = None  # no AVX-512
+            self.lib = None  # neither AVX-512 nor AVX2
         if self.lib is not None:
             self.src = huge_page_buffer(mib << 20).view(torch.float32)
             self.src.normal_()
-            self.how = f"a {mib} MiB float32 read loop (AVX-512, 2 MiB pages)"
+            self.how = f"a {mib} MiB float32 read loop ({peak.vector_isa()}, 2 MiB pages)"
         else:
             self.src = torch.empty(mib * 2 ** 20 // 4).normal_()
             self.how = f"a {mib} MiB float32 `sum`"

@@ -337,7 +337,7 @@ def test_mla_decode_over_a_paged_cache_reads_the_blocks_in_place(b):
     assert "paged_rows" not in gathered_code
     count = lambda code, op: code.count(f"ascend_graph.{op}.default(")  # noqa: E731
     if b > 1:
-        assert "ascend_graph.rows_bmm.default(" in code  # the queries by W_UK: not cache rows
+        assert ("ascend_graph.rows_bmm.default(" in code) == kernel  # the queries by W_UK: not cache rows
         # over the gathered copy instead: the two scores by expert_rows_mm, the values by rows_bmm
         # (W_UV's product runs expert_rows_mm and W_UK's rows_bmm in both)
         assert count(gathered_code, "expert_rows_mm") - count(code, "expert_rows_mm") == 2 * kernel
