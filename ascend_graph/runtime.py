@@ -142,15 +142,24 @@ def weights_on_huge_pages(model: torch.nn.Module, min_bytes: int = HUGE_PAGE) ->
     return moved
 
 
+# x86 flags (as /proc/cpuinfo names them) that decide which CPU paths run: the project's kernel
+# needs avx512_bf16; oneDNN's bf16 packing avx512 or avx_ne_convert; AMX tiles oneDNN uses where present
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx_ne_convert", "amx_bf16")
+
+
 def machine(device: str = "cpu") -> dict:
     """What figures are measured on: torch and Python versions, the CPU's model name, its cores,
-    torch's threads, and where ``device`` is a CUDA device its name (``gpu``)."""
-    cpu = platform.processor() or platform.machine()
+    torch's threads, the CPU's ``CPU_FLAGS`` it has (``cpu_flags``: two machines of one model
+    name may differ), and where ``device`` is a CUDA device its name (``gpu``)."""
+    cpu, flags = platform.processor() or platform.machine(), []
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
+            lines = f.read().splitlines()
+        cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), cpu)
+        have = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+        flags = [f for f in CPU_FLAGS if f in have]
+    except OSError:
         pass
-    return {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu,
+    return {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu, "cpu_flags": flags,
             "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             **({"gpu": torch.cuda.get_device_name(device)} if torch.device(device).type == "cuda" else {})}

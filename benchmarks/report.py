@@ -33,11 +33,16 @@ def _merged(out: dict) -> str:
         f"{', '.join(parts)} from the run started {when}" for when, parts in sorted(runs.items())) + "."
 
 
+def _flags(c: dict) -> str:
+    """The CPU's vector features that pick the code paths (``runtime.machine``; older results lack them)."""
+    return f" with {', '.join(c['cpu_flags'])}" if c.get("cpu_flags") else ""
+
+
 def markdown(out: dict) -> str:
     """The README's performance section."""
     c = out["conditions"]
     lines = ["## Performance", "",
-             f"Measured with `{out.get('command', 'python -m benchmarks')}` on {c['cpu']} ({c['cores']} cores, "
+             f"Measured with `{out.get('command', 'python -m benchmarks')}` on {c['cpu']}{_flags(c)} ({c['cores']} cores, "
              f"torch threads: {c['torch_threads']}), torch {c['torch']}, Python {c['python']}, {c['when']}. "
              "The machine was shared with other jobs: every comparison is timed interleaved (round robin), "
              "medians; read ratios, not absolute times. CPU only (Inductor, C++ wrapper)." + _merged(out), ""]
