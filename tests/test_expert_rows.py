@@ -18,7 +18,7 @@ from ascend_graph.models import expert_rows
 from test_moe_forms import _moe
 
 needs_kernel = pytest.mark.skipif(not expert_rows.available(),
-                                  reason="expert_rows_mm needs a C compiler and a CPU with AVX512-BF16")
+                                  reason="expert_rows_mm needs a C compiler and a CPU with AVX512-BF16 or AVX2 and FMA")
 
 
 def _oracle(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -348,3 +348,39 @@ def test_paged_products_refuse_bad_input_by_name_before_reading():
         torch.ops.ascend_graph.paged_rows_mm(q[:1], cache, tables)
     with pytest.raises(ValueError, match="paged_rows_mm: x and w must be bfloat16"):
         torch.ops.ascend_graph.paged_rows_mm(q, cache.float(), tables)
+
+
+def test_the_avx2_form_computes_what_the_kernel_computes(tmp_path):
+    """The kernel built for AVX2 and FMA only (each 512-bit vector a pair of 256-bit ones, the pair
+    dot product two fused multiply-adds), as it runs on a CPU without AVX-512: ``expert_rows``
+    through its three forms (1-4 rows: tiles, 5-8: pairs, 9 and more: wide, with K tails) and
+    ``kn_rows`` (interleaved panels, a partial column block, an odd K) within one rounding of
+    float64, as the tests above hold the native build. On any x86 CPU with AVX2, so that a machine
+    with AVX512-BF16 keeps the AVX2 form tested too."""
+    import ctypes
+    import shutil
+
+    from ascend_graph.runtime import machine
+
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None or not {"avx2", "fma"} <= set(machine()["cpu_flags"]):
+        pytest.skip("needs a C compiler and an x86 CPU with AVX2 and FMA")
+    path = expert_rows._compile(cc, ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"], str(tmp_path / "avx2.so"))
+    assert path is not None, "expert_rows.c did not build for AVX2"
+    dll = expert_rows._bind(ctypes.CDLL(path))
+    assert dll.expert_rows_available() == 256
+    gen = torch.Generator().manual_seed(3)
+    for n, k in [(300, 2048), (125, 80), (9, 33)]:
+        counts = torch.tensor([1, 3, 0, 5, 8, 12, 40])
+        ends = counts.cumsum(0).to(torch.int32)
+        w = torch.randn(len(counts), n, k, generator=gen).to(torch.bfloat16)
+        x = torch.randn(int(ends[-1]), k, generator=gen).to(torch.bfloat16)
+        out = torch.full((x.shape[0], n), float("nan"), dtype=torch.bfloat16)
+        assert dll.expert_rows(x.data_ptr(), w.data_ptr(), ends.data_ptr(), out.data_ptr(), len(counts), n, k, 1) == 0
+        _assert_one_rounding(out, _oracle(x, w, ends))
+    for e, rows, k, n in [(3, 5, 65, 80), (2, 16, 512, 512)]:
+        x = torch.randn(e, rows, k, generator=gen).to(torch.bfloat16)
+        w = torch.randn(e, k, n, generator=gen).to(torch.bfloat16)
+        out = torch.full((e, rows, n), float("nan"), dtype=torch.bfloat16)
+        assert dll.kn_rows(x.data_ptr(), w.data_ptr(), k * n, out.data_ptr(), e, rows, k, n, 1) == 0
+        _assert_one_rounding(out, x.double() @ w.double())

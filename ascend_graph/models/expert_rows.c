@@ -15,21 +15,95 @@
 #include <omp.h>
 #endif
 
+#ifdef KERNEL
+#define KERNEL 512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KERNEL 256
+/* A CPU with AVX2 and FMA but not AVX512-BF16 (Zen 3, most x86 servers before 2022): the same
+ * kernel, each of its 512-bit vectors a pair of 256-bit ones and each AVX-512 intrinsic it uses
+ * the function below. The pair dot product does what vdpbf16ps specifies, in its order: the odd
+ * (upper) bf16 of each pair multiplied and added to the sum, then the even one, each a float32
+ * fused multiply-add (a bf16 times a bf16 is exact in float32); denormals are kept, not flushed.
+ * aten's bf16 matmul runs at about 10 GFLOP/s on such a CPU (oneDNN's bf16 path needs AVX-512 or
+ * AVX-NE-CONVERT). */
+typedef struct { __m256 a, b; } ag_ps;
+typedef struct { __m256i a, b; } ag_si;
+#define __m512 ag_ps
+#define __m512i ag_si
+#define __m512bh ag_si
+#define __mmask32 uint32_t
+#define __mmask16 uint16_t
+static inline ag_si ag_loadu(const void *p) {
+    return (ag_si){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)p + 1)};
+}
+static inline ag_si ag_load(const void *p) { return (ag_si){((const __m256i *)p)[0], ((const __m256i *)p)[1]}; }
+static inline ag_ps ag_load_ps(const float *p) { return (ag_ps){_mm256_load_ps(p), _mm256_load_ps(p + 8)}; }
+static inline void ag_store_ps(float *p, ag_ps v) { _mm256_store_ps(p, v.a), _mm256_store_ps(p + 8, v.b); }
+static inline ag_ps ag_zero_ps(void) { return (ag_ps){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline ag_si ag_zero_si(void) { return (ag_si){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline ag_si ag_set1_32(int32_t x) { __m256i v = _mm256_set1_epi32(x); return (ag_si){v, v}; }
+static inline ag_si ag_set1_64(long long x) { __m256i v = _mm256_set1_epi64x(x); return (ag_si){v, v}; }
+static inline __m256 ag_dp8(__m256 acc, __m256i a, __m256i b) {
+    const __m256i high = _mm256_set1_epi32((int32_t)0xffff0000u);
+    acc = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(a, high)),
+                          _mm256_castsi256_ps(_mm256_and_si256(b, high)), acc);
+    return _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)),
+                           _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), acc);
+}
+static inline ag_ps ag_dpbf16(ag_ps acc, ag_si a, ag_si b) {
+    return (ag_ps){ag_dp8(acc.a, a.a, b.a), ag_dp8(acc.b, a.b, b.b)};
+}
+static inline ag_si ag_maskz_loadu_16(uint32_t mask, const void *p) {
+    if (mask == 0xffffffffu) return ag_loadu(p);
+    uint16_t v[32] = {0};
+    for (int i = 0; i < 32; i++)
+        if (mask >> i & 1) v[i] = ((const uint16_t *)p)[i];
+    return ag_loadu(v);
+}
+static inline float ag_reduce_add(ag_ps v) { /* halves, then halves of those, as AVX-512's */
+    __m256 s = _mm256_add_ps(v.a, v.b);
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+static inline void ag_mask_storeu_16(void *p, uint16_t mask, __m256i v) {
+    if (mask == 0xffff) { _mm256_storeu_si256((__m256i *)p, v); return; }
+    uint16_t w[16];
+    _mm256_storeu_si256((__m256i *)w, v);
+    for (int i = 0; i < 16; i++)
+        if (mask >> i & 1) ((uint16_t *)p)[i] = w[i];
+}
+#define _mm512_loadu_si512 ag_loadu
+#define _mm512_load_si512 ag_load
+#define _mm512_load_ps ag_load_ps
+#define _mm512_store_ps ag_store_ps
+#define _mm512_setzero_ps ag_zero_ps
+#define _mm512_setzero_si512 ag_zero_si
+#define _mm512_set1_epi32 ag_set1_32
+#define _mm512_set1_epi64 ag_set1_64
+#define _mm512_dpbf16_ps ag_dpbf16
+#define _mm512_maskz_loadu_epi16 ag_maskz_loadu_16
+#define _mm512_reduce_add_ps ag_reduce_add
+#define _mm256_mask_storeu_epi16 ag_mask_storeu_16
+#define AS_BH                     /* one type for bf16 pairs and integers here */
+#endif
+
 #define TM 4          /* a tile: TM input rows by TN weight rows, TM * TN float32 sums in registers; */
 #define TN 6          /* each weight load feeds TM dot products, each input load TN */
 #define AHEAD 2       /* tiles: the weight rows 2 tiles on are prefetched into L2 while this one runs */
 #define COLS 120      /* weight rows (outputs) per work item, a multiple of TN and of the wide form's 8 and 6 */
 
-/* 1 where this build has the kernel (the CPU has AVX512-BF16), else 0. */
+/* The vector width this build's kernel is written in: 512 (AVX512-BF16), 256 (AVX2 and FMA,
+ * the stand-ins above), or 0: no kernel on this CPU. */
 int expert_rows_available(void) {
-#if defined(__AVX512BF16__)
-    return 1;
+#ifdef KERNEL
+    return KERNEL;
 #else
     return 0;
 #endif
 }
 
-#if defined(__AVX512BF16__)
+#ifdef KERNEL
 static inline uint16_t to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
@@ -54,16 +128,16 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *w, long k
     for (long c = 0; c < full; c += 32) {
         if (pf)
             for (int b = 0; b < tn; b++) _mm_prefetch((const char *)(pf + b * k + c), _MM_HINT_T2);
-        for (int b = 0; b < tn; b++) wv[b] = (__m512bh)_mm512_loadu_si512(wr + b * k + c);
+        for (int b = 0; b < tn; b++) wv[b] = AS_BH _mm512_loadu_si512(wr + b * k + c);
         for (int a = 0; a < tm; a++) {
-            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + a * ldx + c);
+            __m512bh xv = AS_BH _mm512_loadu_si512(x + a * ldx + c);
             for (int b = 0; b < tn; b++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], wv[b], xv);
         }
     }
     if (tail) {
-        for (int b = 0; b < tn; b++) wv[b] = (__m512bh)_mm512_maskz_loadu_epi16(tail, wr + b * k + full);
+        for (int b = 0; b < tn; b++) wv[b] = AS_BH _mm512_maskz_loadu_epi16(tail, wr + b * k + full);
         for (int a = 0; a < tm; a++) {
-            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + a * ldx + full);
+            __m512bh xv = AS_BH _mm512_maskz_loadu_epi16(tail, x + a * ldx + full);
             for (int b = 0; b < tn; b++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], wv[b], xv);
         }
     }
@@ -183,19 +257,19 @@ static inline __attribute__((always_inline)) void pairs_tile(const uint16_t *w, 
     for (long s = 0; s < steps; s++) {
         if (pf && (s & 7) == 0) /* one 64-byte line of each row per 8 steps */
             for (int b = 0; b < nw; b++) _mm_prefetch((const char *)(pf + b * k + 4 * s), _MM_HINT_T2);
-        __m512bh xv = (__m512bh)_mm512_loadu_si512(xq + s * 16);
+        __m512bh xv = AS_BH _mm512_loadu_si512(xq + s * 16);
         for (int b = 0; b < nw; b++) {
             int64_t four;
             memcpy(&four, wr + b * k + 4 * s, 8);
-            acc[b] = _mm512_dpbf16_ps(acc[b], (__m512bh)_mm512_set1_epi64(four), xv);
+            acc[b] = _mm512_dpbf16_ps(acc[b], AS_BH _mm512_set1_epi64(four), xv);
         }
     }
     if (k & 3) { /* the last 1-3 elements, zero-extended: no read past the row */
-        __m512bh xv = (__m512bh)_mm512_loadu_si512(xq + steps * 16);
+        __m512bh xv = AS_BH _mm512_loadu_si512(xq + steps * 16);
         for (int b = 0; b < nw; b++) {
             int64_t four = 0;
             memcpy(&four, wr + b * k + 4 * steps, (size_t)(k & 3) * 2);
-            acc[b] = _mm512_dpbf16_ps(acc[b], (__m512bh)_mm512_set1_epi64(four), xv);
+            acc[b] = _mm512_dpbf16_ps(acc[b], AS_BH _mm512_set1_epi64(four), xv);
         }
     }
     float sums[PW * 16] __attribute__((aligned(64)));
@@ -218,18 +292,18 @@ static inline __attribute__((always_inline)) void wide_tile(const uint16_t *w, l
     for (long p = 0; p < pairs; p++) {
         if (pf && (p & 15) == 0) /* one 64-byte line of each row per 16 pairs */
             for (int b = 0; b < nw; b++) _mm_prefetch((const char *)(pf + b * k + 2 * p), _MM_HINT_T2);
-        for (int j = 0; j < mj; j++) xv[j] = (__m512bh)_mm512_loadu_si512(xq + p * mq + 16 * j);
+        for (int j = 0; j < mj; j++) xv[j] = AS_BH _mm512_loadu_si512(xq + p * mq + 16 * j);
         for (int b = 0; b < nw; b++) {
             int32_t pair;
             memcpy(&pair, wr + b * k + 2 * p, 4);
-            __m512bh wb = (__m512bh)_mm512_set1_epi32(pair);
+            __m512bh wb = AS_BH _mm512_set1_epi32(pair);
             for (int j = 0; j < mj; j++) acc[b][j] = _mm512_dpbf16_ps(acc[b][j], wb, xv[j]);
         }
     }
     if (k & 1) {
-        for (int j = 0; j < mj; j++) xv[j] = (__m512bh)_mm512_loadu_si512(xq + pairs * mq + 16 * j);
+        for (int j = 0; j < mj; j++) xv[j] = AS_BH _mm512_loadu_si512(xq + pairs * mq + 16 * j);
         for (int b = 0; b < nw; b++) {
-            __m512bh wb = (__m512bh)_mm512_set1_epi32((int32_t)wr[b * k + k - 1]);
+            __m512bh wb = AS_BH _mm512_set1_epi32((int32_t)wr[b * k + k - 1]);
             for (int j = 0; j < mj; j++) acc[b][j] = _mm512_dpbf16_ps(acc[b][j], wb, xv[j]);
         }
     }
@@ -307,11 +381,11 @@ static inline __attribute__((always_inline)) void kn_tile(const uint32_t *xq, lo
             _mm_prefetch(pf + 128 * p, _MM_HINT_T2);
             _mm_prefetch(pf + 128 * p + 64, _MM_HINT_T2);
         }
-        __m512bh a = (__m512bh)_mm512_load_si512(panel + 2 * p * pstride);
-        __m512bh b = (__m512bh)_mm512_load_si512(panel + 2 * p * pstride + 1);
+        __m512bh a = AS_BH _mm512_load_si512(panel + 2 * p * pstride);
+        __m512bh b = AS_BH _mm512_load_si512(panel + 2 * p * pstride + 1);
         const uint32_t *xp = xq + (p0 + p) * rows + m0;
         for (int m = 0; m < mt; m++) {
-            __m512bh xv = (__m512bh)_mm512_set1_epi32((int32_t)xp[m]);
+            __m512bh xv = AS_BH _mm512_set1_epi32((int32_t)xp[m]);
             lo[m] = _mm512_dpbf16_ps(lo[m], a, xv);
             hi[m] = _mm512_dpbf16_ps(hi[m], b, xv);
         }
@@ -324,11 +398,39 @@ static inline __attribute__((always_inline)) void kn_tile(const uint32_t *xq, lo
 
 /* 16 float32 rounded to bfloat16 as to_bf16 rounds each */
 static inline __m256i to_bf16_16(__m512 v) {
+#if KERNEL == 512
     __m512i u = _mm512_castps_si512(v);
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
     return _mm512_cvtepi32_epi16(r);
+#else
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff), nan = _mm256_set1_epi32(0x7fc0);
+    __m256i h[2];
+    for (int j = 0; j < 2; j++) {
+        __m256 f = j ? v.b : v.a;
+        __m256i u = _mm256_castps_si256(f);
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), one))), 16);
+        h[j] = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+    }
+    return _mm256_permute4x64_epi64(_mm256_packus_epi32(h[0], h[1]), 0xd8); /* packus interleaves 128-bit lanes */
+#endif
+}
+
+/* Rows r0 and r1 (32 bf16 each) interleaved into pairs: *lo = (r0[j], r1[j]) for j < 16,
+ * *hi = the same for j = 16..31. */
+static inline void interleave_pairs(__m512i r0, __m512i r1, __m512i lo_idx, __m512i hi_idx, __m512i *lo,
+                                    __m512i *hi) {
+#if KERNEL == 512
+    *lo = _mm512_permutex2var_epi16(r0, lo_idx, r1);
+    *hi = _mm512_permutex2var_epi16(r0, hi_idx, r1);
+#else
+    (void)lo_idx, (void)hi_idx;
+    __m256i l0 = _mm256_unpacklo_epi16(r0.a, r1.a), h0 = _mm256_unpackhi_epi16(r0.a, r1.a); /* per 128-bit lane */
+    __m256i l1 = _mm256_unpacklo_epi16(r0.b, r1.b), h1 = _mm256_unpackhi_epi16(r0.b, r1.b);
+    *lo = (ag_si){_mm256_permute2x128_si256(l0, h0, 0x20), _mm256_permute2x128_si256(l0, h0, 0x31)};
+    *hi = (ag_si){_mm256_permute2x128_si256(l1, h1, 0x20), _mm256_permute2x128_si256(l1, h1, 0x31)};
+#endif
 }
 
 /* Row t of a [k, n] matrix: w + t * n, or, through a block table (table not NULL), row t % bs of
@@ -367,8 +469,7 @@ static void kn_matrix(const uint32_t *xq, long rows, const kn_rows_at *at, long 
                 __mmask32 mask = (__mmask32)((1ull << cols) - 1);
                 __m512i r0 = _mm512_maskz_loadu_epi16(mask, w0 + 32 * b);
                 __m512i r1 = w1 ? _mm512_maskz_loadu_epi16(mask, w1 + 32 * b) : _mm512_setzero_si512();
-                panel[(p * blocks + b) * 2] = _mm512_permutex2var_epi16(r0, lo_idx, r1);
-                panel[(p * blocks + b) * 2 + 1] = _mm512_permutex2var_epi16(r0, hi_idx, r1);
+                interleave_pairs(r0, r1, lo_idx, hi_idx, panel + (p * blocks + b) * 2, panel + (p * blocks + b) * 2 + 1);
             }
         }
         /* the next panel's rows are prefetched by the tiles, 128 bytes per pair each, a run of
@@ -427,7 +528,7 @@ static void pack_kn(const uint16_t *x, long rows, long k, uint32_t *xq) {
  * build lacks the kernel or memory for the copied rows. */
 int expert_rows(const uint16_t *x, const uint16_t *w, const int32_t *ends, uint16_t *out, long experts, long n,
                 long k, int threads) {
-#if defined(__AVX512BF16__)
+#ifdef KERNEL
     long rows = experts ? ends[experts - 1] : 0;
     /* rows of x copied 64 bytes further apart than k, for the tiles: rows 4 KiB apart share the
      * same L1 sets; each expert of PAIRS_MIN rows or more packed for the wide forms, at packed[e] */
@@ -471,7 +572,7 @@ int expert_rows(const uint16_t *x, const uint16_t *w, const int32_t *ends, uint1
 #endif
 }
 
-#if defined(__AVX512BF16__)
+#ifdef KERNEL
 /* out[e] = x[e] @ (the [k, n] matrix of entry e) for e < experts: x [experts, rows, k] and out
  * [experts, rows, n] contiguous; entry e's rows as ``kn_row`` finds them from ``base``, offset by
  * e * ws elements (dense) or by e * tw table entries (paged). */
@@ -508,7 +609,7 @@ static int kn_all(const uint16_t *x, const kn_rows_at *base, long ws, long tw, u
  * memory for the packed rows. */
 int kn_rows(const uint16_t *x, const uint16_t *w, long ws, uint16_t *out, long experts, long rows, long k, long n,
             int threads) {
-#if defined(__AVX512BF16__)
+#ifdef KERNEL
     kn_rows_at base = {w, NULL, 0, 0};
     return kn_all(x, &base, ws, 0, out, experts, rows, k, n, threads);
 #else
@@ -529,7 +630,7 @@ int kn_rows(const uint16_t *x, const uint16_t *w, long ws, uint16_t *out, long e
  * kernel or memory for the packed rows. */
 int paged_rows(const uint16_t *x, const uint16_t *cache, const int32_t *table, uint16_t *out, long seqs, long tw,
                long bs, long bstride, long rows, long width, int threads) {
-#if defined(__AVX512BF16__)
+#ifdef KERNEL
     const long k = width, t_all = tw * bs, wide = rows >= PAIRS_MIN;
     const long ldx = (k + 31) / 32 * 32 + 32, per = wide ? packed_dwords(rows, k) : rows * ldx * 2 / 4;
     void *xbuf = aligned_alloc(64, (size_t)(seqs * per > 0 ? seqs * per : 1) * 4);
@@ -564,7 +665,7 @@ int paged_rows(const uint16_t *x, const uint16_t *cache, const int32_t *table, u
 
 int paged_kn(const uint16_t *x, const uint16_t *cache, const int32_t *table, uint16_t *out, long seqs, long tw,
              long bs, long bstride, long rows, long width, int threads) {
-#if defined(__AVX512BF16__)
+#ifdef KERNEL
     kn_rows_at base = {cache, table, bs, bstride};
     return kn_all(x, &base, 0, tw, out, seqs, rows, tw * bs, width, threads);
 #else
