@@ -60,10 +60,6 @@ def _diff(graph: Tensor, eager: Tensor) -> dict:
             "max_rel": (err / e.abs().clamp_min(1e-6)).max().item() if err.numel() else 0.0}
 
 
-def _close(graph: Tensor, eager: Tensor, atol: float, rtol: float) -> bool:
-    return bool(_close_rows(graph, eager, atol, rtol).all())
-
-
 def _close_rows(graph: Tensor, eager: Tensor, atol: float, rtol: float) -> Tensor:
     """``[graph.shape[0]]`` bool: each leading-index slice finite and within tolerance of eager's."""
     ok = torch.isfinite(graph) & ((graph.double() - eager.double()).abs() <= allowed_difference(eager, atol, rtol))

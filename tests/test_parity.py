@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ascend_graph.commands import logit_agreement
-from ascend_graph.parity import _close, allowed_difference, tolerances
+from ascend_graph.parity import _close_rows, allowed_difference, tolerances
 
 
 def test_tolerance_scales_with_the_rows_largest_value_not_each_element():
@@ -21,12 +21,12 @@ def test_tolerance_scales_with_the_rows_largest_value_not_each_element():
     assert allowed == pytest.approx([atol + rtol * 3.0, atol + rtol * 0.2], rel=1e-6)
     near_zero = eager.clone()
     near_zero[0, 1] += 0.09  # within 0.05 + 0.02 * 3 of the first row, far beyond 0.05 + 0.02 * 0.01
-    assert _close(near_zero, eager, atol, rtol)
+    assert bool(_close_rows(near_zero, eager, atol, rtol).all())
     too_far = eager.clone()
     too_far[1, 2] += 0.06  # the second row's largest value is 0.2: 0.054 allowed
-    assert not _close(too_far, eager, atol, rtol)
-    assert not _close(eager + float("nan"), eager, atol, rtol)
-    assert not _close(eager + 1e-3, eager, *tolerances(torch.float32))
+    assert not bool(_close_rows(too_far, eager, atol, rtol).all())
+    assert not bool(_close_rows(eager + float("nan"), eager, atol, rtol).all())
+    assert not bool(_close_rows(eager + 1e-3, eager, *tolerances(torch.float32)).all())
 
 
 def _logits(rows: list[list[float]]) -> torch.Tensor:
