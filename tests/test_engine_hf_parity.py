@@ -56,7 +56,8 @@ def hf_generate(hf, prompt: list[int], new_tokens: int) -> tuple[list[int], torc
 @pytest.mark.parametrize("flavour", list(BACKENDS))
 def test_engine_greedy_generation_matches_transformers(flavour, graph, checkpoints):
     path, reference = checkpoints[flavour]
-    config = GraphConfig(enabled=graph, backend=BACKENDS[flavour], capture_sizes=(1, 2, 4), max_batch_size=4)
+    # batches 2 and 3 run padded to 4: one compile per size, and Inductor's take 20 s each, cold
+    config = GraphConfig(enabled=graph, backend=BACKENDS[flavour], capture_sizes=(1, 4), max_batch_size=4)
     engine = Engine.from_pretrained(path, graph_config=config, dtype=torch.float32, block_size=4,
                                     max_model_len=64)
     tokens, logits = engine.generate(random_prompts(), BUDGETS, return_logits=True)
@@ -70,7 +71,7 @@ def test_engine_greedy_generation_matches_transformers(flavour, graph, checkpoin
     assert stats["free_blocks"] == engine.num_blocks - 1
     if graph:
         assert stats["graph_steps"] == stats["decode_steps"] > 0 and stats["recompiles"] == 0
-        assert stats["compiles"] == 3 and stats["eager_steps"] == {"prefill": 1}
+        assert stats["compiles"] == 2 and stats["eager_steps"] == {"prefill": 1}
     else:
         assert stats["graph_steps"] == 0 and stats["eager_steps"] == {"prefill": 1, "disabled": 39}
 

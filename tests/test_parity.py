@@ -70,7 +70,7 @@ def _flip_case(monkeypatch, swap=None, bump=None):
     from ascend_graph.config import GraphConfig
     from tests.runner_helpers import Schedule, make_runner, prefilled, small_model
 
-    model = small_model("mla", dtype=torch.bfloat16)
+    model = small_model("mla", dtype=torch.bfloat16, layers=3)  # two routers
     routers = parity._routers(model)
     assert [name for name, _ in routers] == ["model.layers.1.mlp.gate", "model.layers.2.mlp.gate"]
     flat = routers[0][1].weight
