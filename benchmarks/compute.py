@@ -139,6 +139,14 @@ def _replay(calls: list) -> Callable[[], list[torch.Tensor]]:
     return replay
 
 
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this torch and CPU have oneDNN's pre-packed linear for ``dtype`` weights: bfloat16
+    needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT (a Zen 3 has neither)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def pack_for_onednn(w: torch.Tensor, rows: int) -> torch.Tensor:
     """``w`` (a linear's ``[N, K]`` weight) packed for oneDNN as Inductor's freezing packs it, for
     inputs of ``rows`` rows: an opaque mkldnn tensor that only ``onednn_linear`` reads."""

@@ -27,7 +27,7 @@ from ascend_graph.backends import resolve_backend
 from ascend_graph.config import GraphConfig
 from ascend_graph.models.moe import RoutedExperts
 from benchmarks.common import interleaved_medians
-from benchmarks.compute import onednn_linear, pack_for_onednn
+from benchmarks.compute import onednn_linear, onednn_packs, pack_for_onednn
 from benchmarks.models import v2_lite_slice
 from benchmarks.roofline import CopyProbe
 
@@ -46,9 +46,9 @@ class PrepackedExperts(RoutedExperts):
                            for gu, d in zip(self.gate_up_proj, self.down_proj)]
 
     @staticmethod
-    def available() -> bool:
-        """Whether this torch has oneDNN's packed linear."""
-        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    def available(dtype: torch.dtype) -> bool:
+        """Whether this torch and CPU pack ``dtype`` weights for oneDNN."""
+        return onednn_packs(dtype)
 
     def expert_mlp(self, rows: Tensor, expert: int) -> Tensor:
         if not rows.shape[0]:
@@ -70,7 +70,7 @@ def measure(tokens=(1, 8, 32), rounds: int = 5, calls: int = 2) -> dict:
     per_expert = 3 * config.hidden_size * config.moe_intermediate_size * 2
     backend = resolve_backend(GraphConfig(enabled=True, backend="inductor"), "cpu")
     rows, probe = [], CopyProbe()
-    prepacked = PrepackedExperts(experts) if PrepackedExperts.available() else None
+    prepacked = PrepackedExperts(experts) if PrepackedExperts.available(torch.bfloat16) else None
     for t in tokens:
         x = torch.randn(t, config.hidden_size, generator=gen).to(torch.bfloat16)
         w = torch.rand(t, k, generator=gen)

@@ -12,7 +12,7 @@ import torch
 from ascend_graph.block_manager import BlockManager
 from ascend_graph.config import GraphConfig
 from ascend_graph.models.moe import RoutedExperts
-from benchmarks.compute import StepMatmuls
+from benchmarks.compute import StepMatmuls, onednn_linear, onednn_packs, pack_for_onednn
 from benchmarks.models import decode_batch, make_runner
 from runner_helpers import small_model
 
@@ -47,8 +47,7 @@ def test_the_pre_packed_replay_computes_the_same_products():
     floor = StepMatmuls(model, lambda: runner.execute(entries, mode="eager"))
     packed = floor.packed()
     if packed is None:  # the suite then times no packed floor either
-        bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        assert not bf16, "oneDNN has bfloat16 on this CPU, yet the weights did not pack"
+        assert not onednn_packs(torch.bfloat16), "oneDNN has bfloat16 on this CPU, yet the weights did not pack"
         pytest.skip("no bfloat16 oneDNN linear here (this torch lacks oneDNN, or the CPU lacks AVX-512 or AVX-NE-CONVERT)")
     plain, prepacked = floor(), packed()
     assert len(plain) == len(prepacked)
@@ -81,3 +80,17 @@ def test_the_compiled_forms_replay_runs_few_row_linears_in_rows_mm_with_the_same
             assert b.shape == a.shape and b.dtype == a.dtype
             torch.testing.assert_close(b, a, rtol=1.6e-2, atol=1e-2)
         monkeypatch.undo()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_packs_says_whether_a_weight_of_that_dtype_packs(dtype):
+    """The suite's MoE-forms part asks ``onednn_packs`` before it packs experts (on a Zen 3 oneDNN
+    refuses bfloat16 weights): its answer is what packing one weight and multiplying by it does."""
+    w, x = torch.randn(8, 16).to(dtype), torch.randn(2, 16).to(dtype)
+    try:
+        out = onednn_linear(x, pack_for_onednn(w, 2))
+    except (AttributeError, RuntimeError):
+        out = None
+    assert onednn_packs(dtype) == (out is not None)
+    if out is not None:
+        torch.testing.assert_close(out.float(), x.float() @ w.float().T, rtol=1.6e-2, atol=1e-2)
