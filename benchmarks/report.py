@@ -98,9 +98,12 @@ def _decode_table(d: dict | None, title: str, bw: dict | None) -> list[str]:
         sep += " --- | --- |"
     has_floor = any("matmuls_s" in r for r in d["rows"])
     has_packed = any("matmuls_packed_s" in r for r in d["rows"])
+    has_aten = any("matmuls_aten_s" in r for r in d["rows"])
+    floor_keys = ("matmuls_s",) + (("matmuls_aten_s",) if has_aten else ()) + (("matmuls_packed_s",) if has_packed else ())
     if has_floor:
-        head += " its matmuls alone ms |" + (" same, pre-packed ms |" if has_packed else "")
-        sep += " --- |" + (" --- |" if has_packed else "")
+        head += (" its matmuls alone ms |" + (" same, all in aten ms |" if has_aten else "")
+                 + (" same, pre-packed ms |" if has_packed else ""))
+        sep += " --- |" * len(floor_keys)
     if has_bytes:
         head += " MB read | copy GB/s | roofline share |"
         sep += " --- | --- | --- |"
@@ -119,7 +122,7 @@ def _decode_table(d: dict | None, title: str, bw: dict | None) -> list[str]:
             aot = r.get("graph_aot_s")
             line += f" {_fmt(aot and aot * 1e3)} | {_fmt(aot and r['eager_s'] / aot)} |"
         if has_floor:
-            for key in ("matmuls_s", "matmuls_packed_s") if has_packed else ("matmuls_s",):
+            for key in floor_keys:
                 line += f" {_fmt(r.get(key) and r[key] * 1e3)} |"
         if has_bytes:
             share = r["bytes"]["total"] / r["graph_s"] / r["copy_bytes_per_s"]
@@ -130,10 +133,14 @@ def _decode_table(d: dict | None, title: str, bw: dict | None) -> list[str]:
                   f"`inductor_freezing_min_batch={d['frozen']['inductor_freezing_min_batch']}` (opt-in), timed in "
                   "the same rounds; its memory cost is in the memory table."]
     if has_floor:
+        how = ("as the compiled step runs them: `rows_mm` (the project's kernel) from 2 to "
+               f"{max(r.get('rows_mm_max_rows', 0) for r in d['rows'])} rows, aten beyond; \"same, all in aten\": "
+               "every one as aten runs it, as before `rows_mm`" if has_aten else
+               "as aten runs them; from 2 rows on the graph step calls the same aten kernels for them")
         lines += ["", "\"its matmuls alone\": the step's matmuls except the routed experts' (attention, dense MLP, "
-                  "shared experts, router, LM head), recorded from an eager step and replayed as aten runs them, "
-                  "timed in the same rounds (`benchmarks/compute.py`, `StepMatmuls`). From 2 rows on the graph "
-                  "step calls the same aten kernels for them; at 1 row it replaces them with generated reductions."
+                  "shared experts, router, LM head), recorded from an eager step and replayed alone, timed in the same "
+                  f"rounds (`benchmarks/compute.py`, `StepMatmuls`), {how}. At 1 row the graph step replaces them "
+                  "with generated reductions."
                   + (" \"Same, pre-packed\": the replay with each linear's weight pre-packed for oneDNN, as the "
                      "frozen runner multiplies them." if has_packed else "")]
     if has_aot:
@@ -417,8 +424,9 @@ if __name__ == "__main__":
         update_readme(cuda_markdown(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cuda")), [],
                       (CUDA_BEGIN, CUDA_END), "benchmarks/results/cuda/*.json")
         sys.exit(0)
-    path = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "results", "suite.json")
+    results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    path = sys.argv[1] if len(sys.argv) > 1 else os.path.join(results, "suite.json")
     with open(path) as f:
         data = json.load(f)
     data["targets"] = targets(data)
-    write_outputs(data, path, os.path.dirname(os.path.abspath(path)))
+    write_outputs(data, path, results)  # a JSON elsewhere (benchmarks/results/avx2/) gets its .md, not the README

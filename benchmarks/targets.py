@@ -169,12 +169,18 @@ def _matmul_floor(out: dict, row: dict, budget_s: float, packed: bool = False) -
     if left_s < 0.00005:  # under the printed 0.1 ms: nothing left, not a rate of thousands of GB/s
         return text + f", all of the {budget_s * 1e3:.{digits}f} ms the goal allows the whole step"
     text += (f", which leaves {left_s * 1e3:.{digits}f} ms of the goal's {budget_s * 1e3:.{digits}f} ms for the "
-             f"{routed / 1e6:.0f} MB of routed experts: {routed / left_s / 1e9:.0f} GB/s")
+             f"{routed / 1e6:.0f} MB of routed experts: {_figure(routed / left_s / 1e9, 0)} GB/s")
     one = _row(out.get("decode_v2"), 1)
     if one and "bytes" in one:
         text += (f", against the {one['bytes']['total'] / one['graph_s'] / 1e9:.1f} GB/s at which the batch-1 graph "
                  "step streams its weights")
     return text
+
+
+def _figure(x: float, places: int) -> str:
+    """``x`` to ``places`` decimals, or to two significant digits where those would print it as 0."""
+    text = f"{x:.{places}f}"
+    return f"{x:.2g}" if x and not float(text) else text
 
 
 def _at_peak(out: dict, flops: float, memory_s: float, what: str, step_s: float | None = None) -> str:
@@ -196,7 +202,7 @@ def _attention_bound(out: dict, floor: dict | None) -> str:
     """The matmul floor of decode attention, and its FLOPs at the machine's best bf16 matmul rate."""
     if not floor:
         return ""
-    text = f"aten's einsums over KV gathered beforehand (eager) reach {floor['share_of_copy_bandwidth']:.2f}"
+    text = f"aten's einsums over KV gathered beforehand (eager) reach {_figure(floor['share_of_copy_bandwidth'], 2)}"
     rates = [r[k] for r in (out.get("compute") or {}).get("rows", [])
              for k in ("bf16_matmul_flops_per_s", "bf16_kernel_matmul_flops_per_s") if k in r]
     d = out["attention"]["conditions"]["dims"]

@@ -77,6 +77,23 @@ def test_a_missed_batch_8_goal_states_what_it_leaves_for_the_routed_experts():
             "against the 25.0 GB/s at which the batch-1 graph step streams its weights") in row["bound"]
 
 
+def test_a_rate_or_share_under_the_printed_precision_is_not_printed_as_zero():
+    """A Zen 3 run left 675 ms for 311 MB (0.46 GB/s) and its attention floor reached 0.004 of copy
+    bandwidth: "0 GB/s" and "reach 0.00" said neither."""
+    run = v2_run()
+    run["decode_v2"]["rows"][1]["transformers_s"] = 30.0  # 10 s allowed: 300 MB in 9.93 s left
+    row = by_name(targets(run), "V2-Lite slice: graph / transformers, batch 8")
+    assert "for the 300 MB of routed experts: 0.03 GB/s," in row["bound"]
+    att = {"conditions": {"dims": {"batch": 32, "context": 2048, "heads": 16, "rope": 64, "kv_lora_rank": 512}},
+           "capacity_ratio": {"tuple (kv_c, k_pe)/compiled": 1.05},
+           "rows": [{"step": "tuple (kv_c, k_pe)", "mode": "compiled", "num_blocks": 256, "bytes_per_s": 2e9,
+                     "share_of_copy_bandwidth": 0.1},
+                    {"step": "floor: matmuls over pre-gathered KV (eager)", "mode": "probe", "num_blocks": 256,
+                     "median_ms": 900.0, "share_of_copy_bandwidth": 0.0042}]}
+    bound = by_name(targets({"attention": att}), "decode attention b32")["bound"]
+    assert "(eager) reach 0.0042" in bound
+
+
 def test_batch_32_matmuls_alone_past_twice_the_roofline_are_named_as_such():
     row = by_name(targets(v2_run()), "V2-Lite slice batch 32: roofline time / step time")
     # roofline 1200 MB / 20 GB/s = 60 ms: the goal allows 120 ms; the matmuls alone take 150 ms
