@@ -45,11 +45,6 @@ class PrepackedExperts(RoutedExperts):
             self.packed = [(pack_for_onednn(gu, rows_hint), pack_for_onednn(d, rows_hint))
                            for gu, d in zip(self.gate_up_proj, self.down_proj)]
 
-    @staticmethod
-    def available(dtype: torch.dtype) -> bool:
-        """Whether this torch and CPU pack ``dtype`` weights for oneDNN."""
-        return onednn_packs(dtype)
-
     def expert_mlp(self, rows: Tensor, expert: int) -> Tensor:
         if not rows.shape[0]:
             return rows.new_empty(0, self.down_proj.shape[1])
@@ -70,7 +65,7 @@ def measure(tokens=(1, 8, 32), rounds: int = 5, calls: int = 2) -> dict:
     per_expert = 3 * config.hidden_size * config.moe_intermediate_size * 2
     backend = resolve_backend(GraphConfig(enabled=True, backend="inductor"), "cpu")
     rows, probe = [], CopyProbe()
-    prepacked = PrepackedExperts(experts) if PrepackedExperts.available(torch.bfloat16) else None
+    prepacked = PrepackedExperts(experts) if onednn_packs(torch.bfloat16) else None
     for t in tokens:
         x = torch.randn(t, config.hidden_size, generator=gen).to(torch.bfloat16)
         w = torch.rand(t, k, generator=gen)

@@ -22,7 +22,7 @@ from ascend_graph.parity import compare_step
 from ascend_graph.runner import GraphRunner
 
 SIZES = (1, 2)
-# pytest-xdist (the README's test command runs two workers): this module's tests share one
+# pytest-xdist (the README's test command runs a worker per core): this module's tests share one
 # compiled runner (``compiled``, a module fixture): keep them on one worker, compiled once
 pytestmark = pytest.mark.xdist_group("aot_inductor")
 

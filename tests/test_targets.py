@@ -69,6 +69,17 @@ def v2_run() -> dict:
                               "bf16_packed_matmul_flops_per_s": 150e9}]}}
 
 
+def attention_run(floor_ms: float, floor_share: float) -> dict:
+    """Decode attention at V2-Lite dims, batch 32, context 2048: the compiled step at 0.1 of copy
+    bandwidth, and the floor (aten's matmuls over KV gathered beforehand) as given."""
+    dims = {"batch": 32, "context": 2048, "heads": 16, "rope": 64, "kv_lora_rank": 512}
+    return {"conditions": {"dims": dims}, "capacity_ratio": {"tuple (kv_c, k_pe)/compiled": 1.05},
+            "rows": [{"step": "tuple (kv_c, k_pe)", "mode": "compiled", "num_blocks": 256, "bytes_per_s": 2e9,
+                      "share_of_copy_bandwidth": 0.1},
+                     {"step": "floor: matmuls over pre-gathered KV (eager)", "mode": "probe", "num_blocks": 256,
+                      "median_ms": floor_ms, "share_of_copy_bandwidth": floor_share}]}
+
+
 def test_a_missed_batch_8_goal_states_what_it_leaves_for_the_routed_experts():
     row = by_name(targets(v2_run()), "V2-Lite slice: graph / transformers, batch 8")
     # 240 ms / 3 = 80 ms allowed; the other matmuls take 70 ms; 300 MB in the 10 ms left is 30 GB/s
@@ -84,13 +95,7 @@ def test_a_rate_or_share_under_the_printed_precision_is_not_printed_as_zero():
     run["decode_v2"]["rows"][1]["transformers_s"] = 30.0  # 10 s allowed: 300 MB in 9.93 s left
     row = by_name(targets(run), "V2-Lite slice: graph / transformers, batch 8")
     assert "for the 300 MB of routed experts: 0.03 GB/s," in row["bound"]
-    att = {"conditions": {"dims": {"batch": 32, "context": 2048, "heads": 16, "rope": 64, "kv_lora_rank": 512}},
-           "capacity_ratio": {"tuple (kv_c, k_pe)/compiled": 1.05},
-           "rows": [{"step": "tuple (kv_c, k_pe)", "mode": "compiled", "num_blocks": 256, "bytes_per_s": 2e9,
-                     "share_of_copy_bandwidth": 0.1},
-                    {"step": "floor: matmuls over pre-gathered KV (eager)", "mode": "probe", "num_blocks": 256,
-                     "median_ms": 900.0, "share_of_copy_bandwidth": 0.0042}]}
-    bound = by_name(targets({"attention": att}), "decode attention b32")["bound"]
+    bound = by_name(targets({"attention": attention_run(900.0, 0.0042)}), "decode attention b32")["bound"]
     assert "(eager) reach 0.0042" in bound
 
 
@@ -174,12 +179,7 @@ def test_the_batch_32_compute_bound_takes_the_kernels_rate_where_it_was_measured
 
 
 def test_the_attention_bound_takes_the_best_rate_measured_aten_or_kernel():
-    dims = {"batch": 32, "context": 2048, "heads": 16, "rope": 64, "kv_lora_rank": 512}
-    att = {"conditions": {"dims": dims}, "capacity_ratio": {"tuple (kv_c, k_pe)/compiled": 1.05},
-           "rows": [{"step": "tuple (kv_c, k_pe)", "mode": "compiled", "num_blocks": 256, "bytes_per_s": 2e9,
-                     "share_of_copy_bandwidth": 0.1},
-                    {"step": "floor: matmuls over pre-gathered KV (eager)", "mode": "probe", "num_blocks": 256,
-                     "median_ms": 30.0, "share_of_copy_bandwidth": 0.12}]}
+    att = attention_run(30.0, 0.12)
     compute = {"rows": [{"batch": 32, "step_flops": 1.0, "bf16_matmul_flops_per_s": 150e9},
                         {"batch": 64, "step_flops": 1.0, "bf16_matmul_flops_per_s": 180e9,
                          "bf16_kernel_matmul_flops_per_s": 200e9}]}
