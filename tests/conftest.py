@@ -8,6 +8,11 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# pytest-xdist runs a worker per core: each worker's torch (and OpenMP) threads share the cores
+# among the workers instead of each taking them all
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture(scope="module")
 def one_torch_thread():
