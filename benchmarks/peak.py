@@ -19,16 +19,17 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import subprocess
 import tempfile
 import time
+
+from ascend_graph.models import expert_rows
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peak.c")
 
 
 def _build(out_dir: str) -> ctypes.CDLL | None:
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    cc = expert_rows.compiler()
     if cc is None:
         return None
     lib = os.path.join(out_dir, "peak.so")

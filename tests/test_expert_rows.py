@@ -358,11 +358,10 @@ def test_the_avx2_form_computes_what_the_kernel_computes(tmp_path):
     float64, as the tests above hold the native build. On any x86 CPU with AVX2, so that a machine
     with AVX512-BF16 keeps the AVX2 form tested too."""
     import ctypes
-    import shutil
 
     from ascend_graph.runtime import machine
 
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    cc = expert_rows.compiler()
     if cc is None or not {"avx2", "fma"} <= set(machine()["cpu_flags"]):
         pytest.skip("needs a C compiler and an x86 CPU with AVX2 and FMA")
     path = expert_rows._compile(cc, ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"], str(tmp_path / "avx2.so"))

@@ -117,10 +117,15 @@ def _compile(cc: str, flags: list[str], path: str) -> str | None:
     return path
 
 
+def compiler() -> str | None:
+    """The system C compiler's path: ``$CC`` (default ``cc``), else ``gcc``; None where there is none."""
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot be built or this CPU has neither AVX512-BF16 nor AVX2 and FMA."""
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    cc = compiler()
     lib = cc and _built(cc)
     if not lib:
         return None
