@@ -350,26 +350,62 @@ def test_paged_products_refuse_bad_input_by_name_before_reading():
         torch.ops.ascend_graph.paged_rows_mm(q, cache.float(), tables)
 
 
-def test_the_avx2_form_computes_what_the_kernel_computes(tmp_path):
-    """The kernel built for AVX2 and FMA only (each 512-bit vector a pair of 256-bit ones, the pair
-    dot product two fused multiply-adds), as it runs on a CPU without AVX-512: ``expert_rows``
-    through its three forms (1-4 rows: tiles, 5-8: pairs, 9 and more: wide, with K tails) and
-    ``kn_rows`` (interleaved panels, a partial column block, an odd K) within one rounding of
-    float64, as the tests above hold the native build. On any x86 CPU with AVX2, so that a machine
-    with AVX512-BF16 keeps the AVX2 form tested too."""
+# The kernel's builds: compiler flags, what ``expert_rows_available`` reports, the CPU flags it runs on.
+BUILDS = {
+    "avx2": (["-mavx2", "-mfma"], 256, {"avx2", "fma"}),
+    "avx512-bf16": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx2", "-mfma"], 512,
+                    {"avx512f", "avx512_bf16"}),  # a CPU with avx512_bf16 has bw, vl and dq
+}
+
+
+def _build_for(name: str, tmp_path):
+    """``expert_rows.c`` built with ``BUILDS[name]``'s flags and bound (skip without a C compiler
+    that takes them)."""
     import ctypes
 
+    cc = expert_rows.compiler()
+    if cc is None:
+        pytest.skip("needs a C compiler")
+    path = expert_rows._compile(cc, ["-O3", *BUILDS[name][0], "-shared", "-fPIC"], str(tmp_path / f"{name}.so"))
+    if path is None:
+        pytest.skip(f"the C compiler does not build for {name} ({' '.join(BUILDS[name][0])})")
+    return expert_rows._bind(ctypes.CDLL(path))
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_each_build_runs_the_form_its_instructions_allow(name, tmp_path):
+    """A build for AVX512-BF16 has the AVX-512 kernel, one for AVX2 and FMA the AVX2 kernel. Runs on
+    any CPU: ``expert_rows_available`` returns a constant, no vector instruction. (A build whose
+    AVX-512 test read ``#ifdef KERNEL`` before anything defined it ran the AVX2 form on every CPU.)"""
+    assert _build_for(name, tmp_path).expert_rows_available() == BUILDS[name][1]
+
+
+def test_the_native_build_is_the_widest_form_this_cpu_runs():
     from ascend_graph.runtime import machine
 
-    cc = expert_rows.compiler()
-    if cc is None or not {"avx2", "fma"} <= set(machine()["cpu_flags"]):
-        pytest.skip("needs a C compiler and an x86 CPU with AVX2 and FMA")
-    path = expert_rows._compile(cc, ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"], str(tmp_path / "avx2.so"))
-    assert path is not None, "expert_rows.c did not build for AVX2"
-    dll = expert_rows._bind(ctypes.CDLL(path))
-    assert dll.expert_rows_available() == 256
+    if expert_rows.compiler() is None:
+        pytest.skip("needs a C compiler")
+    flags = set(machine()["cpu_flags"])
+    widest = next((bits for _, bits, needs in sorted(BUILDS.values(), key=lambda b: -b[1]) if needs <= flags), 0)
+    lib = expert_rows._library()
+    assert (lib.expert_rows_available() if lib is not None else 0) == widest
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_each_build_computes_what_the_kernel_computes(name, tmp_path):
+    """Each build as it runs on a CPU that has its instructions, whatever the native build here:
+    ``expert_rows`` through the forms that build has (AVX-512: 1-4 rows tiles, 5-8 pairs, 9 and
+    more wide; AVX2: the same on pairs of 256-bit vectors), with K
+    tails, and ``kn_rows`` (interleaved panels, a partial column block, an odd K) within one
+    rounding of float64, as the tests above hold the native build. So a machine with AVX512-BF16
+    keeps the AVX2 form tested too."""
+    from ascend_graph.runtime import machine
+
+    if not BUILDS[name][2] <= set(machine()["cpu_flags"]):
+        pytest.skip(f"needs an x86 CPU with {', '.join(sorted(BUILDS[name][2]))}")
+    dll = _build_for(name, tmp_path)
     gen = torch.Generator().manual_seed(3)
-    for n, k in [(300, 2048), (125, 80), (9, 33)]:
+    for n, k in [(300, 2048), (125, 80), (9, 33), (7, 47)]:
         counts = torch.tensor([1, 3, 0, 5, 8, 12, 40])
         ends = counts.cumsum(0).to(torch.int32)
         w = torch.randn(len(counts), n, k, generator=gen).to(torch.bfloat16)

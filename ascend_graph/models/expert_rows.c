@@ -15,8 +15,9 @@
 #include <omp.h>
 #endif
 
-#ifdef KERNEL
+#if defined(__AVX512BF16__)
 #define KERNEL 512
+#define AS_BH (__m512bh) /* an integer vector read as bf16 pairs */
 #elif defined(__AVX2__) && defined(__FMA__)
 #define KERNEL 256
 /* A CPU with AVX2 and FMA but not AVX512-BF16 (Zen 3, most x86 servers before 2022): the same
