@@ -395,7 +395,7 @@ def test_the_native_build_is_the_widest_form_this_cpu_runs():
 def test_each_build_computes_what_the_kernel_computes(name, tmp_path):
     """Each build as it runs on a CPU that has its instructions, whatever the native build here:
     ``expert_rows`` through the forms that build has (AVX-512: 1-4 rows tiles, 5-8 pairs, 9 and
-    more wide; AVX2: the same on pairs of 256-bit vectors), with K
+    more wide; AVX2: its tiles at every count, part tiles of rows and of weight rows), with K
     tails, and ``kn_rows`` (interleaved panels, a partial column block, an odd K) within one
     rounding of float64, as the tests above hold the native build. So a machine with AVX512-BF16
     keeps the AVX2 form tested too."""
