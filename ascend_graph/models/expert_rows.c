@@ -122,19 +122,17 @@ static inline uint16_t to_bf16(float f) {
 }
 
 #if KERNEL == 256
-/* AVX2 runs its own tile, at every row count (no wide forms): 4 input rows by 3 weight rows, 12
- * sums of 8 float32 in 12 of the 16 vector registers, each step 16 weight elements widened to
- * float32 (an AND for the odd ones, a shift for the even ones) and multiplied against the input
- * rows, which are converted to float32 once per call. The AVX-512 forms emulated on pairs of
- * 256-bit vectors (the build before this one) kept twice as many sums as there are registers.
- * One core of a Zen 3, a [12288, 2048] weight streamed from memory, GFLOP/s, the emulated forms
- * against this tile, timed interleaved (one run; the machine was shared): 2 rows 19.4 / 26.3,
- * 3 rows 24.5 / 36.5, 4 rows 28.4 / 43.0, 5 rows 29.0 / 40.7, 8 rows 45.8 / 54.6, 12 rows
- * 39.5 / 47.2, 16 rows 60.2 / 56.4 (the wide form, at its one full shape), 24 rows 29.8 / 47.9,
- * 32 rows 41.8 / 63.8, 64 rows 44.2 / 61.4; 1 row at the memory's rate with either. Tiles of
- * 4 x 2, 3 x 3, 2 x 4 and 5 x 2 measured slower. float32 FMA peak: 102 GFLOP/s. The V2-Lite slice's
- * graph step (context 256), the two builds swapped under one captured runner, interleaved: batch 8
- * 155.9 / 143.0 ms, batch 32 745.8 / 588.0 ms.
+/* AVX2 runs its own tile (up to 15 rows of one weight; from 16 rows whole chunks of 16 go through
+ * its wide form, below): 4 input rows by 3 weight rows, 12 sums of 8 float32 in 12 of the 16
+ * vector registers, each step 16 weight elements widened to float32 (an AND for the odd ones, a
+ * shift for the even ones) and multiplied against the input rows, which are converted to float32
+ * once per call. The AVX-512 forms emulated on pairs of 256-bit vectors (the build before this
+ * one) kept twice as many sums as there are registers. One core of a Zen 3, a [12288, 2048]
+ * weight streamed from memory, GFLOP/s, the emulated forms against this tile, timed interleaved
+ * (one run; the machine was shared): 2 rows 19.4 / 26.3, 3 rows 24.5 / 36.5, 4 rows 28.4 / 43.0,
+ * 5 rows 29.0 / 40.7, 8 rows 45.8 / 54.6, 12 rows 39.5 / 47.2, 16 rows 60.2 / 56.4, 24 rows
+ * 29.8 / 47.9, 32 rows 41.8 / 63.8, 64 rows 44.2 / 61.4; 1 row at the memory's rate with either.
+ * Tiles of 4 x 2, 3 x 3, 2 x 4 and 5 x 2 measured slower. float32 FMA peak: 102 GFLOP/s.
  * The input rows: each 16 elements (a weight load's span) split into the odd elements, then
  * the even ones; zero past k. */
 typedef float xrow_t;
@@ -299,15 +297,11 @@ static void rows_block(const uint16_t *w, long n, long k, const xrow_t *x, long 
  *   141-147, wide form 194-195.
  * Weight rows at a time: PW and NW. More than 8 weight rows 4 KiB apart share an L1 set (12
  * measured slower than 8 at K = 2048; for the pairs form 6 beat 8 and 10). */
-#ifndef PAIRS_MIN
-#if KERNEL == 256 /* AVX2: the tiles at every row count (see its tile) */
-#define PAIRS_MIN LONG_MAX
-#else
 #define PAIRS_MIN 5
-#endif
-#endif
 #define PW 6
 #define NW 8
+
+#if KERNEL != 256
 #define WIDE_ROWS 64 /* rows per pass over the weight: 4 vectors of 16 */
 
 /* rows of the chunk that starts at row m0: WIDE_ROWS, or what is left */
@@ -451,6 +445,101 @@ static void wide_range(const uint16_t *w, long n, long k, const uint32_t *xq, ui
         wide_block(w, n, k, xq, out + m0 * ldo, ldo, mr, i0, i1, next);
         xq += chunk_dwords(mr, k);
     }
+}
+
+#else
+/* The wide form on AVX2, for whole chunks of 16 rows of one weight: the rows packed as float32 (per
+ * pair of elements, the odd ones of the 16 rows, then the even ones), each weight pair broadcast
+ * and widened (AND, shift), 4 weight rows by 16 rows a tile: 8 sums, 4 row vectors and the pair's
+ * 2 vectors in registers; each tile against every chunk while its weight rows are in L1. Same
+ * weight and machine as the tile's figures, GFLOP/s, the tile alone against this form for the
+ * whole chunks (and the tile for the rest), two runs of a few minutes apart: 16 rows 64.3 / 72.6,
+ * 24 rows 63.0 / 70.1 (one chunk and 8 rows), 32 rows 60.9 / 77.9, 64 rows 62.5 / 78.5; at 12
+ * rows this form (one part chunk) ran at 55.9, the tile at 59.1. The V2-Lite slice's graph step
+ * (context 256), the emulated forms' build and this one swapped under one captured runner,
+ * interleaved, ms: batch 8 178.4 / 164.4, batch 32 789.4 / 563.5, batch 64 1434.3 / 1013.0. */
+#define WIDE_ROWS 16 /* rows per chunk: 2 vectors of 8 float32 sums per weight row */
+#define W2_NW 4      /* weight rows per tile: 8 sums, 4 input vectors, a weight pair's 2 in registers */
+
+static inline long chunk_rows(long rows, long m0) { return rows - m0 < WIDE_ROWS ? rows - m0 : WIDE_ROWS; }
+
+/* floats of one packed chunk: per pair of elements, the odd elements of its 16 rows, then the even ones */
+static long chunk_dwords(long rows, long k) { return (void)rows, (k + 1) / 2 * 32; }
+
+static long packed_dwords(long rows, long k) { return (rows + WIDE_ROWS - 1) / WIDE_ROWS * chunk_dwords(WIDE_ROWS, k); }
+
+/* x rows (stride k) as float32, WIDE_ROWS at a time: element e of row m at pair e / 2, lane m of
+ * its odd (e odd) or even half; lanes without a row, and the element past an odd k, zero */
+static void pack_rows(const uint16_t *x, long k, long rows, uint32_t *xq) {
+    for (long m0 = 0; m0 < rows; m0 += WIDE_ROWS) {
+        long mr = chunk_rows(rows, m0), size = chunk_dwords(mr, k);
+        memset(xq, 0, (size_t)size * 4);
+        for (long m = 0; m < mr; m++)
+            for (long e = 0; e < k; e++) xq[e / 2 * 32 + (e & 1 ? 0 : 16) + m] = (uint32_t)x[(m0 + m) * k + e] << 16;
+        xq += size;
+    }
+}
+
+/* out[m, i + b] = dot(x row m, w row i + b) for m < rows <= 16, b < nw: each weight pair broadcast,
+ * its odd element (AND) and even one (shift) as float32, against 16 rows' odd and even elements */
+static inline __attribute__((always_inline)) void w2_tile(const uint16_t *w, long k, const float *xq, uint16_t *out,
+                                                          long ldo, long rows, long i, const int nw,
+                                                          const uint16_t *pf) {
+    const __m256i high = _mm256_set1_epi32((int32_t)0xffff0000u);
+    const long pairs = (k + 1) / 2;
+    const uint16_t *wr = w + i * k;
+    __m256 acc[W2_NW][2];
+    for (int b = 0; b < nw; b++) acc[b][0] = acc[b][1] = _mm256_setzero_ps();
+    for (long p = 0; p < pairs; p++) {
+        if (pf && (p & 15) == 0)
+            for (int b = 0; b < nw; b++) _mm_prefetch((const char *)(pf + b * k + 2 * p), _MM_HINT_T2);
+        const float *xp = xq + p * 32;
+        __m256 o0 = _mm256_load_ps(xp), o1 = _mm256_load_ps(xp + 8), e0 = _mm256_load_ps(xp + 16),
+               e1 = _mm256_load_ps(xp + 24);
+        const int last = 2 * p + 1 == k; /* an odd k's last element alone: no read past the row */
+        for (int b = 0; b < nw; b++) {
+            int32_t pair;
+            if (__builtin_expect(last, 0)) pair = wr[b * k + 2 * p];
+            else memcpy(&pair, wr + b * k + 2 * p, 4);
+            __m256i v = _mm256_set1_epi32(pair);
+            __m256 hi = _mm256_castsi256_ps(_mm256_and_si256(v, high)), lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            acc[b][0] = _mm256_fmadd_ps(lo, e0, _mm256_fmadd_ps(hi, o0, acc[b][0]));
+            acc[b][1] = _mm256_fmadd_ps(lo, e1, _mm256_fmadd_ps(hi, o1, acc[b][1]));
+        }
+    }
+    float sums[W2_NW * 16] __attribute__((aligned(32)));
+    for (int b = 0; b < nw; b++) _mm256_store_ps(sums + b * 16, acc[b][0]), _mm256_store_ps(sums + b * 16 + 8, acc[b][1]);
+    for (long m = 0; m < rows; m++)
+        for (int b = 0; b < nw; b++) out[m * ldo + i + b] = to_bf16(sums[b * 16 + m]);
+}
+
+/* Weight rows i0..i1-1 against ``rows`` packed rows (pack_rows), W2_NW weight rows at a time, each
+ * tile against every chunk of rows while it is in L1; next: as for rows_block. */
+static void wide_range(const uint16_t *w, long n, long k, const uint32_t *xq, uint16_t *out, long ldo, long rows,
+                       long i0, long i1, const uint16_t *next) {
+    const float *xf = (const float *)xq;
+    for (long i = i0; i < i1; i += W2_NW) {
+        const uint16_t *pf = ahead(w, n, k, i + AHEAD * W2_NW, W2_NW, next);
+        for (long m0 = 0; m0 < rows; m0 += WIDE_ROWS) {
+            const float *xc = xf + m0 / WIDE_ROWS * chunk_dwords(WIDE_ROWS, k);
+            long mr = chunk_rows(rows, m0);
+            if (i1 - i >= W2_NW) w2_tile(w, k, xc, out + m0 * ldo, ldo, mr, i, W2_NW, m0 ? NULL : pf);
+            else
+                for (long j = i; j < i1; j++) w2_tile(w, k, xc, out + m0 * ldo, ldo, mr, j, 1, NULL);
+        }
+    }
+}
+#endif
+
+/* The rows of ``count`` (one weight's) that go through a wide form; the rest, the last ones,
+ * through the tiles. AVX-512: all of them from PAIRS_MIN rows. AVX2: whole chunks of WIDE_ROWS,
+ * which its wide form fills (part chunks ran slower there than the tiles). */
+static inline long wide_rows(long count) {
+#if KERNEL == 256
+    return count / WIDE_ROWS * WIDE_ROWS;
+#else
+    return count >= PAIRS_MIN ? count : 0;
+#endif
 }
 
 /* The [K, N] form, for products whose matrix is stored with the reduced dimension first
@@ -631,14 +720,14 @@ int expert_rows(const uint16_t *x, const uint16_t *w, const int32_t *ends, uint1
 #ifdef KERNEL
     long rows = experts ? ends[experts - 1] : 0;
     /* rows of x copied 64 bytes further apart than k, for the tiles: rows 4 KiB apart share the
-     * same L1 sets; each expert of PAIRS_MIN rows or more packed for the wide forms, at packed[e] */
+     * same L1 sets; each expert's wide_rows packed for the wide forms, at packed[e] */
     long ldx = tile_stride(k), total = 0;
     long *packed = malloc((size_t)(experts ? experts : 1) * sizeof(long));
     if (!packed) return -1;
     for (long e = 0; e < experts; e++) {
         long count = ends[e] - (e ? ends[e - 1] : 0);
         packed[e] = total;
-        if (count >= PAIRS_MIN) total += packed_dwords(count, k);
+        if (wide_rows(count)) total += packed_dwords(wide_rows(count), k);
     }
     xrow_t *xp = aligned_alloc(64, (size_t)(rows ? rows : 1) * ldx * sizeof(xrow_t));
     uint32_t *xq = aligned_alloc(64, (size_t)(total ? total : 1) * 4);
@@ -647,21 +736,21 @@ int expert_rows(const uint16_t *x, const uint16_t *w, const int32_t *ends, uint1
         return -1;
     }
     for (long e = 0; e < experts; e++) {
-        long start = e ? ends[e - 1] : 0, count = ends[e] - start;
-        if (count >= PAIRS_MIN) pack_rows(x + start * k, k, count, xq + packed[e]);
-        else tile_rows(x + start * k, k, count, xp + start * ldx, ldx);
+        long start = e ? ends[e - 1] : 0, count = ends[e] - start, wide = wide_rows(count);
+        if (wide) pack_rows(x + start * k, k, wide, xq + packed[e]);
+        tile_rows(x + (start + wide) * k, k, count - wide, xp + (start + wide) * ldx, ldx);
     }
     long blocks = (n + COLS - 1) / COLS, items = experts * blocks;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
     for (long item = 0; item < items; item++) {
         long e = item / blocks, b = item % blocks;
-        long start = e ? ends[e - 1] : 0, count = ends[e] - start;
+        long start = e ? ends[e - 1] : 0, count = ends[e] - start, wide = wide_rows(count);
         if (count <= 0) continue;
         long i0 = b * COLS, i1 = i0 + COLS < n ? i0 + COLS : n;
-        if (count >= PAIRS_MIN)
-            wide_range(w + e * n * k, n, k, xq + packed[e], out + start * n, n, count, i0, i1, NULL);
-        else
-            rows_block(w + e * n * k, n, k, xp + start * ldx, ldx, out + start * n, n, i0, i1, count, NULL);
+        if (wide) wide_range(w + e * n * k, n, k, xq + packed[e], out + start * n, n, wide, i0, i1, NULL);
+        if (count > wide)
+            rows_block(w + e * n * k, n, k, xp + (start + wide) * ldx, ldx, out + (start + wide) * n, n, i0, i1,
+                       count - wide, NULL);
     }
     free(packed), free(xp), free(xq);
     return 0;
@@ -730,13 +819,15 @@ int kn_rows(const uint16_t *x, const uint16_t *w, long ws, uint16_t *out, long e
 int paged_rows(const uint16_t *x, const uint16_t *cache, const int32_t *table, uint16_t *out, long seqs, long tw,
                long bs, long bstride, long rows, long width, int threads) {
 #ifdef KERNEL
-    const long k = width, t_all = tw * bs, wide = rows >= PAIRS_MIN;
-    const long ldx = tile_stride(k), per = wide ? packed_dwords(rows, k) : rows * ldx * (long)sizeof(xrow_t) / 4;
-    void *xbuf = aligned_alloc(64, (size_t)(seqs * per > 0 ? seqs * per : 1) * 4);
+    const long k = width, t_all = tw * bs, wide = wide_rows(rows), ldx = tile_stride(k);
+    /* per sequence: its wide rows packed (per_wide dwords), then the rest copied for the tiles */
+    const long per_wide = wide ? packed_dwords(wide, k) : 0;
+    const long per = per_wide + (rows - wide) * ldx * (long)sizeof(xrow_t) / 4;
+    uint32_t *xbuf = aligned_alloc(64, (size_t)(seqs * per > 0 ? seqs * per : 1) * 4);
     if (!xbuf) return -1;
     for (long s = 0; s < seqs; s++) {
-        if (wide) pack_rows(x + s * rows * k, k, rows, (uint32_t *)xbuf + s * per);
-        else tile_rows(x + s * rows * k, k, rows, (xrow_t *)xbuf + s * rows * ldx, ldx);
+        if (wide) pack_rows(x + s * rows * k, k, wide, xbuf + s * per);
+        tile_rows(x + (s * rows + wide) * k, k, rows - wide, (xrow_t *)(xbuf + s * per + per_wide), ldx);
     }
     long chunk = COLS / bs < 1 ? 1 : COLS / bs; /* blocks per work item */
     long per_seq = (tw + chunk - 1) / chunk, items = seqs * per_seq;
@@ -747,8 +838,10 @@ int paged_rows(const uint16_t *x, const uint16_t *cache, const int32_t *table, u
             const uint16_t *wb = cache + table[s * tw + j] * bstride;
             const uint16_t *next = j + 1 < tw ? cache + table[s * tw + j + 1] * bstride : NULL;
             uint16_t *o = out + s * rows * t_all + j * bs;
-            if (wide) wide_range(wb, bs, k, (uint32_t *)xbuf + s * per, o, t_all, rows, 0, bs, next);
-            else rows_block(wb, bs, k, (xrow_t *)xbuf + s * rows * ldx, ldx, o, t_all, 0, bs, rows, next);
+            if (wide) wide_range(wb, bs, k, xbuf + s * per, o, t_all, wide, 0, bs, next);
+            if (rows > wide)
+                rows_block(wb, bs, k, (xrow_t *)(xbuf + s * per + per_wide), ldx, o + wide * t_all, t_all, 0, bs,
+                           rows - wide, wide ? NULL : next);
         }
     }
     free(xbuf);
