@@ -121,7 +121,7 @@ def few_rows_streams(weight_mib: int = 48, k: int = 2048, rows=(1, 2, 3, 4, 8, 1
                      runs: int = 9) -> list[dict]:
     """GB/s of bfloat16 weight read by an ``r``-row product on one core, median of ``runs``, per
     row count: aten's ``F.linear`` against the project's kernel (``rows_mm``; the MoE's
-    ``expert_rows_mm`` is the same kernel; from 5 rows it runs its wide forms) on the same
+    ``expert_rows_mm`` is the same kernel; from 5 rows, on AVX2 from 16, it runs its wide forms) on the same
     row-major weights. The compiled step runs its dense products of
     2 to ``ROWS_MM_MAX`` rows in the kernel. The calls take turns over four weights, so each weight
     was last read three calls (three times the last-level cache) before. Empty where the kernel

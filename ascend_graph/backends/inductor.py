@@ -33,7 +33,8 @@ DEFAULT_CPP_WRAPPER = {"cpu": True, "cuda": False, "npu": False}
 # With 2 to ROWS_MM_MAX rows, a bfloat16 matmul over a plain weight runs the project's kernel
 # (``ascend_graph::rows_mm``, models/expert_rows.py) where it is available: up to 4 rows in
 # tiles of dot products, from 5 rows in its wide forms (weight elements broadcast against the
-# rows packed in pairs). aten re-lays the weight out for oneDNN on every call. Measured with
+# rows packed in pairs; on AVX2, which has no bf16 dot product, the tiles up to 15 rows and a
+# wide form for whole chunks of 16). The figures below are AVX512-BF16's. aten re-lays the weight out for oneDNN on every call. Measured with
 # ``python -m benchmarks.peak`` (torch 2.13, 1 thread, [12288, 2048] weights read from memory,
 # GB/s of weight streamed, aten F.linear vs the kernel): 2 rows 14.1 vs 21.4, 4 rows 12.8 vs
 # 22.3, 8 rows 10.3 vs 14.3, 16 rows 7.6 vs 8.3. One-off, GFLOP/s aten vs kernel, [12288, 2048] /

@@ -23,8 +23,10 @@
 #elif defined(__AVX2__) && defined(__FMA__)
 #define KERNEL 256
 /* A CPU with AVX2 and FMA but not AVX512-BF16 (Zen 3, most x86 servers before 2022): the same
- * kernel, each of its 512-bit vectors a pair of 256-bit ones and each AVX-512 intrinsic it uses
- * the function below. The pair dot product does what vdpbf16ps specifies, in its order: the odd
+ * row-major products run forms of their own (tile and wide form, below: AVX2 has no bf16 dot
+ * product, and the AVX-512 forms keep more sums than its 16 registers hold); the [K, N] products
+ * (kn_rows, paged_kn) run the same kernel, each of its 512-bit vectors a pair of 256-bit ones and
+ * each AVX-512 intrinsic it uses the function below. The pair dot product does what vdpbf16ps specifies, in its order: the odd
  * (upper) bf16 of each pair multiplied and added to the sum, then the even one, each a float32
  * fused multiply-add (a bf16 times a bf16 is exact in float32); denormals are kept, not flushed.
  * aten's bf16 matmul runs at about 10 GFLOP/s on such a CPU (oneDNN's bf16 path needs AVX-512 or
@@ -63,12 +65,12 @@ static inline ag_si ag_maskz_loadu_16(uint32_t mask, const void *p) {
         if (mask >> i & 1) v[i] = ((const uint16_t *)p)[i];
     return ag_loadu(v);
 }
-static inline float ag_reduce_add(ag_ps v) { /* halves, then halves of those, as AVX-512's */
-    __m256 s = _mm256_add_ps(v.a, v.b);
-    __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+static inline float hsum256(__m256 v) { /* halves, then halves of those */
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     q = _mm_add_ps(q, _mm_movehl_ps(q, q));
     return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
+static inline float ag_reduce_add(ag_ps v) { return hsum256(_mm256_add_ps(v.a, v.b)); } /* as AVX-512's */
 static inline void ag_mask_storeu_16(void *p, uint16_t mask, __m256i v) {
     if (mask == 0xffff) { _mm256_storeu_si256((__m256i *)p, v); return; }
     uint16_t w[16];
@@ -147,12 +149,6 @@ static void tile_rows(const uint16_t *x, long k, long rows, float *dst, long ldx
             memcpy(d + e / 16 * 16 + (e & 1 ? 0 : 8) + e % 16 / 2, &u, 4);
         }
     }
-}
-
-static inline float hsum256(__m256 v) {
-    __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
 
 /* acc[a][b] += 16 weight elements v of row b times the same of row a of x (split), for a < tm */
@@ -455,7 +451,10 @@ static void wide_range(const uint16_t *w, long n, long k, const uint32_t *xq, ui
  * weight and machine as the tile's figures, GFLOP/s, the tile alone against this form for the
  * whole chunks (and the tile for the rest), two runs of a few minutes apart: 16 rows 64.3 / 72.6,
  * 24 rows 63.0 / 70.1 (one chunk and 8 rows), 32 rows 60.9 / 77.9, 64 rows 62.5 / 78.5; at 12
- * rows this form (one part chunk) ran at 55.9, the tile at 59.1. The V2-Lite slice's graph step
+ * rows this form (one part chunk) ran at 55.9, the tile at 59.1. Over a paged cache's blocks of
+ * 16 rows of 576 (MLA scores, 16 heads, batch 32, context 2048) it ran at 0.81-0.93 of the emulated
+ * form's speed (about 20 ms; the tile alone 0.7, rows packed as bf16 pairs 0.92-0.96 but 0.8 of
+ * this at 32 rows of a dense weight). The V2-Lite slice's graph step
  * (context 256), the emulated forms' build and this one swapped under one captured runner,
  * interleaved, ms: batch 8 178.4 / 164.4, batch 32 789.4 / 563.5, batch 64 1434.3 / 1013.0. */
 #define WIDE_ROWS 16 /* rows per chunk: 2 vectors of 8 float32 sums per weight row */

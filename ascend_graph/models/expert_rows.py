@@ -34,10 +34,13 @@ It is built on first use with the system C compiler (``cc``, or ``$CC``) for thi
 (``-march=native``, OpenMP where the compiler has it: ``torch.get_num_threads()`` threads), about
 2 s here, and kept in ``cache_dir()`` for later processes, by a key over the source, the compiler,
 its flags and the CPU. It is written for AVX512-BF16; on a CPU with AVX2 and FMA only (Zen 3,
-most x86 servers before 2022) the same source builds with each 512-bit vector as two 256-bit ones
-and the bf16 pair dot product as two float32 fused multiply-adds (``expert_rows.c``), where aten's
-bf16 matmul runs at about 10 GFLOP/s: a [10944, 2048] weight times 1/8/16/64 rows, one core, one
-run, aten 4.9/35.0/69.6/276.7 ms, the kernel 2.8/8.1/11.9/70.3 ms. ``isa()`` says which. Where
+most x86 servers before 2022), where aten's bf16 matmul runs at about 10 GFLOP/s, the row-major
+products (``expert_rows_mm``, ``rows_mm``, ``paged_rows_mm``) run forms of their own on 256-bit
+vectors, widening bf16 to float32 (a tile of dot products, and a wide form for whole chunks of 16
+rows), and the ``[K, N]`` products the same source with each 512-bit vector as two 256-bit ones
+and the bf16 pair dot product as two float32 fused multiply-adds (``expert_rows.c``): one Zen 3
+core, a [12288, 2048] weight, 4 / 32 / 64 rows at 53.6 / 77.5 / 73.9 GFLOP/s (aten about 10;
+float32 FMA peak 102). ``isa()`` says which. Where
 there is no compiler, neither instruction set, or ``ASCEND_GRAPH_EXPERT_KERNEL=0``,
 ``available()`` is False and the MoE keeps ``torch._grouped_mm``.
 """
@@ -148,8 +151,8 @@ def _bind(dll: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def isa() -> str | None:
-    """The instructions the kernel runs here: "AVX512-BF16", "AVX2" (the same kernel on 256-bit
-    vectors), or None where it does not run."""
+    """The instructions the kernel runs here: "AVX512-BF16", "AVX2" (its 256-bit forms, see the
+    module docstring), or None where it does not run."""
     if not available():
         return None
     return {512: "AVX512-BF16", 256: "AVX2"}[_library().expert_rows_available()]
