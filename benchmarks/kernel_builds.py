@@ -1,0 +1,139 @@
+"""Two builds of the few-row kernel (``ascend_graph/models/expert_rows.c``) side by side in one
+process: the source at a git revision against the working tree's, for measuring a change to the
+kernel before and after.
+
+- ``rows``: GFLOP/s of ``expert_rows`` (one weight, ``r`` rows, what ``rows_mm`` runs) over a
+  [12288, 2048] bf16 weight streamed from memory (four weights on 2 MiB pages taken in turn), both builds
+  interleaved, medians; each result checked against a float64 product.
+- ``--step``: the V2-Lite slice's graph step (context 256) at the given batches, one captured
+  runner, the two builds swapped between calls (``expert_rows._library``), interleaved.
+
+    python -m benchmarks.kernel_builds --old 55a1e36 [--rows 1,2,4,8,16,32,64] [--step 8,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from ascend_graph.models import expert_rows  # noqa: E402
+from benchmarks.common import interleaved_samples  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def build(source: str, out_dir: str, name: str) -> ctypes.CDLL:
+    """``source`` (C text of ``expert_rows.c``) built as ``expert_rows`` builds it here, and bound."""
+    src, lib = os.path.join(out_dir, f"{name}.c"), os.path.join(out_dir, f"{name}.so")
+    with open(src, "w") as f:
+        f.write(source)
+    cc = expert_rows.compiler()
+    if cc is None:
+        raise RuntimeError("kernel_builds: no C compiler ($CC, cc or gcc)")
+    done = subprocess.run([cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", src, "-o", lib],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"kernel_builds: {name} does not build:\n{done.stderr}")
+    dll = expert_rows._bind(ctypes.CDLL(lib))
+    if not dll.expert_rows_available():
+        raise RuntimeError(f"kernel_builds: {name} has no kernel for this CPU")
+    return dll
+
+
+def source_at(rev: str) -> str:
+    """``expert_rows.c`` as git revision ``rev`` has it."""
+    return subprocess.run(["git", "-C", REPO, "show", f"{rev}:ascend_graph/models/expert_rows.c"],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def rows_rates(dlls: dict[str, ctypes.CDLL], rows=(1, 2, 4, 8, 16, 32, 64), n: int = 12288, k: int = 2048,
+               runs: int = 7) -> list[dict]:
+    """Per row count, GFLOP/s of each build's ``expert_rows`` on one thread, medians of ``runs``
+    interleaved; each output within one bf16 rounding of the float64 product (else ValueError).
+    The weights lie on 2 MiB pages, as the runner puts a model's."""
+    from ascend_graph.runtime import huge_page_buffer
+
+    buf = huge_page_buffer(4 * n * k * 2).view(torch.bfloat16)
+    buf.normal_()
+    weights = [buf[i * n * k:(i + 1) * n * k].view(n, k) for i in range(4)]
+    found, made = [], 0
+    for r in rows:
+        x, ends = torch.randn(r, k).to(torch.bfloat16), torch.tensor([r], dtype=torch.int32)
+        times: dict[str, list[float]] = {name: [] for name in dlls}
+        for _ in range(runs):
+            for name, dll in dlls.items():
+                w, out = weights[made % 4], torch.empty(r, n, dtype=torch.bfloat16)
+                made += 1
+                start = time.perf_counter()
+                dll.expert_rows(x.data_ptr(), w.data_ptr(), ends.data_ptr(), out.data_ptr(), 1, n, k, 1)
+                times[name].append(time.perf_counter() - start)
+                exact = x.double() @ w.double().T
+                if not ((out.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all():
+                    raise ValueError(f"kernel_builds: {name} at {r} rows is not within one rounding")
+        found.append({"rows": r, **{name: 2 * r * n * k / statistics.median(t) / 1e9 for name, t in times.items()}})
+    return found
+
+
+def step_times(dlls: dict[str, ctypes.CDLL], sizes: tuple[int, ...], rounds: int = 7) -> list[dict]:
+    """Per batch, ms of a V2-Lite-slice graph step with each build, one runner, interleaved."""
+    from ascend_graph.block_manager import BlockManager
+    from ascend_graph.config import GraphConfig
+    from benchmarks.models import build as build_model, cases, decode_batch, make_runner
+
+    case = cases(False)["v2_lite_slice"]
+    config = GraphConfig(enabled=True, backend="inductor", capture_sizes=sizes, max_batch_size=max(sizes))
+    runner = make_runner(build_model(case), config, sizes, case.context)
+    runner.capture(show_progress=False)
+    blocks, found, kept = BlockManager(runner.num_blocks, runner.block_size), [], expert_rows._library
+    try:
+        for n in sizes:
+            entries = decode_batch(runner, blocks, n, case.context)
+
+            def with_build(name: str):
+                def step():
+                    expert_rows._library = lambda: dlls[name]
+                    runner.execute(entries, mode="graph")
+                return step
+
+            samples = interleaved_samples({name: with_build(name) for name in dlls}, rounds=rounds,
+                                          calls_per_round=2, warmup=1)
+            found.append({"batch": n, **{name: statistics.median(s) * 1e3 for name, s in samples.items()}})
+    finally:
+        expert_rows._library = kept
+    return found
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--old", required=True, help="git revision whose expert_rows.c is the 'before'")
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64")
+    parser.add_argument("--step", default="", help="batches of a V2-Lite-slice graph step to time, e.g. 8,32")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    with open(expert_rows.SOURCE) as f:
+        now = f.read()
+    with tempfile.TemporaryDirectory() as d:
+        dlls = {"old": build(source_at(args.old), d, "old"), "now": build(now, d, "now")}
+    for row in rows_rates(dlls, tuple(int(r) for r in args.rows.split(","))):
+        print(f"{row['rows']:3d} rows: old {row['old']:6.1f} GFLOP/s, now {row['now']:6.1f}, "
+              f"now/old {row['now'] / row['old']:.2f}", flush=True)
+    if args.step:
+        for row in step_times(dlls, tuple(int(b) for b in args.step.split(","))):
+            print(f"batch {row['batch']:3d}: old {row['old']:8.1f} ms, now {row['now']:8.1f} ms, "
+                  f"old/now {row['old'] / row['now']:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

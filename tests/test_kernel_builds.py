@@ -1,0 +1,26 @@
+"""``benchmarks.kernel_builds``: two builds of the kernel side by side, each result checked."""
+
+from __future__ import annotations
+
+import pytest
+
+from ascend_graph.models import expert_rows
+from benchmarks import kernel_builds
+
+pytestmark = pytest.mark.skipif(not expert_rows.available(),
+                                reason="needs the kernel (a C compiler and AVX512-BF16 or AVX2 and FMA)")
+
+
+def test_two_builds_are_timed_side_by_side_and_a_wrong_one_is_refused(tmp_path):
+    with open(expert_rows.SOURCE) as f:
+        source = f.read()
+    dlls = {"old": kernel_builds.build(source, str(tmp_path), "old"),
+            "now": kernel_builds.build(source, str(tmp_path), "now")}
+    rows = kernel_builds.rows_rates(dlls, rows=(1, 5, 17), n=70, k=96, runs=1)
+    assert [r["rows"] for r in rows] == [1, 5, 17]
+    assert all(r["old"] > 0 and r["now"] > 0 for r in rows)
+    doubled = source.replace("to_bf16(float f) {", "to_bf16(float f) {\n    f = 2 * f;", 1)
+    assert doubled != source
+    dlls["now"] = kernel_builds.build(doubled, str(tmp_path), "doubled")
+    with pytest.raises(ValueError, match="now at 1 rows is not within one rounding"):
+        kernel_builds.rows_rates(dlls, rows=(1,), n=70, k=96, runs=1)
