@@ -9,7 +9,6 @@
  * expert_rows.py. bfloat16 pair dot products (vdpbf16ps) accumulate in float32; each output is
  * rounded once to bfloat16, to nearest even. */
 #include <immintrin.h>
-#include <limits.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,13 +21,14 @@
 #define AS_BH (__m512bh) /* an integer vector read as bf16 pairs */
 #elif defined(__AVX2__) && defined(__FMA__)
 #define KERNEL 256
-/* A CPU with AVX2 and FMA but not AVX512-BF16 (Zen 3, most x86 servers before 2022): the same
+/* A CPU with AVX2 and FMA but not AVX512-BF16 (Zen 3, most x86 servers before 2022): the
  * row-major products run forms of their own (tile and wide form, below: AVX2 has no bf16 dot
  * product, and the AVX-512 forms keep more sums than its 16 registers hold); the [K, N] products
  * (kn_rows, paged_kn) run the same kernel, each of its 512-bit vectors a pair of 256-bit ones and
- * each AVX-512 intrinsic it uses the function below. The pair dot product does what vdpbf16ps specifies, in its order: the odd
- * (upper) bf16 of each pair multiplied and added to the sum, then the even one, each a float32
- * fused multiply-add (a bf16 times a bf16 is exact in float32); denormals are kept, not flushed.
+ * each AVX-512 intrinsic it uses the function below. The pair dot product does what vdpbf16ps
+ * specifies, in its order: the odd (upper) bf16 of each pair multiplied and added to the sum, then
+ * the even one, each a float32 fused multiply-add (a bf16 times a bf16 is exact in float32);
+ * denormals are kept, not flushed.
  * aten's bf16 matmul runs at about 10 GFLOP/s on such a CPU (oneDNN's bf16 path needs AVX-512 or
  * AVX-NE-CONVERT). */
 typedef struct { __m256 a, b; } ag_ps;
@@ -93,14 +93,11 @@ static inline void ag_mask_storeu_16(void *p, uint16_t mask, __m256i v) {
 #define AS_BH                     /* one type for bf16 pairs and integers here */
 #endif
 
-#ifndef TM           /* a tile: TM input rows by TN weight rows, TM * TN float32 sums in registers; */
+#define TM 4          /* a tile: TM input rows by TN weight rows, TM * TN float32 sums in registers; */
 #if KERNEL == 256     /* each weight load feeds TM dot products, each input load TN */
-#define TM 4
 #define TN 3
 #else
-#define TM 4
 #define TN 6
-#endif
 #endif
 #define AHEAD 2       /* tiles: the weight rows 2 tiles on are prefetched into L2 while this one runs */
 #define COLS 120      /* weight rows (outputs) per work item, a multiple of TN and of the wide form's 8 and 6 */
@@ -501,13 +498,17 @@ static inline __attribute__((always_inline)) void w2_tile(const uint16_t *w, lon
             if (__builtin_expect(last, 0)) pair = wr[b * k + 2 * p];
             else memcpy(&pair, wr + b * k + 2 * p, 4);
             __m256i v = _mm256_set1_epi32(pair);
-            __m256 hi = _mm256_castsi256_ps(_mm256_and_si256(v, high)), lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            __m256 hi = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+            __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
             acc[b][0] = _mm256_fmadd_ps(lo, e0, _mm256_fmadd_ps(hi, o0, acc[b][0]));
             acc[b][1] = _mm256_fmadd_ps(lo, e1, _mm256_fmadd_ps(hi, o1, acc[b][1]));
         }
     }
     float sums[W2_NW * 16] __attribute__((aligned(32)));
-    for (int b = 0; b < nw; b++) _mm256_store_ps(sums + b * 16, acc[b][0]), _mm256_store_ps(sums + b * 16 + 8, acc[b][1]);
+    for (int b = 0; b < nw; b++) {
+        _mm256_store_ps(sums + b * 16, acc[b][0]);
+        _mm256_store_ps(sums + b * 16 + 8, acc[b][1]);
+    }
     for (long m = 0; m < rows; m++)
         for (int b = 0; b < nw; b++) out[m * ldo + i + b] = to_bf16(sums[b * 16 + m]);
 }
