@@ -5,10 +5,12 @@ kernel before and after.
 - ``rows``: GFLOP/s of ``expert_rows`` (one weight, ``r`` rows, what ``rows_mm`` runs) over a
   [12288, 2048] bf16 weight streamed from memory (four weights on 2 MiB pages taken in turn), both builds
   interleaved, medians; each result checked against a float64 product.
+- ``--paged``: ms of MLA decode's attention scores over a paged cache (``paged_rows``: 16 heads,
+  rows of 576, blocks of 16, batch 32, context 2048), both builds interleaved, checked likewise.
 - ``--step``: the V2-Lite slice's graph step (context 256) at the given batches, one captured
   runner, the two builds swapped between calls (``expert_rows._library``), interleaved.
 
-    python -m benchmarks.kernel_builds --old 55a1e36 [--rows 1,2,4,8,16,32,64] [--step 8,32]
+    python -m benchmarks.kernel_builds --old 55a1e36 [--rows 1,2,4,8,16,32,64] [--paged] [--step 8,32]
 """
 
 from __future__ import annotations
@@ -86,6 +88,28 @@ def rows_rates(dlls: dict[str, ctypes.CDLL], rows=(1, 2, 4, 8, 16, 32, 64), n: i
     return found
 
 
+def paged_times(dlls: dict[str, ctypes.CDLL], seqs: int = 32, heads: int = 16, width: int = 576,
+                block: int = 16, context: int = 2048, runs: int = 9) -> dict[str, float]:
+    """Median ms of each build's ``paged_rows`` (one thread) over blocks in a shuffled table; each
+    output within one bf16 rounding of the float64 product over the gathered rows (else ValueError)."""
+    per = context // block
+    cache = torch.randn(seqs * per + 8, block, width).to(torch.bfloat16)
+    table = torch.randperm(cache.shape[0])[:seqs * per].view(seqs, per).to(torch.int32).contiguous()
+    x = torch.randn(seqs, heads, width).to(torch.bfloat16)
+    exact = x.double() @ cache[table.long()].flatten(1, 2).double().transpose(1, 2)
+    times: dict[str, list[float]] = {name: [] for name in dlls}
+    for _ in range(runs):
+        for name, dll in dlls.items():
+            out = torch.empty(seqs, heads, context, dtype=torch.bfloat16)
+            start = time.perf_counter()
+            dll.paged_rows(x.data_ptr(), cache.data_ptr(), table.data_ptr(), out.data_ptr(), seqs, per, block,
+                           block * width, heads, width, 1)
+            times[name].append(time.perf_counter() - start)
+            if not ((out.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all():
+                raise ValueError(f"kernel_builds: {name}'s paged scores are not within one rounding")
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
 def step_times(dlls: dict[str, ctypes.CDLL], sizes: tuple[int, ...], rounds: int = 7) -> list[dict]:
     """Per batch, ms of a V2-Lite-slice graph step with each build, one runner, interleaved."""
     from ascend_graph.block_manager import BlockManager
@@ -119,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", required=True, help="git revision whose expert_rows.c is the 'before'")
     parser.add_argument("--rows", default="1,2,4,8,16,32,64")
+    parser.add_argument("--paged", action="store_true", help="time MLA decode's paged attention scores")
     parser.add_argument("--step", default="", help="batches of a V2-Lite-slice graph step to time, e.g. 8,32")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -129,6 +154,10 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows_rates(dlls, tuple(int(r) for r in args.rows.split(","))):
         print(f"{row['rows']:3d} rows: old {row['old']:6.1f} GFLOP/s, now {row['now']:6.1f}, "
               f"now/old {row['now'] / row['old']:.2f}", flush=True)
+    if args.paged:
+        ms = paged_times(dlls)
+        print(f"paged scores (batch 32, context 2048, 16 heads x 576): old {ms['old']:.2f} ms, "
+              f"now {ms['now']:.2f} ms, old/now {ms['old'] / ms['now']:.2f}", flush=True)
     if args.step:
         for row in step_times(dlls, tuple(int(b) for b in args.step.split(","))):
             print(f"batch {row['batch']:3d}: old {row['old']:8.1f} ms, now {row['now']:8.1f} ms, "

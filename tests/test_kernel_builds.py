@@ -19,8 +19,11 @@ def test_two_builds_are_timed_side_by_side_and_a_wrong_one_is_refused(tmp_path):
     rows = kernel_builds.rows_rates(dlls, rows=(1, 5, 17), n=70, k=96, runs=1)
     assert [r["rows"] for r in rows] == [1, 5, 17]
     assert all(r["old"] > 0 and r["now"] > 0 for r in rows)
+    assert set(kernel_builds.paged_times(dlls, seqs=2, context=64, runs=1)) == {"old", "now"}
     doubled = source.replace("to_bf16(float f) {", "to_bf16(float f) {\n    f = 2 * f;", 1)
     assert doubled != source
     dlls["now"] = kernel_builds.build(doubled, str(tmp_path), "doubled")
     with pytest.raises(ValueError, match="now at 1 rows is not within one rounding"):
         kernel_builds.rows_rates(dlls, rows=(1,), n=70, k=96, runs=1)
+    with pytest.raises(ValueError, match="now's paged scores are not within one rounding"):
+        kernel_builds.paged_times(dlls, seqs=2, context=64, runs=1)

@@ -449,9 +449,10 @@ static void wide_range(const uint16_t *w, long n, long k, const uint32_t *xq, ui
  * whole chunks (and the tile for the rest), two runs of a few minutes apart: 16 rows 64.3 / 72.6,
  * 24 rows 63.0 / 70.1 (one chunk and 8 rows), 32 rows 60.9 / 77.9, 64 rows 62.5 / 78.5; at 12
  * rows this form (one part chunk) ran at 55.9, the tile at 59.1. Over a paged cache's blocks of
- * 16 rows of 576 (MLA scores, 16 heads, batch 32, context 2048) it ran at 0.81-0.93 of the emulated
- * form's speed (about 20 ms; the tile alone 0.7, rows packed as bf16 pairs 0.92-0.96 but 0.8 of
- * this at 32 rows of a dense weight). The V2-Lite slice's graph step
+ * 16 rows of 576 (MLA scores, 16 heads, batch 32, context 2048) it ran at 0.81-1.03 of the
+ * emulated form's speed in four runs (about 20 ms; `python -m benchmarks.kernel_builds --paged`;
+ * the tile alone 0.7, rows packed as bf16 pairs 0.92-0.96 but 0.8 of this at 32 rows of a dense
+ * weight). The V2-Lite slice's graph step
  * (context 256), the emulated forms' build and this one swapped under one captured runner,
  * interleaved, ms: batch 8 178.4 / 164.4, batch 32 789.4 / 563.5, batch 64 1434.3 / 1013.0. */
 #define WIDE_ROWS 16 /* rows per chunk: 2 vectors of 8 float32 sums per weight row */
