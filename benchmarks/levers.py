@@ -2,8 +2,9 @@
 
 Every variant is a runner over the same model (its own cache), captured at one batch size and
 timed interleaved with the others: the default backend (C++ wrapper, the decode-matmul pass:
-single-row matmuls as reductions and 2-64-row bf16 matmuls as ``ascend_graph::rows_mm``; the cache
-write generated), without that pass, without its split of long reductions, with the few-row
+single-row matmuls as reductions and 2-64-row bf16 matmuls as ``ascend_graph::rows_mm``, and where the
+kernel's AVX2 build runs, single-row bf16 matmuls over row-major weights as ``rows_mm`` too; the cache
+write generated), with the other choice for those single-row matmuls (``ONE_ROW``), without that pass, without its split of long reductions, with the few-row
 matmuls left to aten, without the C++ wrapper, with the cache write called as the custom op (as before
 ``inline_cache_writes``), with the weights of long rows row-major instead of chunk-major (``ChunkedLinear``; in
 graph and in eager mode), and with Inductor's freezing (``GraphConfig.inductor_freezing_min_batch``: the weights
@@ -44,6 +45,13 @@ FEW_ROWS = "few-row matmuls in aten"
 BATCHED = "attention products in aten"
 GATHERED = "attention over gathered KV"
 NO_PASS = "without decode-matmul pass"
+ONE_ROW = {True: "one-row products in the kernel", False: "one-row products as reductions"}
+
+
+def one_row_in_kernel() -> bool:
+    """The default here: one-row bf16 products as ``rows_mm`` (True) or as generated reductions;
+    the levers measure the other choice (``ONE_ROW``)."""
+    return DecodeMatmulPass().one_row_kernel
 
 
 class Variant(NamedTuple):
@@ -65,10 +73,12 @@ def variants(config: GraphConfig, package_dir: str) -> dict[str, Variant]:
     few_rows_aten = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(few_rows_kernel=False)}
     batched_aten = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(batched_rows_kernel=False)}
     gathered = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(paged_attention=False)}
+    one_row = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(one_row_kernel=not one_row_in_kernel())}
     return {"default": Variant(config, default), NO_PASS: Variant(config, no_pass),
             "without long-reduction split": Variant(config, no_split),
             FEW_ROWS: Variant(config, few_rows_aten), BATCHED: Variant(config, batched_aten),
             GATHERED: Variant(config, gathered),
+            ONE_ROW[not one_row_in_kernel()]: Variant(config, one_row),
             "without C++ wrapper": Variant(config, {**default, "cpp_wrapper": False}),
             OP_WRITE: Variant(config, default, inline_writes=False),
             ROW_MAJOR: Variant(config, default, row_major=True), "with freezing": Variant(frozen, default),
@@ -113,7 +123,8 @@ def measure(batches=(1, 8), rounds: int = 5, quick: bool = False, names=None, co
         packages.cleanup()
         rows.append({"batch": n, **{k: v * 1e3 for k, v in t.items()}})
         print(f"  levers batch {n}: " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items()), flush=True)
-    return {"model": case.name, "context": case.context, "unit": "ms per step (median)", "rows": rows}
+    return {"model": case.name, "context": case.context, "unit": "ms per step (median)",
+            "one_row_products": "kernel" if one_row_in_kernel() else "reductions", "rows": rows}
 
 
 def main(argv=None) -> None:

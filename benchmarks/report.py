@@ -183,11 +183,17 @@ def _levers_table(lv: dict | None) -> list[str]:
              "| batch | " + " | ".join(names) + " |", "| --- | " + "--- | " * len(names)]
     for r in lv["rows"]:
         lines.append(f"| {r['batch']} | " + " | ".join(f"{r[n]:.1f}" for n in names) + " |")
-    return lines + ["", "Default on CPU: C++ wrapper, the decode-matmul pass (one-row matmuls as reductions, "
-                    "bf16 matmuls of 2-64 rows as `ascend_graph::rows_mm`, MLA decode's batched attention products "
+    one_row = ("one-row bf16 matmuls over row-major weights and bf16 matmuls of 2-64 rows as `ascend_graph::rows_mm`, "
+               "other one-row matmuls as reductions" if lv.get("one_row_products") == "kernel" else
+               "one-row matmuls as reductions, bf16 matmuls of 2-64 rows as `ascend_graph::rows_mm`")
+    return lines + ["", f"Default on CPU: C++ wrapper, the decode-matmul pass ({one_row}, "
+                    "MLA decode's batched attention products "
                     "as `paged_rows_mm` and `paged_rows_bmm`, over the cache blocks where they lie) and the "
                     "generated cache write "
                     "(`ascend_graph/backends/inductor.py`); a lever is kept only where it wins here. "
+                    "`one-row products as reductions` (or `in the kernel`): the other choice for one-row bf16 "
+                    "products over row-major weights; the default follows the kernel's build (`rows_mm` on AVX2, "
+                    "reductions on AVX512-BF16: `ONE_ROW_KERNEL`). "
                     "`few-row matmuls in aten`: the pass without the kernel (`rows_mm` and the attention "
                     "products), as before it. `attention products in aten`: the pass without the kernel for MLA "
                     "decode's batched attention products only (scores and values). `attention over gathered KV`: "

@@ -18,14 +18,15 @@ def _compiled(fn, with_pass: bool, pass_: DecodeMatmulPass | None = None):
     return torch.compile(fn, backend=InductorBackend(patches), fullgraph=True, dynamic=False)
 
 
-@pytest.mark.parametrize("rows", [1, 3])  # a reduction; rows_mm (aten mm where the kernel does not run)
-def test_single_row_bfloat16_linear_matches_float32_reference(rows):
+# one row as a reduction, or in rows_mm; 3 rows in rows_mm (aten's mm where the kernel does not run)
+@pytest.mark.parametrize("rows, one_row", [(1, False), (1, True), (3, None)])
+def test_single_row_bfloat16_linear_matches_float32_reference(rows, one_row):
     gen = torch.Generator().manual_seed(0)
     w1, w2 = (torch.randn(n, 64, generator=gen).to(torch.bfloat16) * 0.1 for n in (64, 96))
     x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
     fn = lambda x: F.linear(F.silu(F.linear(x, w1)), w2)  # noqa: E731
     reference = F.linear(F.silu(F.linear(x.float(), w1.float())), w2.float())
-    got = _compiled(fn, with_pass=True)(x)
+    got = _compiled(fn, with_pass=True, pass_=DecodeMatmulPass(one_row_kernel=one_row))(x)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
     torch.testing.assert_close(got.float(), reference, atol=2e-2, rtol=2e-2)
 
@@ -35,7 +36,7 @@ def test_pass_replaces_only_single_row_low_precision_matmuls():
 
     def capture(gm, inputs):
         def inspect(g: torch.fx.Graph) -> None:
-            DecodeMatmulPass()(g)
+            DecodeMatmulPass(one_row_kernel=False)(g)
             seen.append(sorted(str(n.target) for n in g.nodes if n.op == "call_function"))
         # no cache hits: the pass must run on both graphs
         return InductorBackend({"post_grad_custom_post_pass": _Recording(inspect), "fx_graph_cache": False})(gm, inputs)
@@ -50,7 +51,7 @@ def test_pass_replaces_only_single_row_low_precision_matmuls():
 
 class _Recording(DecodeMatmulPass):
     def __init__(self, fn):
-        super().__init__()
+        super().__init__(one_row_kernel=False)
         self.fn = fn
 
     def __call__(self, graph: torch.fx.Graph) -> None:
@@ -91,7 +92,7 @@ def test_normed_row_before_the_reduction_is_stored_once_and_matches_eager():
     graphs = []
 
     def inspect(g: torch.fx.Graph) -> None:
-        DecodeMatmulPass()(g)
+        DecodeMatmulPass(one_row_kernel=False)(g)
         graphs.append([str(n.target) for n in g.nodes if n.op == "call_function"])
 
     backend = InductorBackend({"post_grad_custom_post_pass": _Recording(inspect), "fx_graph_cache": False})
@@ -118,7 +119,7 @@ def test_long_reduction_is_split_into_chunks_and_matches_reference(k, chunks):
     bias = torch.randn(40, generator=gen).to(torch.bfloat16)
     x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
     fn = lambda x: F.linear(F.silu(x), w, bias)  # noqa: E731  (the row is computed in the graph)
-    got, code = run_and_get_code(_compiled(fn, with_pass=True), x)
+    got, code = run_and_get_code(_compiled(fn, with_pass=True, pass_=DecodeMatmulPass(one_row_kernel=False)), x)
     reference = F.silu(x).double() @ w.double().T + bias.double()
     # bf16 output: 2**-8 relative, plus the rounding of silu(x) to bf16 before the product
     torch.testing.assert_close(got.double(), reference, atol=2e-2, rtol=1e-2)
@@ -142,11 +143,12 @@ def test_batch_of_one_bmm_runs_as_mm_and_matches_eager(batch):
     assert ("bmm" in calls) == (batch > 1) and ("_mm" in calls or "mm(" in calls)  # batch 2: below BATCHED_MIN_ELEMENTS
 
 
-@pytest.mark.parametrize("rows", [2, 24, ROWS_MM_MAX, ROWS_MM_MAX + 1])  # 24: the wide form
-def test_few_row_bfloat16_matmuls_run_the_kernel_and_keep_the_exact_product(rows):
+@pytest.mark.parametrize("rows, one_row", [(1, True), (1, False), (2, None), (24, None), (ROWS_MM_MAX, None),
+                                           (ROWS_MM_MAX + 1, None)])  # 24: the wide form
+def test_few_row_bfloat16_matmuls_run_the_kernel_and_keep_the_exact_product(rows, one_row):
     """Up to ROWS_MM_MAX rows, the linear and the residual add Inductor fuses into an ``addmm``
-    both run ``rows_mm`` (where it runs here); past it, aten. Each product is the exact one,
-    rounded to bfloat16, as in eager."""
+    both run ``rows_mm`` (where it runs here; one row only with ``one_row_kernel``, else as
+    reductions); past it, aten. Each product is the exact one, rounded to bfloat16, as in eager."""
     from torch._inductor.utils import run_and_get_code
 
     gen = torch.Generator().manual_seed(5)
@@ -155,8 +157,9 @@ def test_few_row_bfloat16_matmuls_run_the_kernel_and_keep_the_exact_product(rows
     x = torch.randn(rows, 2080, generator=gen).to(torch.bfloat16)
     residual = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
     fn = lambda x, r: r + F.linear(F.silu(F.linear(x, w1)), w2)  # noqa: E731
-    got, code = run_and_get_code(_compiled(fn, with_pass=True), x, residual)
-    kernel = expert_rows.available() and rows <= ROWS_MM_MAX
+    got, code = run_and_get_code(_compiled(fn, with_pass=True, pass_=DecodeMatmulPass(one_row_kernel=one_row)),
+                                 x, residual)
+    kernel = expert_rows.available() and rows <= ROWS_MM_MAX and (rows > 1 or one_row)
     assert "".join(code).count("ascend_graph.rows_mm.default(") == (2 if kernel else 0)
     h = F.silu((x.double() @ w1.double().T).to(torch.bfloat16).float()).to(torch.bfloat16)
     reference = residual.double() + h.double() @ w2.double().T
@@ -187,6 +190,14 @@ def test_few_row_kernel_only_for_bfloat16_row_major_weights_and_not_when_switche
     assert kernel not in targets(lambda x: x @ wb.T.contiguous(), xb, DecodeMatmulPass())  # a [K, N] weight
     assert kernel not in targets(lambda x: F.linear(x, wb), xb, DecodeMatmulPass(few_rows_kernel=False))
     assert DecodeMatmulPass().uuid() != DecodeMatmulPass(few_rows_kernel=False).uuid() or not expert_rows.available()
+    one = xb[:1]
+    in_kernel = targets(lambda x: F.linear(x, wb), one, DecodeMatmulPass(one_row_kernel=True))
+    reduced = targets(lambda x: F.linear(x, wb), one, DecodeMatmulPass(one_row_kernel=False))
+    assert (kernel in in_kernel) == expert_rows.available() and kernel not in reduced
+    assert "aten.sum.dim_IntList" in reduced and ("aten.sum.dim_IntList" in in_kernel) != expert_rows.available()
+    assert kernel not in targets(lambda x: F.linear(x, wb), one, DecodeMatmulPass(one_row_kernel=True, few_rows_kernel=False))
+    assert ((DecodeMatmulPass(one_row_kernel=True).uuid() != DecodeMatmulPass(one_row_kernel=False).uuid())
+            == expert_rows.available())
 
 
 def test_aot_inductor_packages_take_the_same_pass_and_key_whether_the_kernel_runs(monkeypatch):

@@ -44,6 +44,14 @@ DEFAULT_CPP_WRAPPER = {"cpu": True, "cuda": False, "npu": False}
 # oneDNN's re-layout is paid off and aten catches up.
 SINGLE_ROW_MATMUL_AS_REDUCTION = {"cpu": True, "cuda": False, "npu": False}
 ROWS_MM_MAX = 64
+# One-row bf16 products over a row-major weight run ``rows_mm`` instead of a reduction where the
+# kernel's build is named here True. AVX2 (Zen 3, one core, [N, K] weights streamed from memory,
+# one-off, interleaved, GB/s, reduction / kernel / a read loop): [10944, 2048] 10.8 / 14.1 / 17.8,
+# [2048, 10944] 8.9 / 15.7 / 18.4, [102400, 2048] 11.6 / 14.6 / 16.1. The generated loop issues no
+# prefetch; the same loop prefetching 4 KiB ahead read 15.9 (in C, one-off). AVX512-BF16: not
+# measured side by side; there the batch-1 step's reductions stream at 0.90 of the read loop's
+# rate (README), and the ``levers`` benchmark times the other choice.
+ONE_ROW_KERNEL = {"AVX2": True, "AVX512-BF16": False}
 # Batched bf16 products (MLA decode's attention) run the kernel where each entry has at most
 # BATCHED_ROWS_MAX rows and a matrix of at least BATCHED_MIN_ELEMENTS elements; elsewhere aten's
 # bmm was as fast or faster. Measured (torch 2.13, 1 thread, one-off, interleaved, aten / kernel
@@ -132,6 +140,9 @@ class DecodeMatmulPass(CustomGraphPass):
     ``mm(x [M, K], w [K, N])`` with 2 <= M <= ``ROWS_MM_MAX``, bfloat16, where ``w`` is a
     row-major ``[N, K]`` weight transposed (as ``F.linear`` passes it): ``rows_mm(x, w.T)``, the
     kernel the MoE's experts run (``models/expert_rows.py``), over the weight as it is stored.
+    With ``one_row_kernel`` (default: ``ONE_ROW_KERNEL`` for the kernel's build here, True on
+    AVX2) from M = 1 on: such a product then runs the kernel instead of a reduction, which on a
+    Zen 3 streams the weight at 0.6-0.7 of one core's read rate, the kernel at 0.8-0.85.
     aten re-lays the weight out for oneDNN on every call: at a few rows that halves the rate the
     weight streams, and from about 24 rows, where the dot products bound the time, it costs
     0.7-0.85x of the kernel's wide form (figures at ``ROWS_MM_MAX``). Graph mode only, like the reductions: the
@@ -168,7 +179,8 @@ class DecodeMatmulPass(CustomGraphPass):
     def __init__(self, split_long_reductions: bool = True, batch_one_bmm_as_mm: bool = True,
                  few_rows_kernel: bool = True, batched_rows_kernel: bool = True,
                  batched_rows_max: int = BATCHED_ROWS_MAX, batched_min_elements: int = BATCHED_MIN_ELEMENTS,
-                 paged_attention: bool = True) -> None:
+                 paged_attention: bool = True, one_row_kernel: Optional[bool] = None) -> None:
+        self._one_row_kernel = one_row_kernel  # None: ONE_ROW_KERNEL's choice for the kernel's build here
         self.split_long_reductions = split_long_reductions  # False: only for measuring the split
         self.batch_one_bmm_as_mm = batch_one_bmm_as_mm  # False: only for measuring it
         self.few_rows_kernel = few_rows_kernel
@@ -187,7 +199,10 @@ class DecodeMatmulPass(CustomGraphPass):
             bias, x, w = (node.args if node.target is aten.addmm.default else (None, *node.args))[:3]
             if node.kwargs:
                 continue
-            if self._applies(x, w):
+            kernel_rows = (self.few_rows_kernel and node.target is not aten.bmm.default
+                           and self._few_rows(x, w, 1 if self.one_row_kernel else 2)
+                           and (bias is None or bias.meta["val"].dtype == torch.bfloat16))
+            if not kernel_rows and self._applies(x, w):
                 with graph.inserting_before(node):
                     out = self._reduction(graph, x, w, node.meta["val"].dtype, bias)
             elif node.target is aten.bmm.default and (paged := self._paged_product(x, w)):
@@ -202,8 +217,7 @@ class DecodeMatmulPass(CustomGraphPass):
             elif self.batched_rows_kernel and node.target is aten.bmm.default and self._few_rows_kn(x, w):
                 with graph.inserting_before(node):
                     out = _call(graph, torch.ops.ascend_graph.rows_bmm.default, x, w)
-            elif (self.few_rows_kernel and node.target is not aten.bmm.default and self._few_rows(x, w)
-                  and (bias is None or bias.meta["val"].dtype == torch.bfloat16)):
+            elif kernel_rows:
                 with graph.inserting_before(node):
                     out = _call(graph, torch.ops.ascend_graph.rows_mm.default, x,
                                 _call(graph, aten.permute.default, w, [1, 0]))
@@ -279,10 +293,20 @@ class DecodeMatmulPass(CustomGraphPass):
         return (xv.device.type == "cpu" and xv.dtype in (torch.bfloat16, torch.float16) and wv.dtype == xv.dtype
                 and isinstance(rows, int) and rows == 1)
 
+    @property
+    def one_row_kernel(self) -> bool:
+        """Whether one-row bfloat16 products over a row-major weight run ``rows_mm`` (else reductions)."""
+        from ..models import expert_rows
+
+        choice = self._one_row_kernel
+        if choice is None:
+            choice = ONE_ROW_KERNEL.get(expert_rows.isa(), False)
+        return self.few_rows_kernel and choice and expert_rows.available()
+
     @staticmethod
-    def _few_rows(x, w) -> bool:
+    def _few_rows(x, w, min_rows: int) -> bool:
         vals = _fake_values(x, w)
-        return vals is not None and vals[1].dim() == 2 and runs_rows_mm(vals[0], vals[1].t())
+        return vals is not None and vals[1].dim() == 2 and runs_rows_mm(vals[0], vals[1].t(), min_rows)
 
     def _batched(self, x, w) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """The fake values of ``bmm(x [B, M, K], w [B, K, N])`` where the kernel may take it:
@@ -333,10 +357,10 @@ class DecodeMatmulPass(CustomGraphPass):
         return (get_hash_for_files((__file__, runtime.__file__, expert_rows.__file__)).hex()
                 + f"-split{int(self.split_long_reductions)}-bmm1{int(self.batch_one_bmm_as_mm)}-rows{available}"
                 + f"-batched{int(self.batched_rows_kernel)}-{self.batched_rows_max}-{self.batched_min_elements}"
-                + f"-paged{int(self.paged_attention)}")
+                + f"-paged{int(self.paged_attention)}-one{int(self.one_row_kernel)}")
 
 
-def runs_rows_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
+def runs_rows_mm(x: torch.Tensor, w: torch.Tensor, min_rows: int = 2) -> bool:
     """Whether ``DecodeMatmulPass`` has the compiled step compute ``x @ w.T`` (``x [M, K]``,
     ``w [N, K]``; real or fake tensors) with ``rows_mm``: both bfloat16 on CPU, 2 <= M <=
     ``ROWS_MM_MAX``, ``w`` contiguous (a row-major weight), and the kernel runs here."""
@@ -345,7 +369,7 @@ def runs_rows_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
     if x.dim() != 2 or w.dim() != 2 or any(v.dtype != torch.bfloat16 or v.device.type != "cpu" for v in (x, w)):
         return False
     rows = x.shape[0]
-    return isinstance(rows, int) and 2 <= rows <= ROWS_MM_MAX and w.is_contiguous() and expert_rows.available()
+    return isinstance(rows, int) and min_rows <= rows <= ROWS_MM_MAX and w.is_contiguous() and expert_rows.available()
 
 
 def _gathered_cache(w: torch.fx.Node, transposed: bool) -> Optional[tuple[torch.fx.Node, torch.fx.Node]]:
