@@ -72,8 +72,9 @@ class StepMatmuls:
     and that step's activations and gathered KV. Attention's projections and absorbed products,
     the dense MLP, the shared experts, the router and the LM head. Called, the replay is what
     these products cost with aten's matmul; ``as_compiled()`` runs them as the compiled step does
-    from 2 rows on (bfloat16 linears of up to ``ROWS_MM_MAX`` rows in ``rows_mm``, the rest in the
-    same aten kernels; at 1 row the decode-matmul pass makes generated reductions of them). The
+    from 2 rows on (bfloat16 linears of up to ``ROWS_MM_MAX`` rows in ``rows_mm``, MLA decode's
+    attention products in the kernel's batched forms, the rest in the same aten kernels; at 1 row
+    the decode-matmul pass makes generated reductions of them, or on AVX2 ``rows_mm`` calls). The
     routed experts are left out because the compiled step runs them in forms of its own
     (``RoutedExperts.decode``).
     """
@@ -96,13 +97,20 @@ class StepMatmuls:
         with torch.inference_mode():
             return [op(*args, **kwargs) for op, args, kwargs in self.calls]
 
-    def as_compiled(self):
+    def as_compiled(self, batched_rows_max: int | None = None, batched_min_elements: int | None = None):
         """The replay with each bias-free ``linear`` that the compiled step runs in
         ``ascend_graph::rows_mm`` (``backends.inductor.runs_rows_mm``: bfloat16, 2 to
-        ``ROWS_MM_MAX`` rows, a row-major weight) run in it; None where no call is."""
-        from ascend_graph.backends.inductor import runs_rows_mm
+        ``ROWS_MM_MAX`` rows, a row-major weight) run in it, and each ``bmm`` it runs in the
+        kernel (``backends.inductor.batched_rows_form``: MLA decode's attention products) in
+        ``expert_rows_mm`` or ``rows_bmm``, over the gathered copy of the cache rows that the
+        eager step made (the compiled step reads them in place: ``paged_rows_mm``,
+        ``paged_rows_bmm``); None where no call is. ``batched_in_kernel`` counts those ``bmm``.
+        ``batched_rows_max`` and ``batched_min_elements`` as the pass's (tests: smaller models)."""
+        from ascend_graph.backends.inductor import batched_rows_form, runs_rows_mm
 
-        calls, kernel = [], 0
+        limits = (batched_rows_max, batched_min_elements)
+
+        calls, kernel, self.batched_in_kernel = [], 0, 0
         for op, args, kwargs in self.calls:
             fn = None
             if op is _aten.linear.default and len(args) == 2 and not kwargs and args[0].dim() > 1:
@@ -112,8 +120,14 @@ class StepMatmuls:
                     fn = functools.partial(lambda x, w, shape: torch.ops.ascend_graph.rows_mm(x, w).view(shape),
                                            x, w, shape)
                     kernel += 1
+            elif op is _aten.bmm.default and len(args) == 2 and not kwargs:
+                fn = _batched_in_kernel(*args, batched_rows_form(*args, *limits))
+                self.batched_in_kernel += fn is not None
+            elif op is _aten.einsum.default:  # its inner bmm, where the kernel takes it
+                fn = _KernelBmm.around(op, args, kwargs, limits)
+                self.batched_in_kernel += fn is not None
             calls.append(fn or functools.partial(op, *args, **kwargs))
-        return _replay(calls) if kernel else None
+        return _replay(calls) if kernel or self.batched_in_kernel else None
 
     def packed(self):
         """The replay with every bias-free ``linear`` on a weight pre-packed for oneDNN, as Inductor's
@@ -129,6 +143,51 @@ class StepMatmuls:
                     return None
             calls.append(fn or functools.partial(op, *args, **kwargs))
         return _replay(calls)
+
+
+def _batched_in_kernel(x: torch.Tensor, w: torch.Tensor, form: str | None):
+    """``bmm(x, w)`` as the compiled step's kernel computes it (``form``: ``batched_rows_form``'s
+    answer), as an argument-free callable; None for aten's."""
+    if form == "rows_bmm":
+        return functools.partial(torch.ops.ascend_graph.rows_bmm, x, w)
+    if form != "expert_rows_mm":
+        return None
+    b, m, k = x.shape
+    ends = torch.arange(m, (b + 1) * m, m, dtype=torch.int32)  # one "expert" per entry, m rows each
+    return lambda: torch.ops.ascend_graph.expert_rows_mm(x.reshape(b * m, k), w.transpose(1, 2), ends).view(b, m, -1)
+
+
+class _KernelBmm(TorchDispatchMode):
+    """Runs each ``bmm`` made while active that the compiled step runs in the kernel
+    (``batched_rows_form``) in it instead, and counts them: an ``einsum`` stays as it
+    decomposes (its views and any copy), only its product changes."""
+
+    def __init__(self, limits: tuple[int, int]) -> None:
+        super().__init__()
+        self.limits, self.hits = limits, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from ascend_graph.backends.inductor import batched_rows_form
+
+        if func is _aten.bmm.default and not kwargs and (fn := _batched_in_kernel(*args, batched_rows_form(
+                *args, *self.limits))):
+            self.hits += 1
+            return fn()
+        return func(*args, **(kwargs or {}))
+
+    @classmethod
+    def around(cls, op, args, kwargs, limits: tuple[int, int]):
+        """``op`` (a composite such as ``einsum``) as an argument-free callable decomposed under
+        this mode, or None where none of its products would run in the kernel."""
+        def call():
+            with cls(limits) as mode:
+                out = op.decompose(*args, **kwargs)
+            return out, mode.hits
+
+        with torch.inference_mode():
+            if call()[1] == 0:
+                return None
+        return lambda: call()[0]
 
 
 def _replay(calls: list) -> Callable[[], list[torch.Tensor]]:

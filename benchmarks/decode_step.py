@@ -49,6 +49,15 @@ class RunnerVariant:
         return lambda: self.runner.execute(entries, mode="graph")
 
 
+def _one_row_products(device: torch.device, backend: str) -> dict:
+    """How the CPU graph step ran its one-row bf16 products (``DecodeMatmulPass.one_row_kernel``)."""
+    if device.type != "cpu" or backend != "inductor":
+        return {}
+    from ascend_graph.backends.inductor import DecodeMatmulPass
+
+    return {"one_row_products": "kernel" if DecodeMatmulPass().one_row_kernel else "reductions"}
+
+
 def synchronized(fn, device: torch.device):
     """``fn`` followed by waiting for ``device``: a step's time on a GPU, not its launch's."""
     if device.type != "cuda":
@@ -95,6 +104,7 @@ def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, ba
         if "matmuls_aten" in t:
             from ascend_graph.backends.inductor import ROWS_MM_MAX
             row["rows_mm_max_rows"] = ROWS_MM_MAX
+            row["matmuls_batched_in_kernel"] = floor.batched_in_kernel  # attention products in the kernel
         row.update({f"graph_vs_{k}": t[k] / t["graph"] for k in ALTERNATIVES if k in t})
         # graph against eager and the alternatives in each round, the two timed back to back
         row["round_ratios"] = {k: [a / g for a, g in zip(samples[k], samples["graph"])]
@@ -108,7 +118,7 @@ def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, ba
     return {"model": case.name, "dtype": case.dtype_name, "context": case.context, "backend": backend,
             "device": str(dev),
             "capture": runner.stats.to_dict()["capture"], "rows": rows, "rounds": rounds,
-            "calls_per_round": calls}
+            "calls_per_round": calls, **_one_row_products(dev, backend)}
 
 
 def main(argv: list[str] | None = None) -> dict:

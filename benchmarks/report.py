@@ -133,14 +133,19 @@ def _decode_table(d: dict | None, title: str, bw: dict | None) -> list[str]:
                   f"`inductor_freezing_min_batch={d['frozen']['inductor_freezing_min_batch']}` (opt-in), timed in "
                   "the same rounds; its memory cost is in the memory table."]
     if has_floor:
+        attention = ("; MLA decode's attention products in the kernel's batched forms (`expert_rows_mm`, "
+                     "`rows_bmm`), over the gathered copy of the cache rows that the eager step made, where the "
+                     "compiled step reads them in place" if any(r.get("matmuls_batched_in_kernel") for r in d["rows"])
+                     else "")
         how = ("as the compiled step runs them: `rows_mm` (the project's kernel) from 2 to "
-               f"{max(r.get('rows_mm_max_rows', 0) for r in d['rows'])} rows, aten beyond; \"same, all in aten\": "
-               "every one as aten runs it, as before `rows_mm`" if has_aten else
+               f"{max(r.get('rows_mm_max_rows', 0) for r in d['rows'])} rows{attention}, aten beyond; \"same, all in "
+               "aten\": every one as aten runs it, as before `rows_mm`" if has_aten else
                "as aten runs them; from 2 rows on the graph step calls the same aten kernels for them")
         lines += ["", "\"its matmuls alone\": the step's matmuls except the routed experts' (attention, dense MLP, "
                   "shared experts, router, LM head), recorded from an eager step and replayed alone, timed in the same "
                   f"rounds (`benchmarks/compute.py`, `StepMatmuls`), {how}. At 1 row the graph step replaces them "
-                  "with generated reductions."
+                  + ("with `rows_mm` calls (the bfloat16 linears over row-major weights) and generated reductions "
+                     "(the rest)." if d.get("one_row_products") == "kernel" else "with generated reductions.")
                   + (" \"Same, pre-packed\": the replay with each linear's weight pre-packed for oneDNN, as the "
                      "frozen runner multiplies them." if has_packed else "")]
     if has_aot:

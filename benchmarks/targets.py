@@ -156,8 +156,10 @@ def _matmul_floor(out: dict, row: dict, budget_s: float, packed: bool = False) -
     if packed:
         how = "oneDNN, these weights pre-packed"
     elif "matmuls_aten_s" in row:
-        how = (f"as the compiled step runs them: `rows_mm` up to {row['rows_mm_max_rows']} rows, aten beyond; all in aten "
-               f"they take {row['matmuls_aten_s'] * 1e3:.1f} ms")
+        attention = (", the attention products in the kernel's batched forms"
+                     if row.get("matmuls_batched_in_kernel") else "")
+        how = (f"as the compiled step runs them: `rows_mm` up to {row['rows_mm_max_rows']} rows{attention}, aten "
+               f"beyond; all in aten they take {row['matmuls_aten_s'] * 1e3:.1f} ms")
     else:
         how = "aten, these weights"
     left_s = budget_s - mm_s

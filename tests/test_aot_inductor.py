@@ -84,7 +84,7 @@ def test_a_package_calls_the_projects_kernel_where_it_runs(compiled, monkeypatch
         experts = cfg.n_routed_experts
         assert calls.count(("expert_rows_mm", experts)) == 2 * 2 * moe_layers  # gate/up and down, eager and package
         assert [n for n, _ in calls].count("rows_mm") > 0
-        # this model's attention products are below BATCHED_MIN_ELEMENTS: aten's, as in the
+        # this model's attention products are below batched_limits(): aten's, as in the
         # Inductor backend's graphs (tests/test_runner.py runs them in the kernel)
         assert calls.count(("expert_rows_mm", 2)) == 0 and kn == []
     else:

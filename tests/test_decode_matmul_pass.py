@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ascend_graph.backends.inductor import (BATCHED_MIN_ELEMENTS, BATCHED_ROWS_MAX, ROWS_MM_MAX, DecodeMatmulPass,
+from ascend_graph.backends.inductor import (ROWS_MM_MAX, DecodeMatmulPass, batched_limits,
                                             InductorBackend)
 from ascend_graph.models import expert_rows
 
@@ -140,7 +140,7 @@ def test_batch_of_one_bmm_runs_as_mm_and_matches_eager(batch):
     got, code = run_and_get_code(_compiled(fn, with_pass=True), q, kv)
     torch.testing.assert_close(got, fn(q, kv), atol=1e-2, rtol=1e-2)
     calls = "".join(code)
-    assert ("bmm" in calls) == (batch > 1) and ("_mm" in calls or "mm(" in calls)  # batch 2: below BATCHED_MIN_ELEMENTS
+    assert ("bmm" in calls) == (batch > 1) and ("_mm" in calls or "mm(" in calls)  # batch 2: below batched_limits()
 
 
 @pytest.mark.parametrize("rows, one_row", [(1, True), (1, False), (2, None), (24, None), (ROWS_MM_MAX, None),
@@ -271,13 +271,15 @@ def test_batched_products_over_k_by_n_matrices_run_the_kernel_and_keep_each_prod
 
 
 def test_batched_kernel_only_for_its_layouts_sizes_and_not_when_switched_off():
-    """The kernel takes a batched product of 2 to BATCHED_ROWS_MAX rows per entry whose matrix has
-    at least BATCHED_MIN_ELEMENTS elements; aten's ``bmm`` keeps the rest, among them the heads'
-    products by V2-Lite's ``W_UK`` (``[128, 512]`` each), where it was faster."""
+    """The kernel takes a batched product of 2 to ``rows_max`` rows per entry whose matrix has at
+    least ``min_elements`` elements (``batched_limits()``, for the kernel's build here); aten's
+    ``bmm`` keeps the rest, on AVX512-BF16 among them the heads' products by V2-Lite's ``W_UK``
+    (``[128, 512]`` each), where it was faster; on AVX2 the kernel takes those too."""
     from torch._inductor.utils import run_and_get_code
 
+    rows_max, min_elements = batched_limits()
     gen = torch.Generator().manual_seed(7)
-    t, c = 512, BATCHED_MIN_ELEMENTS // 512  # a matrix of exactly BATCHED_MIN_ELEMENTS
+    t, c = 512, min_elements // 512  # a matrix of exactly min_elements
     p = torch.randn(2, 8, t, generator=gen).to(torch.bfloat16)
     v = torch.randn(2, t, c, generator=gen).to(torch.bfloat16)
 
@@ -294,8 +296,8 @@ def test_batched_kernel_only_for_its_layouts_sizes_and_not_when_switched_off():
     assert count(values, DecodeMatmulPass(batched_rows_kernel=False), p, v, op="rows_bmm") == 0
     assert count(values, DecodeMatmulPass(), p[:, :1], v, op="rows_bmm") == 0  # one row: a reduction
     assert count(values, DecodeMatmulPass(), p, v[..., :c - 1], op="rows_bmm") == 0  # a matrix too small
-    many = torch.randn(2, BATCHED_ROWS_MAX + 1, t, generator=gen).to(torch.bfloat16)
-    assert count(values, DecodeMatmulPass(), many, v, op="rows_bmm") == 0  # more rows than BATCHED_ROWS_MAX
+    many = torch.randn(2, rows_max + 1, t, generator=gen).to(torch.bfloat16)
+    assert count(values, DecodeMatmulPass(), many, v, op="rows_bmm") == 0  # more rows than rows_max
     scores = lambda p, v: torch.einsum("bhc,btc->bht", p, v)  # noqa: E731
     w = v.transpose(1, 2).contiguous()  # [2, c, t]: the product's rows as [N, K]
     assert count(scores, DecodeMatmulPass(), p, w) == kernel
@@ -303,7 +305,8 @@ def test_batched_kernel_only_for_its_layouts_sizes_and_not_when_switched_off():
     assert count(scores, DecodeMatmulPass(few_rows_kernel=False), p, w) == 0
     assert count(scores, DecodeMatmulPass(), p.float(), w.float()) == 0
     q, w_uk = (torch.randn(16, 32, 128).to(torch.bfloat16), torch.randn(16, 128, 512).to(torch.bfloat16))
-    assert count(lambda q, w: torch.bmm(q, w), DecodeMatmulPass(), q, w_uk, op="rows_bmm") == 0
+    on_avx2 = expert_rows.isa() == "AVX2"
+    assert count(lambda q, w: torch.bmm(q, w), DecodeMatmulPass(), q, w_uk, op="rows_bmm") == on_avx2
     keys = {DecodeMatmulPass().uuid(), DecodeMatmulPass(batched_rows_kernel=False).uuid(),
             DecodeMatmulPass(batched_min_elements=1).uuid(), DecodeMatmulPass(paged_attention=False).uuid()}
     assert len(keys) == 4

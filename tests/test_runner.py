@@ -272,7 +272,7 @@ def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(m
     model = small_model("mla", torch.bfloat16)
     config = inductor_config()
     on = expert_rows.available()
-    # this model's attention products are below BATCHED_MIN_ELEMENTS: a pass that takes them
+    # this model's attention products are below batched_limits(): a pass that takes them
     small = DecodeMatmulPass(batched_min_elements=1, paged_attention=paged)
     backend = InductorBackend({**config_patches(config, "cpu"), "post_grad_custom_post_pass": small},
                               inline_writes=INLINE_CACHE_WRITES["cpu"])

@@ -12,7 +12,7 @@ import torch
 from ascend_graph.block_manager import BlockManager
 from ascend_graph.config import GraphConfig
 from ascend_graph.models.moe import RoutedExperts
-from benchmarks.compute import StepMatmuls, onednn_linear, onednn_packs, pack_for_onednn
+from benchmarks.compute import StepMatmuls, _MatmulRecorder, onednn_linear, onednn_packs, pack_for_onednn
 from benchmarks.models import decode_batch, make_runner
 from runner_helpers import small_model
 
@@ -80,6 +80,37 @@ def test_the_compiled_forms_replay_runs_few_row_linears_in_rows_mm_with_the_same
             assert b.shape == a.shape and b.dtype == a.dtype
             torch.testing.assert_close(b, a, rtol=1.6e-2, atol=1e-2)
         monkeypatch.undo()
+
+
+def test_the_compiled_forms_replay_runs_the_attention_products_in_the_kernel_with_the_same_products():
+    """``as_compiled``: MLA decode's batched attention products that the pass hands the kernel
+    (``batched_rows_form``; the limits lowered for this small model) run in ``expert_rows_mm`` or
+    ``rows_bmm`` over the recorded gathered rows, each within bf16 rounding of aten's ``bmm``."""
+    from ascend_graph.backends.inductor import batched_rows_form
+    from ascend_graph.models import expert_rows
+
+    model = small_model("mla", dtype=torch.bfloat16)
+    runner = make_runner(model, GraphConfig(enabled=False), (4,), 16)
+    entries = decode_batch(runner, BlockManager(runner.num_blocks, runner.block_size), 4, 16)
+    floor = StepMatmuls(model, lambda: runner.execute(entries, mode="eager"))
+    limits = dict(batched_rows_max=32, batched_min_elements=64)
+    compiled = floor.as_compiled(**limits)
+    forms = []
+    for op, args, kwargs in floor.calls:  # the bmm inside each einsum of the step
+        if op is torch.ops.aten.einsum.default:
+            inner = _MatmulRecorder()
+            with torch.inference_mode(), inner:
+                op.decompose(*args, **kwargs)
+            forms += [batched_rows_form(*a[:2], 32, 64) for f, a, _ in inner.calls if f is torch.ops.aten.bmm.default]
+    if not expert_rows.available():
+        assert compiled is None and floor.batched_in_kernel == 0
+        return
+    assert {"expert_rows_mm", "rows_bmm"} <= set(forms)  # the scores and the values
+    assert floor.batched_in_kernel == sum(f is not None for f in forms)
+    plain, replayed = floor(), compiled()
+    for a, b in zip(plain, replayed):
+        assert b.shape == a.shape and b.dtype == a.dtype
+        torch.testing.assert_close(b, a, rtol=1.6e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
