@@ -372,8 +372,9 @@ class DecodeMatmulPass(CustomGraphPass):
 
 def runs_rows_mm(x: torch.Tensor, w: torch.Tensor, min_rows: int = 2) -> bool:
     """Whether ``DecodeMatmulPass`` has the compiled step compute ``x @ w.T`` (``x [M, K]``,
-    ``w [N, K]``; real or fake tensors) with ``rows_mm``: both bfloat16 on CPU, 2 <= M <=
-    ``ROWS_MM_MAX``, ``w`` contiguous (a row-major weight), and the kernel runs here."""
+    ``w [N, K]``; real or fake tensors) with ``rows_mm``: both bfloat16 on CPU, ``min_rows`` <= M <=
+    ``ROWS_MM_MAX`` (1 with ``DecodeMatmulPass.one_row_kernel``), ``w`` contiguous (a row-major
+    weight), and the kernel runs here."""
     from ..models import expert_rows
 
     if x.dim() != 2 or w.dim() != 2 or any(v.dtype != torch.bfloat16 or v.device.type != "cpu" for v in (x, w)):
