@@ -4,7 +4,8 @@ Every variant is a runner over the same model (its own cache), captured at one b
 timed interleaved with the others: the default backend (C++ wrapper, the decode-matmul pass:
 single-row matmuls as reductions and 2-64-row bf16 matmuls as ``ascend_graph::rows_mm``, and where the
 kernel's AVX2 build runs, single-row bf16 matmuls over row-major weights as ``rows_mm`` too; the cache
-write generated), with the other choice for those single-row matmuls (``ONE_ROW``), without that pass, without its split of long reductions, with the few-row
+write generated), with the other choice for those single-row matmuls (``ONE_ROW``), without that
+pass, without its split of long reductions, with the few-row
 matmuls left to aten, without the C++ wrapper, with the cache write called as the custom op (as before
 ``inline_cache_writes``), with the weights of long rows row-major instead of chunk-major (``ChunkedLinear``; in
 graph and in eager mode), and with Inductor's freezing (``GraphConfig.inductor_freezing_min_batch``: the weights

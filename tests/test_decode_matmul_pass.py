@@ -195,7 +195,8 @@ def test_few_row_kernel_only_for_bfloat16_row_major_weights_and_not_when_switche
     reduced = targets(lambda x: F.linear(x, wb), one, DecodeMatmulPass(one_row_kernel=False))
     assert (kernel in in_kernel) == expert_rows.available() and kernel not in reduced
     assert "aten.sum.dim_IntList" in reduced and ("aten.sum.dim_IntList" in in_kernel) != expert_rows.available()
-    assert kernel not in targets(lambda x: F.linear(x, wb), one, DecodeMatmulPass(one_row_kernel=True, few_rows_kernel=False))
+    both_off = DecodeMatmulPass(one_row_kernel=True, few_rows_kernel=False)
+    assert kernel not in targets(lambda x: F.linear(x, wb), one, both_off)
     assert ((DecodeMatmulPass(one_row_kernel=True).uuid() != DecodeMatmulPass(one_row_kernel=False).uuid())
             == expert_rows.available())
 
