@@ -3,8 +3,8 @@
 Every variant is a runner over the same model (its own cache), captured at one batch size and
 timed interleaved with the others: the default backend (C++ wrapper, the decode-matmul pass:
 single-row matmuls as reductions and 2-64-row bf16 matmuls as ``ascend_graph::rows_mm``, and where the
-kernel's AVX2 build runs, single-row bf16 matmuls over row-major weights as ``rows_mm`` too; the cache
-write generated), with the other choice for those single-row matmuls (``ONE_ROW``), without that
+kernel's AVX2 build runs, single-row bf16 matmuls over row-major weights as ``rows_mm`` too, and one
+token's routed experts as ``expert_rows_mm``; the cache write generated), with the other choice for those single-row matmuls (``ONE_ROW``), without that
 pass, without its split of long reductions, with the few-row
 matmuls left to aten, without the C++ wrapper, with the cache write called as the custom op (as before
 ``inline_cache_writes``), with the weights of long rows row-major instead of chunk-major (``ChunkedLinear``; in
@@ -37,7 +37,8 @@ from ascend_graph.backends.inductor import InductorBackend, DecodeMatmulPass, co
 from ascend_graph.block_manager import BlockManager
 from ascend_graph.config import GraphConfig
 from benchmarks.common import interleaved_medians, set_malloc_keeps_freed_memory
-from benchmarks.models import build, cases, decode_batch, make_runner, with_row_major_long_rows
+from benchmarks.models import (build, cases, decode_batch, make_runner, with_one_token_experts,
+                               with_row_major_long_rows)
 
 ROW_MAJOR = "row-major long rows"
 AOT = "AOTInductor package"
@@ -50,8 +51,9 @@ ONE_ROW = {True: "one-row products in the kernel", False: "one-row products as r
 
 
 def one_row_in_kernel() -> bool:
-    """The default here: one-row bf16 products as ``rows_mm`` (True) or as generated reductions;
-    the levers measure the other choice (``ONE_ROW``)."""
+    """The default here: one-row bf16 products as ``rows_mm`` and one token's experts as
+    ``expert_rows_mm`` (True), or both as generated reductions; the levers measure the other
+    choice (``ONE_ROW``)."""
     return DecodeMatmulPass().one_row_kernel
 
 
@@ -61,6 +63,7 @@ class Variant(NamedTuple):
     config: GraphConfig
     patches: dict
     row_major: bool = False  # on ``with_row_major_long_rows(model)``
+    one_token_kernel: bool | None = None  # not None: on ``with_one_token_experts(model, it)``
     mode: str = "graph"
     inline_writes: bool = True  # the cache write generated (the default on CPU), or the op called
 
@@ -79,7 +82,7 @@ def variants(config: GraphConfig, package_dir: str) -> dict[str, Variant]:
             "without long-reduction split": Variant(config, no_split),
             FEW_ROWS: Variant(config, few_rows_aten), BATCHED: Variant(config, batched_aten),
             GATHERED: Variant(config, gathered),
-            ONE_ROW[not one_row_in_kernel()]: Variant(config, one_row),
+            ONE_ROW[not one_row_in_kernel()]: Variant(config, one_row, one_token_kernel=not one_row_in_kernel()),
             "without C++ wrapper": Variant(config, {**default, "cpp_wrapper": False}),
             OP_WRITE: Variant(config, default, inline_writes=False),
             ROW_MAJOR: Variant(config, default, row_major=True), "with freezing": Variant(frozen, default),
@@ -107,6 +110,7 @@ def measure(batches=(1, 8), rounds: int = 5, quick: bool = False, names=None, co
         case = replace(case, context=context)
     model, rows = build(case), []
     row_major = with_row_major_long_rows(model)
+    other_one_row = with_one_token_experts(model, not one_row_in_kernel())
     for n in batches:
         config = GraphConfig(enabled=True, backend="inductor", capture_sizes=(n,), max_batch_size=n)
         fns, packages = {}, tempfile.TemporaryDirectory(prefix="ag-levers-aoti-")
@@ -115,7 +119,8 @@ def measure(batches=(1, 8), rounds: int = 5, quick: bool = False, names=None, co
                 continue
             # the AOTInductor variant compiles its own way
             backend = None if v.config.aot_inductor else InductorBackend(v.patches, inline_writes=v.inline_writes)
-            runner = make_runner(row_major if v.row_major else model, v.config, (n,), case.context, backend=backend)
+            on = row_major if v.row_major else other_one_row if v.one_token_kernel is not None else model
+            runner = make_runner(on, v.config, (n,), case.context, backend=backend)
             if v.mode == "graph":
                 runner.capture(show_progress=False)
             entries = decode_batch(runner, BlockManager(runner.num_blocks, runner.block_size), n, case.context)

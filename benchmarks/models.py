@@ -19,6 +19,7 @@ from ascend_graph.block_manager import BlockManager
 from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
 from ascend_graph.models.deepseek_config import RopeScaling
 from ascend_graph.models.layers import ChunkedLinear
+from ascend_graph.models.moe import RoutedExperts
 from ascend_graph.runner import GraphRunner, SequenceStep
 from ascend_graph.runtime import on_huge_pages, weights_on_huge_pages
 
@@ -67,12 +68,28 @@ def build(case: ModelCase, huge_pages: bool = True, device: str = "cpu") -> Deep
     return model
 
 
+def sharing_copy(model: DeepseekForCausalLM) -> DeepseekForCausalLM:
+    """A copy of ``model``: new modules over the same tensors."""
+    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    return copy.deepcopy(model, shared)
+
+
+def with_one_token_experts(model: DeepseekForCausalLM, in_kernel: bool) -> DeepseekForCausalLM:
+    """A copy of ``model`` sharing every tensor whose compiled MoE layers multiply one token's
+    experts in the kernel (``in_kernel``) or as the gathered reduction
+    (``RoutedExperts.one_token_kernel``), for measuring that choice."""
+    out = sharing_copy(model)
+    for module in out.modules():
+        if isinstance(module, RoutedExperts):
+            module.one_token_kernel = in_kernel
+    return out
+
+
 def with_row_major_long_rows(model: DeepseekForCausalLM) -> DeepseekForCausalLM:
     """A copy of ``model`` sharing every tensor, except that each ``ChunkedLinear`` is an
     ``nn.Linear`` holding its weight row-major (``[N, K]``, on huge pages): the layout before
     chunk-major weights, for measuring them."""
-    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
-    out = copy.deepcopy(model, shared)  # new modules, same tensors
+    out = sharing_copy(model)
     for parent in out.modules():
         for name, child in list(parent.named_children()):
             if isinstance(child, ChunkedLinear):

@@ -60,9 +60,13 @@ def test_each_row_times_its_experts_weight(n, k, threads):
 
 
 @needs_kernel
-def test_eager_and_compiled_moe_both_call_the_kernel_and_agree_with_grouped_mm(monkeypatch):
+@pytest.mark.parametrize("tokens", [16, 1])
+def test_eager_and_compiled_moe_both_call_the_kernel_and_agree_with_grouped_mm(monkeypatch, tokens):
+    """From 2 tokens, and at 1 token with ``one_token_kernel`` (as on AVX2 by default), the
+    compiled MoE multiplies in the kernel as the eager one does: the same output, bit for bit."""
     moe = _moe().to(torch.bfloat16)
-    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    moe.experts.one_token_kernel = True
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     op = torch.ops.ascend_graph.expert_rows_mm
     calls = []
     monkeypatch.setattr(torch.ops.ascend_graph, "expert_rows_mm", lambda *a: calls.append(a) or op(*a))
@@ -88,8 +92,34 @@ def test_eager_and_compiled_moe_both_call_the_kernel_and_agree_with_grouped_mm(m
     assert sum("expert_rows_mm" in t for t in targets) == 2, targets
 
 
-def test_decode_picks_sorted_by_expert_when_compiled_from_two_tokens_where_the_kernel_runs(monkeypatch):
+@needs_kernel
+def test_compiled_one_token_moe_as_the_gathered_reduction_agrees_with_the_kernel():
+    """``one_token_kernel`` False (the default on AVX512-BF16): one token's experts compiled as the
+    gathered form, no kernel call, within bf16 rounding of the kernel's (eager) output."""
+    moe = _moe().to(torch.bfloat16)
+    moe.experts.one_token_kernel = False
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        weights, experts = moe.gate(x)
+        eager = moe.experts.decode(x, weights, experts)
+        compiled = torch.compile(moe.experts.decode, backend=recording, fullgraph=True, dynamic=False)
+        got = compiled(x, weights, experts)
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert not any("expert_rows_mm" in t for t in targets), targets
+    torch.testing.assert_close(got, eager, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("one_token", [True, False])
+def test_decode_picks_sorted_by_expert_when_compiled_from_two_tokens_where_the_kernel_runs(monkeypatch, one_token):
+    """From 2 tokens where the kernel runs; at 1 token too where ``one_token_kernel``."""
     experts = _moe().to(torch.bfloat16).experts
+    experts.one_token_kernel = one_token
     picked = []
     for name in ("gathered", "gathered_by_expert", "sorted_by_expert"):
         monkeypatch.setattr(experts, name, (lambda n: lambda *a: picked.append(n))(name))
@@ -100,7 +130,15 @@ def test_decode_picks_sorted_by_expert_when_compiled_from_two_tokens_where_the_k
             x = torch.zeros(tokens, 64, dtype=torch.bfloat16)
             experts.decode(x, torch.ones(tokens, 2), torch.zeros(tokens, 2, dtype=torch.long))
     # small experts (below SORT_PAIRS_MIN_EXPERT_BYTES) and few pairs: gathered without the kernel
-    assert picked == ["gathered", "sorted_by_expert", "gathered", "gathered"]
+    assert picked == ["sorted_by_expert" if one_token else "gathered", "sorted_by_expert", "gathered", "gathered"]
+
+
+def test_one_token_kernel_defaults_to_the_builds_choice():
+    experts = _moe().to(torch.bfloat16).experts
+    assert experts.one_token_kernel is None
+    assert experts.one_token_in_kernel == expert_rows.ONE_ROW_KERNEL.get(expert_rows.isa(), False)
+    experts.one_token_kernel = not experts.one_token_in_kernel
+    assert experts.one_token_in_kernel == (not expert_rows.ONE_ROW_KERNEL.get(expert_rows.isa(), False))
 
 
 def test_uses_kernel_only_for_bfloat16_on_cpu_and_not_when_switched_off(monkeypatch):

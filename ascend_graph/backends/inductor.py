@@ -44,14 +44,6 @@ DEFAULT_CPP_WRAPPER = {"cpu": True, "cuda": False, "npu": False}
 # oneDNN's re-layout is paid off and aten catches up.
 SINGLE_ROW_MATMUL_AS_REDUCTION = {"cpu": True, "cuda": False, "npu": False}
 ROWS_MM_MAX = 64
-# One-row bf16 products over a row-major weight run ``rows_mm`` instead of a reduction where the
-# kernel's build is named here True. AVX2 (Zen 3, one core, [N, K] weights streamed from memory,
-# one-off, interleaved, GB/s, reduction / kernel / a read loop): [10944, 2048] 10.8 / 14.1 / 17.8,
-# [2048, 10944] 8.9 / 15.7 / 18.4, [102400, 2048] 11.6 / 14.6 / 16.1. The generated loop issues no
-# prefetch; the same loop prefetching 4 KiB ahead read 15.9 (in C, one-off). AVX512-BF16: not
-# measured side by side; there the batch-1 step's reductions stream at 0.90 of the read loop's
-# rate (README), and the ``levers`` benchmark times the other choice.
-ONE_ROW_KERNEL = {"AVX2": True, "AVX512-BF16": False}
 # Batched bf16 products (MLA decode's attention) run the kernel where each entry has at most
 # BATCHED_ROWS_MAX rows and a matrix of at least BATCHED_MIN_ELEMENTS elements; elsewhere aten's
 # bmm was as fast or faster. Measured (torch 2.13, 1 thread, one-off, interleaved, aten / kernel
@@ -153,7 +145,7 @@ class DecodeMatmulPass(CustomGraphPass):
     ``mm(x [M, K], w [K, N])`` with 2 <= M <= ``ROWS_MM_MAX``, bfloat16, where ``w`` is a
     row-major ``[N, K]`` weight transposed (as ``F.linear`` passes it): ``rows_mm(x, w.T)``, the
     kernel the MoE's experts run (``models/expert_rows.py``), over the weight as it is stored.
-    With ``one_row_kernel`` (default: ``ONE_ROW_KERNEL`` for the kernel's build here, True on
+    With ``one_row_kernel`` (default: ``expert_rows.ONE_ROW_KERNEL`` for the kernel's build here, True on
     AVX2) from M = 1 on: such a product then runs the kernel instead of a reduction, which on a
     Zen 3 streams the weight at 0.6-0.7 of one core's read rate, the kernel at 0.8-0.85.
     aten re-lays the weight out for oneDNN on every call: at a few rows that halves the rate the
@@ -194,7 +186,7 @@ class DecodeMatmulPass(CustomGraphPass):
                  few_rows_kernel: bool = True, batched_rows_kernel: bool = True,
                  batched_rows_max: Optional[int] = None, batched_min_elements: Optional[int] = None,
                  paged_attention: bool = True, one_row_kernel: Optional[bool] = None) -> None:
-        self._one_row_kernel = one_row_kernel  # None: ONE_ROW_KERNEL's choice for the kernel's build here
+        self._one_row_kernel = one_row_kernel  # None: expert_rows.ONE_ROW_KERNEL's choice for the build here
         self.split_long_reductions = split_long_reductions  # False: only for measuring the split
         self.batch_one_bmm_as_mm = batch_one_bmm_as_mm  # False: only for measuring it
         self.few_rows_kernel = few_rows_kernel
@@ -315,7 +307,7 @@ class DecodeMatmulPass(CustomGraphPass):
 
         choice = self._one_row_kernel
         if choice is None:
-            choice = ONE_ROW_KERNEL.get(expert_rows.isa(), False)
+            choice = expert_rows.one_row_kernel()
         return self.few_rows_kernel and choice and expert_rows.available()
 
     @property

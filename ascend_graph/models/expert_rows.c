@@ -454,7 +454,12 @@ static void wide_range(const uint16_t *w, long n, long k, const uint32_t *xq, ui
  * the tile alone 0.7, rows packed as bf16 pairs 0.92-0.96 but 0.8 of this at 32 rows of a dense
  * weight). The V2-Lite slice's graph step
  * (context 256), the emulated forms' build and this one swapped under one captured runner,
- * interleaved, ms: batch 8 178.4 / 164.4, batch 32 789.4 / 563.5, batch 64 1434.3 / 1013.0. */
+ * interleaved, ms: batch 8 178.4 / 164.4, batch 32 789.4 / 563.5, batch 64 1434.3 / 1013.0.
+ * At 74-79 GFLOP/s (16-64 rows) this form runs at 0.75 of the FMA peak. Tried and not kept (2026-12-01,
+ * `kernel_builds --old HEAD --rows 16,32,64`, new / old): the even element by a second 32-bit read
+ * and an AND instead of the shift 0.86-0.88; 6 weight rows a tile 0.82-0.84 (spills); a cache line
+ * of pairs per loop step with the rows pinned in registers 1.00-1.04; 2 weight rows with the odd
+ * and even products in separate sums 0.82-1.01. */
 #define WIDE_ROWS 16 /* rows per chunk: 2 vectors of 8 float32 sums per weight row */
 #define W2_NW 4      /* weight rows per tile: 8 sums, 4 input vectors, a weight pair's 2 in registers */
 
@@ -748,10 +753,14 @@ int expert_rows(const uint16_t *x, const uint16_t *w, const int32_t *ends, uint1
         long start = e ? ends[e - 1] : 0, count = ends[e] - start, wide = wide_rows(count);
         if (count <= 0) continue;
         long i0 = b * COLS, i1 = i0 + COLS < n ? i0 + COLS : n;
-        if (wide) wide_range(w + e * n * k, n, k, xq + packed[e], out + start * n, n, wide, i0, i1, NULL);
+        /* past this expert's last rows, the prefetches run on into the next expert with rows */
+        const uint16_t *next = NULL;
+        for (long f = e + 1; f < experts && !next; f++)
+            if (ends[f] > ends[f - 1]) next = w + f * n * k;
+        if (wide) wide_range(w + e * n * k, n, k, xq + packed[e], out + start * n, n, wide, i0, i1, next);
         if (count > wide)
             rows_block(w + e * n * k, n, k, xp + (start + wide) * ldx, ldx, out + (start + wide) * n, n, i0, i1,
-                       count - wide, NULL);
+                       count - wide, next);
     }
     free(packed), free(xp), free(xq);
     return 0;

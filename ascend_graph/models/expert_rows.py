@@ -164,6 +164,26 @@ def available() -> bool:
     return os.environ.get("ASCEND_GRAPH_EXPERT_KERNEL", "1") != "0" and _library() is not None
 
 
+# One-row bf16 products over row-major weights run the kernel in compiled steps where its build is
+# named here True (``one_row_kernel``): the dense ones as ``rows_mm`` (``DecodeMatmulPass``) and
+# the routed experts of one token as ``expert_rows_mm`` (``RoutedExperts.decode``), instead of
+# Inductor's generated reductions. AVX2 (Zen 3, one core, [N, K] weights streamed from memory,
+# one-off, interleaved, GB/s, reduction / kernel / a read loop): [10944, 2048] 10.8 / 14.1 / 17.8,
+# [2048, 10944] 8.9 / 15.7 / 18.4, [102400, 2048] 11.6 / 14.6 / 16.1. The generated loop issues no
+# prefetch; the same loop prefetching 4 KiB ahead read 15.9 (in C, one-off). One V2-Lite MoE
+# layer at 1 token (6 experts, 104 MB, weights on 2 MiB pages, one-off, interleaved): gathered
+# reduction 7.13 ms, the kernel 5.64 ms, the read loop at 20.9 GB/s. AVX512-BF16: not measured side
+# by side; there the batch-1 step's reductions stream at 0.90 of the read loop's rate (README), and
+# the ``levers`` benchmark times the other choice.
+ONE_ROW_KERNEL = {"AVX2": True, "AVX512-BF16": False}
+
+
+@torch.compiler.assume_constant_result  # traced (RoutedExperts.decode), a compile-time choice
+def one_row_kernel() -> bool:
+    """Whether compiled steps run one-row bf16 products in the kernel here (``ONE_ROW_KERNEL``)."""
+    return ONE_ROW_KERNEL.get(isa(), False)
+
+
 def _check_bf16_cpu(name: str, x: Tensor, w: Tensor) -> None:
     """The kernel's ops take bfloat16 CPU tensors only."""
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu" or w.device.type != "cpu":

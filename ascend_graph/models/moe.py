@@ -18,7 +18,9 @@ transformers 5 holds them). Four forms compute the same sum (``RoutedExperts.dec
   device-side offsets (``torch._grouped_mm``; on a CPU with AVX512-BF16, bfloat16, the project's
   ``expert_rows_mm``, 2-2.5x faster at these few rows per expert: ``models/expert_rows.py``).
   Static, sync-free, reads each chosen expert once: the eager decode form (CPU, float32/16 and
-  bfloat16) and the compiled one from 2 tokens on where ``expert_rows_mm`` runs, else when
+  bfloat16) and the compiled one from 2 tokens on where ``expert_rows_mm`` runs (from 1 where
+  the kernel's build takes one-row products, ``expert_rows.ONE_ROW_KERNEL``: AVX2, where the
+  generated reduction streams the experts at 0.7 of one core's read rate), else when
   ``T*K >= 3X`` (``GROUPED_MIN_PAIRS_PER_EXPERT``, bfloat16). On a CUDA GPU of compute
   capability 9.0 or later in bfloat16 it is the compiled form at every batch (``grouped_mm_on_gpu``):
   there Inductor materialised the gathered forms' weights, 4.6 GB of capture memory for one
@@ -149,6 +151,10 @@ class RoutedExperts(nn.Module):
     def __init__(self, config: DeepseekConfig, dtype: torch.dtype, device=None) -> None:
         super().__init__()
         x, e, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        # compiled, one token's experts: ``expert_rows_mm`` (True) or the gathered reduction;
+        # None: ``expert_rows.one_row_kernel()``, the kernel's build here (the ``levers``
+        # benchmark sets it to time the other choice)
+        self.one_token_kernel: bool | None = None
         self.gate_up_proj = nn.Parameter(torch.empty(x, 2 * i, e, dtype=dtype, device=device))
         self.down_proj = nn.Parameter(torch.empty(x, e, i, dtype=dtype, device=device))
 
@@ -201,7 +207,7 @@ class RoutedExperts(nn.Module):
             if can_sort:
                 return self.sorted_by_expert(x, weights, experts, kernel)
             return self.grouped(x, weights, experts)
-        if x.shape[0] > 1 and kernel:
+        if kernel and (x.shape[0] > 1 or self.one_token_in_kernel):
             return self.sorted_by_expert(x, weights, experts, kernel)
         if grouped_mm_on_gpu(x):
             return self.sorted_by_expert(x, weights, experts, kernel=False)
@@ -219,6 +225,12 @@ class RoutedExperts(nn.Module):
         (``tests/test_aot_inductor.py``)."""
         return (x.device.type == "cpu" and x.dtype == self.gate_up_proj.dtype == torch.bfloat16
                 and expert_rows.available())
+
+    @property
+    def one_token_in_kernel(self) -> bool:
+        """Whether a compiled step multiplies one token's experts with ``expert_rows_mm`` (where
+        ``uses_kernel``) rather than as the gathered reduction (``one_token_kernel``)."""
+        return expert_rows.one_row_kernel() if self.one_token_kernel is None else self.one_token_kernel
 
     @property
     def expert_bytes(self) -> int:
