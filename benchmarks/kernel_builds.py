@@ -6,7 +6,8 @@ kernel before and after.
   [12288, 2048] bf16 weight streamed from memory (four weights on 2 MiB pages taken in turn), both builds
   interleaved, medians; each result checked against a float64 product.
 - ``--paged``: ms of MLA decode's attention scores over a paged cache (``paged_rows``: 16 heads,
-  rows of 576, blocks of 16, batch 32, context 2048), both builds interleaved, checked likewise.
+  rows of 576, blocks of 16, batch 32, context 2048) and of its values (``paged_kn``: the
+  probabilities by rows of 512), both builds interleaved, checked likewise.
 - ``--step``: the V2-Lite slice's graph step (context 256) at the given batches, one captured
   runner, the two builds swapped between calls (``expert_rows._library``), interleaved.
 
@@ -89,24 +90,33 @@ def rows_rates(dlls: dict[str, ctypes.CDLL], rows=(1, 2, 4, 8, 16, 32, 64), n: i
 
 
 def paged_times(dlls: dict[str, ctypes.CDLL], seqs: int = 32, heads: int = 16, width: int = 576,
-                block: int = 16, context: int = 2048, runs: int = 9) -> dict[str, float]:
-    """Median ms of each build's ``paged_rows`` (one thread) over blocks in a shuffled table; each
-    output within one bf16 rounding of the float64 product over the gathered rows (else ValueError)."""
+                block: int = 16, context: int = 2048, runs: int = 9, values: bool = False) -> dict[str, float]:
+    """Median ms of each build's ``paged_rows`` (one thread; ``values``: ``paged_kn``, the
+    probabilities by the rows) over blocks in a shuffled table; each output within one bf16
+    rounding of the float64 product over the gathered rows (else ValueError)."""
     per = context // block
     cache = torch.randn(seqs * per + 8, block, width).to(torch.bfloat16)
     table = torch.randperm(cache.shape[0])[:seqs * per].view(seqs, per).to(torch.int32).contiguous()
-    x = torch.randn(seqs, heads, width).to(torch.bfloat16)
-    exact = x.double() @ cache[table.long()].flatten(1, 2).double().transpose(1, 2)
+    rows = cache[table.long()].flatten(1, 2).double()  # [seqs, context, width]
+    if values:
+        x = torch.rand(seqs, heads, context).to(torch.bfloat16)
+        matrix, shape, call = rows, (seqs, heads, width), "paged_kn"
+    else:
+        x = torch.randn(seqs, heads, width).to(torch.bfloat16)
+        matrix, shape, call = rows.transpose(1, 2), (seqs, heads, context), "paged_rows"
+    exact = x.double() @ matrix
+    # one bf16 rounding, plus float32 sums' error over the reduced length
+    bound = exact.abs() * 2 ** -8 + (x.double().abs() @ matrix.abs()) * x.shape[-1] * 2 ** -24 + 1e-3
     times: dict[str, list[float]] = {name: [] for name in dlls}
     for _ in range(runs):
         for name, dll in dlls.items():
-            out = torch.empty(seqs, heads, context, dtype=torch.bfloat16)
+            out = torch.empty(shape, dtype=torch.bfloat16)
             start = time.perf_counter()
-            dll.paged_rows(x.data_ptr(), cache.data_ptr(), table.data_ptr(), out.data_ptr(), seqs, per, block,
-                           block * width, heads, width, 1)
+            getattr(dll, call)(x.data_ptr(), cache.data_ptr(), table.data_ptr(), out.data_ptr(), seqs, per, block,
+                               block * width, heads, width, 1)
             times[name].append(time.perf_counter() - start)
-            if not ((out.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all():
-                raise ValueError(f"kernel_builds: {name}'s paged scores are not within one rounding")
+            if not ((out.double() - exact).abs() <= bound).all():
+                raise ValueError(f"kernel_builds: {name}'s {call} is not within one rounding")
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
@@ -157,6 +167,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.paged:
         ms = paged_times(dlls)
         print(f"paged scores (batch 32, context 2048, 16 heads x 576): old {ms['old']:.2f} ms, "
+              f"now {ms['now']:.2f} ms, old/now {ms['old'] / ms['now']:.2f}", flush=True)
+        ms = paged_times(dlls, width=512, values=True)
+        print(f"paged values (batch 32, context 2048, 16 heads x 512): old {ms['old']:.2f} ms, "
               f"now {ms['now']:.2f} ms, old/now {ms['old'] / ms['now']:.2f}", flush=True)
     if args.step:
         for row in step_times(dlls, tuple(int(b) for b in args.step.split(","))):
