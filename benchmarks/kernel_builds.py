@@ -116,7 +116,8 @@ def paged_times(dlls: dict[str, ctypes.CDLL], seqs: int = 32, heads: int = 16, w
                                block * width, heads, width, 1)
             times[name].append(time.perf_counter() - start)
             if not ((out.double() - exact).abs() <= bound).all():
-                raise ValueError(f"kernel_builds: {name}'s {call} is not within one rounding")
+                raise ValueError(f"kernel_builds: {name}'s paged {'values' if values else 'scores'} are not within "
+                                 "one rounding")
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 

@@ -20,6 +20,7 @@ def test_two_builds_are_timed_side_by_side_and_a_wrong_one_is_refused(tmp_path):
     assert [r["rows"] for r in rows] == [1, 5, 17]
     assert all(r["old"] > 0 and r["now"] > 0 for r in rows)
     assert set(kernel_builds.paged_times(dlls, seqs=2, context=64, runs=1)) == {"old", "now"}
+    assert set(kernel_builds.paged_times(dlls, seqs=2, context=64, width=40, runs=1, values=True)) == {"old", "now"}
     doubled = source.replace("to_bf16(float f) {", "to_bf16(float f) {\n    f = 2 * f;", 1)
     assert doubled != source
     dlls["now"] = kernel_builds.build(doubled, str(tmp_path), "doubled")
@@ -27,3 +28,11 @@ def test_two_builds_are_timed_side_by_side_and_a_wrong_one_is_refused(tmp_path):
         kernel_builds.rows_rates(dlls, rows=(1,), n=70, k=96, runs=1)
     with pytest.raises(ValueError, match="now's paged scores are not within one rounding"):
         kernel_builds.paged_times(dlls, seqs=2, context=64, runs=1)
+    # the [K, N] form's sums starting off zero: its values are refused
+    offset = source.replace("memset(sums, 0, (size_t)(rows * 32 * blocks) * sizeof(float));",
+                            "memset(sums, 0x3f, (size_t)(rows * 32 * blocks) * sizeof(float));", 1)
+    assert offset != source
+    dlls["now"] = kernel_builds.build(offset, str(tmp_path), "offset")
+    kernel_builds.paged_times(dlls, seqs=2, context=64, runs=1)  # the scores do not use those sums
+    with pytest.raises(ValueError, match="now's paged values are not within one rounding"):
+        kernel_builds.paged_times(dlls, seqs=2, context=64, width=40, runs=1, values=True)
