@@ -4,8 +4,9 @@ Every variant is a runner over the same model (its own cache), captured at one b
 timed interleaved with the others: the default backend (C++ wrapper, the decode-matmul pass:
 single-row matmuls as reductions and 2-64-row bf16 matmuls as ``ascend_graph::rows_mm``, and where the
 kernel's AVX2 build runs, single-row bf16 matmuls over row-major weights as ``rows_mm`` too, and one
-token's routed experts as ``expert_rows_mm``; the cache write generated), with the other choice for those single-row matmuls (``ONE_ROW``), without that
-pass, without its split of long reductions, with the few-row
+token's routed experts as ``expert_rows_mm``; the cache write generated), with the other choice for
+those single-row matmuls and that token (``ONE_ROW``), without that pass, without its split of long
+reductions, with the few-row
 matmuls left to aten, without the C++ wrapper, with the cache write called as the custom op (as before
 ``inline_cache_writes``), with the weights of long rows row-major instead of chunk-major (``ChunkedLinear``; in
 graph and in eager mode), and with Inductor's freezing (``GraphConfig.inductor_freezing_min_batch``: the weights
@@ -63,7 +64,7 @@ class Variant(NamedTuple):
     config: GraphConfig
     patches: dict
     row_major: bool = False  # on ``with_row_major_long_rows(model)``
-    one_token_kernel: bool | None = None  # not None: on ``with_one_token_experts(model, it)``
+    other_one_row: bool = False  # on ``with_one_token_experts(model, not one_row_in_kernel())``
     mode: str = "graph"
     inline_writes: bool = True  # the cache write generated (the default on CPU), or the op called
 
@@ -82,7 +83,7 @@ def variants(config: GraphConfig, package_dir: str) -> dict[str, Variant]:
             "without long-reduction split": Variant(config, no_split),
             FEW_ROWS: Variant(config, few_rows_aten), BATCHED: Variant(config, batched_aten),
             GATHERED: Variant(config, gathered),
-            ONE_ROW[not one_row_in_kernel()]: Variant(config, one_row, one_token_kernel=not one_row_in_kernel()),
+            ONE_ROW[not one_row_in_kernel()]: Variant(config, one_row, other_one_row=True),
             "without C++ wrapper": Variant(config, {**default, "cpp_wrapper": False}),
             OP_WRITE: Variant(config, default, inline_writes=False),
             ROW_MAJOR: Variant(config, default, row_major=True), "with freezing": Variant(frozen, default),
@@ -119,7 +120,7 @@ def measure(batches=(1, 8), rounds: int = 5, quick: bool = False, names=None, co
                 continue
             # the AOTInductor variant compiles its own way
             backend = None if v.config.aot_inductor else InductorBackend(v.patches, inline_writes=v.inline_writes)
-            on = row_major if v.row_major else other_one_row if v.one_token_kernel is not None else model
+            on = row_major if v.row_major else other_one_row if v.other_one_row else model
             runner = make_runner(on, v.config, (n,), case.context, backend=backend)
             if v.mode == "graph":
                 runner.capture(show_progress=False)

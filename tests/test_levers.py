@@ -23,3 +23,27 @@ def test_the_suite_plans_name_only_existing_levers(quick):
     levers.check_names(names)
     if names is not None:
         assert levers.NO_PASS in names and "default" in names
+
+
+def test_the_other_one_row_choice_also_flips_one_tokens_experts_on_a_copy_sharing_the_weights():
+    """The ``ONE_ROW`` lever times the other choice for the pass's one-row products and for the
+    MoE's one-token form together, the latter on a copy of the model whose tensors are the
+    model's own (no second set of weights), leaving the model itself on the build's default."""
+    import torch
+
+    from ascend_graph.config import GraphConfig
+    from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM, expert_rows
+    from ascend_graph.models.moe import RoutedExperts
+    from benchmarks.models import with_one_token_experts
+
+    other = not levers.one_row_in_kernel()
+    variant = levers.variants(GraphConfig(enabled=True, backend="inductor"), "unused")[levers.ONE_ROW[other]]
+    assert variant.other_one_row
+    assert variant.patches["post_grad_custom_post_pass"].one_row_kernel == (other and expert_rows.available())
+    model = DeepseekForCausalLM(DeepseekConfig.small(), dtype=torch.float32, seed=0)
+    copy = with_one_token_experts(model, other)
+    experts = [m for m in copy.modules() if isinstance(m, RoutedExperts)]
+    assert experts and all(m.one_token_kernel is other for m in experts)
+    assert all(m.one_token_kernel is None for m in model.modules() if isinstance(m, RoutedExperts))
+    own = {p.data_ptr() for p in model.parameters()}
+    assert {p.data_ptr() for p in copy.parameters()} == own

@@ -145,8 +145,8 @@ class DecodeMatmulPass(CustomGraphPass):
     ``mm(x [M, K], w [K, N])`` with 2 <= M <= ``ROWS_MM_MAX``, bfloat16, where ``w`` is a
     row-major ``[N, K]`` weight transposed (as ``F.linear`` passes it): ``rows_mm(x, w.T)``, the
     kernel the MoE's experts run (``models/expert_rows.py``), over the weight as it is stored.
-    With ``one_row_kernel`` (default: ``expert_rows.ONE_ROW_KERNEL`` for the kernel's build here, True on
-    AVX2) from M = 1 on: such a product then runs the kernel instead of a reduction, which on a
+    With ``one_row_kernel`` (default: ``expert_rows.ONE_ROW_KERNEL`` for the kernel's build here,
+    True on AVX2) from M = 1 on: such a product then runs the kernel instead of a reduction, which on a
     Zen 3 streams the weight at 0.6-0.7 of one core's read rate, the kernel at 0.8-0.85.
     aten re-lays the weight out for oneDNN on every call: at a few rows that halves the rate the
     weight streams, and from about 24 rows, where the dot products bound the time, it costs

@@ -732,14 +732,19 @@ int expert_rows(const uint16_t *x, const uint16_t *w, const int32_t *ends, uint1
 #ifdef KERNEL
     long rows = experts ? ends[experts - 1] : 0;
     /* rows of x copied 64 bytes further apart than k, for the tiles: rows 4 KiB apart share the
-     * same L1 sets; each expert's wide_rows packed for the wide forms, at packed[e] */
+     * same L1 sets; each expert's wide_rows packed for the wide forms, at packed[e]; after[e]:
+     * the next expert with rows (or -1), whose weight the prefetches run on into past e's end */
     long ldx = tile_stride(k), total = 0;
-    long *packed = malloc((size_t)(experts ? experts : 1) * sizeof(long));
+    long *packed = malloc((size_t)(experts ? 2 * experts : 1) * sizeof(long)), *after = packed + experts;
     if (!packed) return -1;
     for (long e = 0; e < experts; e++) {
         long count = ends[e] - (e ? ends[e - 1] : 0);
         packed[e] = total;
         if (wide_rows(count)) total += packed_dwords(wide_rows(count), k);
+    }
+    for (long e = experts - 1, seen = -1; e >= 0; e--) {
+        after[e] = seen;
+        if (ends[e] > (e ? ends[e - 1] : 0)) seen = e;
     }
     xrow_t *xp = aligned_alloc(64, (size_t)(rows ? rows : 1) * ldx * sizeof(xrow_t));
     uint32_t *xq = aligned_alloc(64, (size_t)(total ? total : 1) * 4);
@@ -759,10 +764,7 @@ int expert_rows(const uint16_t *x, const uint16_t *w, const int32_t *ends, uint1
         long start = e ? ends[e - 1] : 0, count = ends[e] - start, wide = wide_rows(count);
         if (count <= 0) continue;
         long i0 = b * COLS, i1 = i0 + COLS < n ? i0 + COLS : n;
-        /* past this expert's last rows, the prefetches run on into the next expert with rows */
-        const uint16_t *next = NULL;
-        for (long f = e + 1; f < experts && !next; f++)
-            if (ends[f] > ends[f - 1]) next = w + f * n * k;
+        const uint16_t *next = after[e] >= 0 ? w + after[e] * n * k : NULL;
         if (wide) wide_range(w + e * n * k, n, k, xq + packed[e], out + start * n, n, wide, i0, i1, next);
         if (count > wide)
             rows_block(w + e * n * k, n, k, xp + (start + wide) * ldx, ldx, out + (start + wide) * n, n, i0, i1,
