@@ -6,12 +6,14 @@ layer and element, and verifies that no other live block changed (padded rows wr
 the null block).
 
 A mixture-of-experts router can sit at a near-tie: a token's K-th and (K+1)-th experts score
-within rounding of each other, and graph and eager, rounding apart, choose differently. That
-token's later layers then differ by far more than rounding. Such a step is not passed on a
-threshold: the eager run records each router's near-ties, and a decode token beyond tolerance is
-accepted only where eager, run again from the same caches with that one token's K-th expert
-swapped for its (K+1)-th at one router, equals the graph within tolerance (its logits row and the
-cache blocks it wrote). ``ParityReport.routing_flips`` lists the swaps that did.
+within rounding of each other, or, where the router picks the experts within its best groups
+(V3's ``noaux_tc``, V2's ``group_limited_greedy``), its ``topk_group``-th and next groups do; and
+graph and eager, rounding apart, choose differently. That token's later layers then differ by far
+more than rounding. Such a step is not passed on a threshold: the eager run records each router's
+near-ties, and a decode token beyond tolerance is accepted only where eager, run again from the
+same caches with that one token's K-th expert swapped for its (K+1)-th (or its last group for the
+next) at one router, equals the graph within tolerance (its logits row and the cache blocks it
+wrote). ``ParityReport.routing_flips`` lists the swaps that did.
 """
 
 from __future__ import annotations
@@ -176,11 +178,12 @@ def _flips_for(runner, step, bad: list[int], owners: dict[int, int], blocks_ok: 
     for t in tokens:
         for tie in sorted((n for n in near if n["token"] == t), key=lambda n: n["margin"]):
             _restore(runner.kv_caches, written, before)
-            with _routing(routers, 0.0, swap=(tie["router"], t)):
+            kind = "groups" if "groups" in tie else "experts"
+            with _routing(routers, 0.0, swap=(tie["router"], t, kind)):
                 f_logits = runner.run_prepared(step, "eager")
             rows_ok, f_blocks_ok = close(f_logits, _blocks(runner.kv_caches, written))
             if rows_ok[t] and all(f_blocks_ok[r] for r in rows_of[t]):
-                explained[t] = {"token": t, "router": routers[tie["router"]][0], "experts": tie["experts"],
+                explained[t] = {"token": t, "router": routers[tie["router"]][0], kind: tie[kind],
                                 "margin": tie["margin"]}
                 break
     return explained
@@ -192,26 +195,46 @@ def _routers(model) -> list:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, Router)]
 
 
+def _ties(values: Tensor, k: int, rtol: float) -> tuple[Tensor, Tensor]:
+    """Each row's top ``k + 1`` of ``values [T, N]`` and the rows whose k-th and (k+1)-th differ
+    by at most ``rtol`` times the row's largest finite |value|."""
+    top = values.topk(k + 1, dim=-1)
+    margin = top.values[:, -2] - top.values[:, -1]
+    scale = values.masked_fill(~torch.isfinite(values), 0).abs().amax(dim=-1)
+    return top, torch.nonzero(margin <= rtol * scale).flatten()
+
+
 @contextmanager
 def _routing(routers: list, rtol: float, near: Optional[list] = None,
-             swap: Optional[tuple[int, int]] = None) -> Iterator[None]:
+             swap: Optional[tuple] = None) -> Iterator[None]:
     """During one eager step: append each router's near-ties to ``near`` (a token whose K-th and
     (K+1)-th choices differ by at most ``rtol`` times its row's largest |choice|: {"router" index,
-    "token", "margin", "experts": [K-th, (K+1)-th]}), or, with ``swap = (router index, token)``,
-    have that router give that token its (K+1)-th expert instead of its K-th."""
+    "token", "margin", "experts": [K-th, (K+1)-th]}; for a router that picks within its best
+    groups, also a token whose ``topk_group``-th and next group scores do: {..., "groups": [its
+    last group, the next]}), or, with ``swap = (router index, token[, "experts" or "groups"])``,
+    have that router give that token its (K+1)-th expert instead of its K-th (or the top-K within
+    its groups with the last one swapped for the next)."""
     def hook(i, router, args, out):
         scores, choice = router.scores(args[0])
-        top = choice.topk(router.top_k + 1, dim=-1)
+        top, tied = _ties(choice, router.top_k, rtol)
+        groups = router.group_scores(router.unmasked_choice(scores)) if router.group_limited else None
+        best, tied_groups = (None, []) if groups is None else _ties(groups, router.topk_group, rtol)
         if near is not None:
-            margin = top.values[:, -2] - top.values[:, -1]
-            scale = choice.masked_fill(~torch.isfinite(choice), 0).abs().amax(dim=-1)
-            for t in torch.nonzero(margin <= rtol * scale).flatten().tolist():
-                near.append({"router": i, "token": t, "margin": margin[t].item(),
+            for t in tied.tolist():
+                near.append({"router": i, "token": t, "margin": (top.values[t, -2] - top.values[t, -1]).item(),
                              "experts": top.indices[t, -2:].tolist()})
+            for t in (tied_groups.tolist() if router.topk_group < router.num_groups else []):
+                near.append({"router": i, "token": t, "margin": (best.values[t, -2] - best.values[t, -1]).item(),
+                             "groups": best.indices[t, -2:].tolist()})
         if swap is None or swap[0] != i:
             return None
-        experts = out[1].clone()
-        experts[swap[1], -1] = top.indices[swap[1], -1]
+        t, experts = swap[1], out[1].clone()
+        if len(swap) > 2 and swap[2] == "groups":
+            kept = torch.cat([best.indices[t, :-2], best.indices[t, -1:]])[None]  # the last group for the next
+            swapped = router.in_groups(router.unmasked_choice(scores)[t:t + 1], kept)
+            experts[t] = swapped.topk(router.top_k, dim=-1).indices[0]
+        else:
+            experts[t, -1] = top.indices[t, -1]
         return router.expert_weights(scores, experts), experts
 
     handles = [r.register_forward_hook(lambda mod, a, o, i=i: hook(i, mod, a, o)) for i, (_, r) in enumerate(routers)]

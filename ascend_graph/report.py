@@ -136,13 +136,17 @@ def format_parity(r: dict) -> str:
 def _flip_count(n) -> str:
     """How many tokens of the checks passed only as routing near-ties (``ParityReport.routing_flips``)."""
     return (f" ({n} token(s) at a router's near-tie: the graph equals eager with that token's K-th expert "
-            "swapped for its (K+1)-th)") if n else ""
+            "swapped for its (K+1)-th, or its last group for the next)") if n else ""
 
 
 def _flips(flips: list) -> str:
     """A step's routing near-ties that eager, swapped, reproduced (``ParityReport.routing_flips``)."""
-    return "".join(f"; token {f['token']} at {f['router']}: expert {f['experts'][1]} for {f['experts'][0]} "
-                   f"(margin {f['margin']:.1e})" for f in flips)
+    def swap(f: dict) -> str:
+        kind = "expert" if "experts" in f else "group"
+        old, new = f[f"{kind}s"]
+        return f"{kind} {new} for {old}"
+
+    return "".join(f"; token {f['token']} at {f['router']}: {swap(f)} (margin {f['margin']:.1e})" for f in flips)
 
 
 def format_bench(r: dict) -> str:

@@ -60,17 +60,25 @@ def test_a_split_is_a_near_tie_only_within_twice_the_rows_tolerance():
 # -- routing near-ties ------------------------------------------------------------------------
 
 
-def _flip_case(monkeypatch, swap=None, bump=None):
+def _flip_case(monkeypatch, swap=None, bump=None, grouped=False):
     """A bf16 MLA + MoE runner at a 3-sequence decode step whose first router (``model.layers.1``)
     scores all experts within rounding of each other (every token at a near-tie there), and a
-    stand-in "graph": the eager step with ``swap = (router index, token)``'s K-th expert replaced by
-    its (K+1)-th, ``bump = (token, value)`` added to that token's logits. Returns ``(report, stand-in's caches after, routers,
-    margins {(router, token): margin / its row's largest choice})``."""
+    stand-in "graph": the eager step with ``swap = (router index, token[, kind])``'s K-th expert
+    replaced by its (K+1)-th (or, ``kind`` "groups", its last group by the next), ``bump = (token,
+    value)`` added to that token's logits. ``grouped``: the V3-shaped model, whose routers pick
+    within their 2 best of 4 groups (then every group is near-tied too). Returns ``(report,
+    stand-in's caches after, routers, margins {(router, token): margin / its row's largest choice})``
+    (the experts' margins)."""
     from ascend_graph import parity
     from ascend_graph.config import GraphConfig
+    from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
     from tests.runner_helpers import Schedule, make_runner, prefilled, small_model
 
-    model = small_model("mla", dtype=torch.bfloat16, layers=3)  # two routers
+    if grouped:
+        torch.manual_seed(0)
+        model = DeepseekForCausalLM(DeepseekConfig.small_v3()).to(torch.bfloat16).eval()
+    else:
+        model = small_model("mla", dtype=torch.bfloat16, layers=3)  # two routers
     routers = parity._routers(model)
     assert [name for name, _ in routers] == ["model.layers.1.mlp.gate", "model.layers.2.mlp.gate"]
     flat = routers[0][1].weight
@@ -84,7 +92,7 @@ def _flip_case(monkeypatch, swap=None, bump=None):
     every = []
     with parity._routing(routers, float("inf"), near=every):
         eager(step, "eager")
-    margins = {(n["router"], n["token"]): n["margin"] for n in every}
+    margins = {(n["router"], n["token"]): n["margin"] for n in every if "experts" in n}
     stand_in = {}
 
     def run_prepared(step, mode):
@@ -103,16 +111,15 @@ def _flip_case(monkeypatch, swap=None, bump=None):
 
 
 def test_a_graph_that_took_a_near_tied_expert_passes_with_the_flip_reported(monkeypatch):
-    """The stand-in graph swapped token 1's second expert at the flattened router: its logits and
+    """The stand-in graph swapped token 0's second expert at the flattened router: its logits and
     cache blocks are beyond tolerance of eager's, yet eager with that same swap reproduces them, so
     the step passes and names the flip; the caches end as after the graph step."""
     plain, *_ = _flip_case(monkeypatch)
     assert plain.ok and plain.routing_flips == []
-    report, graph_caches, runner, margins = _flip_case(monkeypatch, swap=(0, 1))
-    assert report.logits["max_abs"] > 0.1  # far beyond rounding: a different expert ran
-    assert report.ok, report.summary()
-    assert [(f["token"], f["router"]) for f in report.routing_flips] == [(1, "model.layers.1.mlp.gate")]
-    assert report.routing_flips[0]["margin"] == pytest.approx(margins[(0, 1)])
+    report, graph_caches, runner, margins = _flip_case(monkeypatch, swap=(0, 0))
+    assert report.ok, report.summary()  # flips are looked for only where a token is beyond tolerance
+    assert [(f["token"], f["router"]) for f in report.routing_flips] == [(0, "model.layers.1.mlp.gate")]
+    assert report.routing_flips[0]["margin"] == pytest.approx(margins[(0, 0)])
     assert all(torch.equal(t, g) for cache, saved in zip(runner.kv_caches, graph_caches) for t, g in zip(cache, saved))
     assert "1 routing near-tie(s) reproduced" in report.summary()
 
@@ -125,6 +132,45 @@ def test_a_flip_that_is_no_near_tie_or_leaves_a_difference_is_a_mismatch(monkeyp
     assert margins[(router, token)] > 0.05  # no near-tie by the bf16 rule (rtol 0.02 of a row's largest choice)
     report, *_ = _flip_case(monkeypatch, swap=(router, token))
     assert report.logits["max_abs"] > 0.1 and not report.ok and report.routing_flips == []
-    for bumped in (2, 1):
-        report, *_ = _flip_case(monkeypatch, swap=(0, 1), bump=(bumped, 0.5))
+    for bumped in (2, 0):
+        report, *_ = _flip_case(monkeypatch, swap=(0, 0), bump=(bumped, 0.5))
         assert not report.ok and report.routing_flips == []
+
+
+def test_a_graph_that_took_a_near_tied_group_passes_with_the_group_flip_reported(monkeypatch):
+    """V3's grouped routing: the stand-in graph gave token 2 its third-best group instead of its
+    second at the flattened router, so different experts ran; eager with that same group swap
+    reproduces it, and no expert swap does. Without groups in the near-tie rule this step failed
+    (the case behind it: ``ascend-graph parity --model small-v3 --dtype bfloat16 --backend inductor
+    --capture-sizes 1,4``, step 15, a group margin of 8.6e-4 of the row's largest)."""
+    plain, *_ = _flip_case(monkeypatch, grouped=True)
+    assert plain.ok and plain.routing_flips == []
+    report, graph_caches, runner, _ = _flip_case(monkeypatch, swap=(0, 2, "groups"), grouped=True)
+    assert report.ok, report.summary()  # flips are looked for only where a token is beyond tolerance
+    assert [(f["token"], f["router"], "groups" in f) for f in report.routing_flips] == [
+        (2, "model.layers.1.mlp.gate", True)]
+    assert all(torch.equal(t, g) for cache, saved in zip(runner.kv_caches, graph_caches) for t, g in zip(cache, saved))
+    # the same swap with another token's logits off is a mismatch
+    report, *_ = _flip_case(monkeypatch, swap=(0, 2, "groups"), bump=(1, 0.5), grouped=True)
+    assert not report.ok and report.routing_flips == []
+
+
+def test_a_group_swap_is_tried_only_where_the_groups_are_near_tied():
+    """Groups far apart record no group near-tie; within ``rtol`` of the row's largest group score
+    they do, naming the last chosen group and the next."""
+    from ascend_graph import parity
+    from ascend_graph.models import DeepseekConfig
+    from ascend_graph.models.moe import Router
+
+    router = Router(DeepseekConfig.small_v3())
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[:, 0] = torch.tensor([4.0, 3.9, 2.0, 1.9, 0.0, -0.1, -2.0, -2.1])  # groups of 2
+        router.weight[:, 1] = torch.tensor([4.0, 3.9, 2.0, 1.9, 1.95, 1.96, -2.0, -2.1])  # groups 1, 2 level
+    x = torch.eye(2, router.weight.shape[1])  # token 0 by the first pattern, token 1 by the second
+    near = []
+    with parity._routing([("gate", router)], 0.02, near=near):
+        router(x)
+    groups = [n for n in near if "groups" in n]
+    assert [(n["token"], n["groups"]) for n in groups] == [(1, [2, 1])]  # sigmoid sums 1.752 and 1.751
+    assert not [n for n in near if "experts" in n]  # the experts within the groups are far apart

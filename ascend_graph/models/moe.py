@@ -89,10 +89,20 @@ class Router(Float32Module):
         -inf)."""
         logits = F.linear(x.float(), self.weight.float())  # [T, X]
         scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
-        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
-        if self.topk_method != "greedy" and self.num_groups > 1:
-            choice = self._best_groups_only(choice)
+        choice = self.unmasked_choice(scores)
+        if self.group_limited:
+            choice = self.in_groups(choice, self.group_scores(choice).topk(self.topk_group, dim=-1).indices)
         return scores, choice
+
+    @property
+    def group_limited(self) -> bool:
+        """Whether the top-K is taken within each token's ``topk_group`` best groups."""
+        return self.topk_method != "greedy" and self.num_groups > 1
+
+    def unmasked_choice(self, scores: Tensor) -> Tensor:
+        """What the experts are ranked by, before any group is masked: the scores, plus the
+        correction bias where there is one."""
+        return scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
 
     def expert_weights(self, scores: Tensor, experts: Tensor) -> Tensor:
         """The chosen ``experts [T, K]``'s weights: their scores, optionally normalised, scaled."""
@@ -101,15 +111,19 @@ class Router(Float32Module):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scaling
 
-    def _best_groups_only(self, choice: Tensor) -> Tensor:
-        """Mask (to -inf) the experts outside each token's ``topk_group`` best groups."""
+    def group_scores(self, choice: Tensor) -> Tensor:
+        """``choice [T, X]`` (unmasked) -> ``[T, G]``: what the groups are ranked by, each group's
+        best expert (``group_limited_greedy``) or the sum of its two best (``noaux_tc``)."""
         grouped = choice.view(choice.shape[0], self.num_groups, -1)  # [T, G, X/G]
         if self.topk_method == "noaux_tc":
-            group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
-        else:
-            group_score = grouped.amax(dim=-1)
-        best = group_score.topk(self.topk_group, dim=-1).indices  # [T, topk_group]
-        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter(1, best, True)  # [T, G]
+            return grouped.topk(2, dim=-1).values.sum(dim=-1)
+        return grouped.amax(dim=-1)
+
+    def in_groups(self, choice: Tensor, groups: Tensor) -> Tensor:
+        """``choice [T, X]`` with the experts outside each token's ``groups [T, topk_group]`` masked
+        to -inf."""
+        grouped = choice.view(choice.shape[0], self.num_groups, -1)  # [T, G, X/G]
+        keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=choice.device).scatter(1, groups, True)
         return grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)
 
 
