@@ -81,7 +81,8 @@ def make_inputs(args: argparse.Namespace, num_blocks: int) -> tuple:
     rnd = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)  # noqa: E731
     b, h, c, r = args.batch, args.heads, args.kv_lora_rank, args.rope
     return (rnd(b, h, args.qk_nope), rnd(b, h, r), rnd(b, 1, c), rnd(b, 1, r), cache, meta,
-            rnd(h, args.qk_nope, c) / c ** 0.5, rnd(h, args.v_head, c) / c ** 0.5,
+            (rnd(h, c, args.qk_nope) / c ** 0.5).transpose(1, 2),  # W_UK as the model stores it (kv_b_parts)
+            rnd(h, args.v_head, c) / c ** 0.5,
             (args.qk_nope + r) ** -0.5)
 
 

@@ -244,7 +244,7 @@ def test_batched_products_over_transposed_rows_run_the_kernel_and_keep_each_prod
 
 def test_batched_products_over_k_by_n_matrices_run_the_kernel_and_keep_each_product():
     """MLA decode's probabilities by each sequence's gathered ``kv_c`` (``[T, C]``), and products
-    like the heads' queries by their ``W_UK`` slices of ``kv_b_proj`` (``[Dn, C]`` each, heads
+    like the heads' queries by per-head ``[Dn, C]`` slices of a checkpoint's ``kv_b_proj`` (heads
     apart), run ``rows_bmm`` where the pass takes them; each product is the exact one rounded to
     bfloat16, as aten's."""
     from torch._inductor.utils import run_and_get_code
@@ -275,7 +275,8 @@ def test_batched_kernel_only_for_its_layouts_sizes_and_not_when_switched_off():
     """The kernel takes a batched product of 2 to ``rows_max`` rows per entry whose matrix has at
     least ``min_elements`` elements (``batched_limits()``, for the kernel's build here); aten's
     ``bmm`` keeps the rest, on AVX512-BF16 among them the heads' products by V2-Lite's ``W_UK``
-    (``[128, 512]`` each), where it was faster; on AVX2 the kernel takes those too."""
+    (``[128, 512]`` each, stored transposed), where it was faster; on AVX2 the kernel takes those
+    too."""
     from torch._inductor.utils import run_and_get_code
 
     rows_max, min_elements = batched_limits()
@@ -305,9 +306,10 @@ def test_batched_kernel_only_for_its_layouts_sizes_and_not_when_switched_off():
     assert count(scores, DecodeMatmulPass(batched_rows_kernel=False), p, w) == 0
     assert count(scores, DecodeMatmulPass(few_rows_kernel=False), p, w) == 0
     assert count(scores, DecodeMatmulPass(), p.float(), w.float()) == 0
-    q, w_uk = (torch.randn(16, 32, 128).to(torch.bfloat16), torch.randn(16, 128, 512).to(torch.bfloat16))
+    q = torch.randn(16, 32, 128).to(torch.bfloat16)
+    w_uk = torch.randn(16, 512, 128).to(torch.bfloat16).transpose(1, 2)  # as kv_b_parts gives it
     on_avx2 = expert_rows.isa() == "AVX2"
-    assert count(lambda q, w: torch.bmm(q, w), DecodeMatmulPass(), q, w_uk, op="rows_bmm") == on_avx2
+    assert count(lambda q, w: torch.bmm(q, w), DecodeMatmulPass(), q, w_uk) == on_avx2
     keys = {DecodeMatmulPass().uuid(), DecodeMatmulPass(batched_rows_kernel=False).uuid(),
             DecodeMatmulPass(batched_min_elements=1).uuid(), DecodeMatmulPass(paged_attention=False).uuid()}
     assert len(keys) == 4
@@ -335,7 +337,8 @@ def test_mla_decode_over_a_paged_cache_reads_the_blocks_in_place(b):
     cache = MLACache(rnd(blocks, s, 1, c), rnd(blocks, s, 1, r))
     tables = torch.randint(1, blocks, (3, w), generator=gen, dtype=torch.int32)[:b]
     decode = DecodeMetadata(tables, torch.tensor([20, 7, 13][:b], dtype=torch.int32))
-    q_nope, q_pe, w_uk, w_uv = rnd(b, h, dn), rnd(b, h, r), rnd(h, dn, c) / c ** 0.5, rnd(h, dn, c) / c ** 0.5
+    q_nope, q_pe, w_uv = rnd(b, h, dn), rnd(b, h, r), rnd(h, dn, c) / c ** 0.5
+    w_uk = (rnd(h, c, dn) / c ** 0.5).transpose(1, 2)  # [H, Dn, C], stored as kv_b_parts gives it
 
     def step(q_nope, q_pe, kv_c, k_pe, tables, lens):
         return mla_decode(q_nope, q_pe, MLACache(kv_c, k_pe), DecodeMetadata(tables, lens), w_uk, w_uv, 0.2)
@@ -352,9 +355,10 @@ def test_mla_decode_over_a_paged_cache_reads_the_blocks_in_place(b):
     assert "paged_rows" not in gathered_code
     count = lambda code, op: code.count(f"ascend_graph.{op}.default(")  # noqa: E731
     if b > 1:
-        assert ("ascend_graph.rows_bmm.default(" in code) == kernel  # the queries by W_UK: not cache rows
+        assert "ascend_graph.rows_bmm.default(" not in code  # the values in place
         # over the gathered copy instead: the two scores by expert_rows_mm, the values by rows_bmm
-        # (W_UV's product runs expert_rows_mm and W_UK's rows_bmm in both)
+        # (the heads' products by W_UK and W_UV run expert_rows_mm in both)
+        assert count(code, "expert_rows_mm") == 2 * kernel
         assert count(gathered_code, "expert_rows_mm") - count(code, "expert_rows_mm") == 2 * kernel
         assert count(gathered_code, "rows_bmm") - count(code, "rows_bmm") == kernel
         torch.testing.assert_close(paged, gathered, atol=0, rtol=0)

@@ -244,7 +244,8 @@ def test_rows_bmm_is_a_bmm_within_one_rounding(m, k, n, threads):
 
 @needs_kernel
 def test_rows_bmm_reads_strided_entries_and_keeps_nan_and_inf_to_their_rows():
-    """The heads' ``W_UK`` slices of ``kv_b_proj`` (entries apart, rows contiguous) as they lie;
+    """Per-head ``[Dn, C]`` slices of a checkpoint's ``[H, Dn + Dv, C]`` ``kv_b_proj`` (entries
+    apart, rows contiguous) as they lie;
     a NaN or an infinity in a row reaches that row's outputs only."""
     gen = torch.Generator().manual_seed(11)
     kv_b = torch.randn(4, 24, 64, generator=gen).to(torch.bfloat16)  # [H, Dn + Dv, C]

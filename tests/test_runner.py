@@ -255,8 +255,9 @@ def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(m
     compiled step computes the attention scores (latent and rope parts) with ``paged_rows_mm``
     over the cache blocks where they lie (``paged`` False: ``expert_rows_mm``, one "expert" per
     sequence over its gathered cache rows), the probabilities by the latent rows with
-    ``paged_rows_bmm`` (else ``rows_bmm``), the output by ``W_UV`` with ``expert_rows_mm`` (one
-    "expert" per head) and the queries by ``W_UK`` with ``rows_bmm``; eager uses aten's ``bmm``. At
+    ``paged_rows_bmm`` (else ``rows_bmm``), the output by ``W_UV`` and the queries by ``W_UK`` with
+    ``expert_rows_mm`` (one "expert" per head; the model stores ``W_UK`` transposed); eager uses
+    aten's ``bmm``. At
     batch 1 the scores and values read the blocks in place too (else aten's ``mm`` of the gathered
     rows). Graph equals eager."""
     from ascend_graph.models import expert_rows
@@ -296,10 +297,10 @@ def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(m
     assert set(pages) == ({("paged_rows_mm", latent), ("paged_rows_mm", rope), ("paged_rows_bmm", latent)}
                           if on and paged else set()), pages
     by_w_uv = (heads, cfg.v_head_dim, latent) in weights  # the latent output by W_UV, one "expert" per head
-    assert by_w_uv == on, weights
-    kinds = {"probs by kv_c" if w[1] == tokens else "q by W_UK" for x, w in kn
-             if w[2] == latent and (w[1] == tokens or (x[0], x[2]) == (heads, nope))}
-    assert kinds == ({"q by W_UK"} | ({"probs by kv_c"} if not paged else set()) if on else set()), kn
+    by_w_uk = (heads, latent, nope) in weights  # the queries by W_UK ([C, Dn] per head), likewise
+    assert by_w_uv == on and by_w_uk == on, weights
+    kinds = {"probs by kv_c" if w[1] == tokens else "other" for x, w in kn}
+    assert kinds == ({"probs by kv_c"} if on and not paged else set()), kn
     assert runner.stats.recompiles == 0
 
 

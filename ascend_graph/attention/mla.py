@@ -3,8 +3,9 @@
 Shape legend: B decode rows, H heads, Dn qk_nope_head_dim, Dv v_head_dim, C kv_lora_rank,
 R qk_rope_head_dim, T block-table token slots, L a prefill sequence's context, Q its new tokens.
 
-Weights: ``w_uk [H, Dn, C]`` and ``w_uv [H, Dv, C]`` are ``kv_b_proj.weight`` viewed as
-``[H, Dn + Dv, C]`` and split. The two cache tensors are always read separately: scores are
+Weights: ``w_uk [H, Dn, C]`` and ``w_uv [H, Dv, C]``, the two parts of ``kv_b_proj.weight``
+(any strides; the DeepSeek model passes ``W_UK`` as the transpose of a contiguous ``[H, C, Dn]``,
+``models.deepseek.kv_b_parts``). The two cache tensors are always read separately: scores are
 ``q_latent . kv_c + q_pe . k_pe``, never a concatenation of caches.
 """
 

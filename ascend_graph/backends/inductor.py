@@ -162,8 +162,12 @@ class DecodeMatmulPass(CustomGraphPass):
     parts by ``k_pe``): ``expert_rows_mm`` with one "expert" per batch entry. Where each ``w[b]``
     is a row-major ``[K, N]`` instead (the probabilities by the gathered ``kv_c``):
     ``rows_bmm``, the kernel's ``[K, N]`` form. The heads' products by ``W_UK`` and ``W_UV``
-    (``[128, 512]`` each) stay aten's on AVX512-BF16, which was faster there (``BATCHED_LIMITS``;
-    on AVX2, where aten's bf16 ``bmm`` is 6-35x slower than the kernel, they take it too). Measured
+    (``[512, 128]`` transposed each, as ``models.deepseek.kv_b_parts`` stores them) stay aten's on
+    AVX512-BF16, which was faster there when ``W_UK`` was stored ``[128, 512]`` (``BATCHED_LIMITS``;
+    on AVX2, where aten's bf16 ``bmm`` is 6-35x slower than the kernel, they take it too). A
+    one-row ``bmm`` (those products at batch 1) stays a reduction: the kernel was no faster there
+    (one-off, compiled, weights from memory, per layer: ``W_UK`` 0.27 vs 0.21 ms, ``W_UV`` 0.21
+    vs 0.21 ms, call overhead included). Measured
     (torch 2.13, 1 thread, V2-Lite dims, batch 32, 16 heads, one-off, aten vs kernel, ms): scores
     at context 256 1.88 vs 1.38, at 2048 12.8 vs 7.3; rope parts at 2048 2.1 vs 1.5;
     probabilities by ``kv_c`` at 256 2.29 vs 1.94, at 2048 16.9 vs 9.5.

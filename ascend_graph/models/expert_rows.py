@@ -244,7 +244,7 @@ def _(x: Tensor, w: Tensor) -> Tensor:
 def rows_bmm(x: Tensor, w: Tensor) -> Tensor:
     """``x [X, M, K] @ w [X, K, N] -> [X, M, N]``, as ``torch.bmm``, over matrices stored with
     the reduced dimension first (``w[e]`` row-major ``[K, N]``; the entries may lie apart, as
-    the heads' slices of ``kv_b_proj``'s weight do): the kernel's ``[K, N]`` form
+    per-head slices of one weight do): the kernel's ``[K, N]`` form
     (``expert_rows.c``, ``kn_rows``). CPU, bfloat16; call only where ``available()``. The
     compiled MLA decode step runs it for the attention's probabilities times the latent cache
     rows (``backends.inductor.DecodeMatmulPass``)."""
