@@ -217,13 +217,14 @@ def _routing(routers: list, rtol: float, near: Optional[list] = None,
     def hook(i, router, args, out):
         scores, choice = router.scores(args[0])
         top, tied = _ties(choice, router.top_k, rtol)
-        groups = router.group_scores(router.unmasked_choice(scores)) if router.group_limited else None
-        best, tied_groups = (None, []) if groups is None else _ties(groups, router.topk_group, rtol)
+        best, tied_groups = None, torch.empty(0, dtype=torch.long)
+        if router.group_limited and router.topk_group < router.num_groups:  # else every group is kept
+            best, tied_groups = _ties(router.group_scores(router.unmasked_choice(scores)), router.topk_group, rtol)
         if near is not None:
             for t in tied.tolist():
                 near.append({"router": i, "token": t, "margin": (top.values[t, -2] - top.values[t, -1]).item(),
                              "experts": top.indices[t, -2:].tolist()})
-            for t in (tied_groups.tolist() if router.topk_group < router.num_groups else []):
+            for t in tied_groups.tolist():
                 near.append({"router": i, "token": t, "margin": (best.values[t, -2] - best.values[t, -1]).item(),
                              "groups": best.indices[t, -2:].tolist()})
         if swap is None or swap[0] != i:

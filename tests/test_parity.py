@@ -174,3 +174,9 @@ def test_a_group_swap_is_tried_only_where_the_groups_are_near_tied():
     groups = [n for n in near if "groups" in n]
     assert [(n["token"], n["groups"]) for n in groups] == [(1, [2, 1])]  # sigmoid sums 1.752 and 1.751
     assert not [n for n in near if "experts" in n]  # the experts within the groups are far apart
+    every_group = Router(DeepseekConfig.small_v3(topk_group=4))  # all 4 groups kept: no group to swap
+    every_group.load_state_dict(router.state_dict())
+    near = []
+    with parity._routing([("gate", every_group)], 0.02, near=near):
+        every_group(x)
+    assert not [n for n in near if "groups" in n]
