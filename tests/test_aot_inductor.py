@@ -48,6 +48,7 @@ def compiled(tmp_path_factory):
     """One runner that compiled a package per capture size, and its cache directory."""
     cache_dir = tmp_path_factory.mktemp("aoti")
     model, runner, sched = decoding_runner(aot_config(cache_dir))
+    runner.capture(show_progress=False)  # every test, run alone too, finds the packages written
     return cache_dir, model, runner, sched
 
 
