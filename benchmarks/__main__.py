@@ -41,7 +41,10 @@ NOTES = [
     "Eager is measured at its best: its MoE sorts rows by expert and reads each chosen expert once, with the "
     "same expert kernel as the compiled step (`expert_rows_mm`, `ascend_graph/models/expert_rows.py`; "
     "`torch._grouped_mm` where it cannot run), no weight copies; before, it gathered T*K weight matrices "
-    "(see `moe_forms`).",
+    "(see `moe_forms`). Its MLA attention multiplies the gathered cache rows in float32 where aten has no native "
+    "bfloat16 matmul (no AVX-512: a Zen 3), rounding each product once to bfloat16 as aten's own does: aten's "
+    "bfloat16 product of the probabilities by the latent rows ran there at about 1 GFLOP/s "
+    "(`ascend_graph/attention/mla.py`, `cache_product`; from 2026-12-01, eager V2-Lite steps 7 ms faster at batch 1).",
     "transformers: `DeepseekV2ForCausalLM` of the same configuration (random weights, sdpa attention, "
     "DynamicCache, logits of the last token only), same batch and context, cache cropped back after each step.",
     "Roofline bytes: every weight used once (routed experts: the distinct experts the batch chose), the batch's "

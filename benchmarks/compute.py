@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import functools
 from typing import Callable
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ascend_graph.attention import mla
 from ascend_graph.models.moe import RoutedExperts
 from benchmarks import peak
 from benchmarks.common import interleaved_medians
@@ -69,7 +71,9 @@ class StepMatmuls:
     """The matmuls of one eager decode step except the routed experts', replayed as aten runs them.
 
     Recorded once from ``run_step`` (an eager step) with their arguments: the model's own weights
-    and that step's activations and gathered KV. Attention's projections and absorbed products,
+    and that step's activations and gathered KV, each product as the model writes it and the
+    compiled step sees it (MLA's cache products in bfloat16, not eager's float32 form on a CPU
+    without native bfloat16 matmuls: ``attention.mla.cache_product``). Attention's projections and absorbed products,
     the dense MLP, the shared experts, the router and the LM head. Called, the replay is what
     these products cost with aten's matmul; ``as_compiled()`` runs them as the compiled step does
     from 2 rows on (bfloat16 linears of up to ``ROWS_MM_MAX`` rows in ``rows_mm``, MLA decode's
@@ -83,7 +87,7 @@ class StepMatmuls:
         experts = {p.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, RoutedExperts)
                    for p in m.parameters()}
         recorder = _MatmulRecorder()
-        with recorder:
+        with recorder, mock.patch.object(mla, "aten_bf16_emulated", lambda: False):
             run_step()
 
         def reads_experts(call: tuple) -> bool:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ascend_graph.attention import build_attention_metadata, mla_decode, mla_prefill, pad_decode
-from ascend_graph.attention import paged_decode, paged_prefill
+from ascend_graph.attention import mla, paged_decode, paged_prefill
 from ascend_graph.attention.reference import dense_attention, naive_mla
 from ascend_graph.block_manager import BlockManager
 from ascend_graph.kv_cache import (
@@ -154,8 +154,11 @@ def test_mla_decode_matches_naive_mla_at_v2_lite_dims():
     _assert_matches(out, _mla_decode_oracle(p, lens), 1e-5)
 
 
+@pytest.mark.parametrize("float32_products", [False, True], ids=["aten_bf16", "float32_products"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_mla_decode_matches_naive_mla_bfloat16(seed):
+def test_mla_decode_matches_naive_mla_bfloat16(seed, float32_products, monkeypatch):
+    # Both eager forms of the cache products (mla.cache_product), whichever this CPU would pick.
+    monkeypatch.setattr(mla, "aten_bf16_emulated", lambda: float32_products)
     gen = torch.Generator().manual_seed(seed)
     lens = _ragged_lens(gen, batch=6)
     p = _mla_problem(gen, V2_LITE, lens, num_blocks=64, dtype=torch.bfloat16)
@@ -167,6 +170,27 @@ def test_mla_decode_matches_naive_mla_bfloat16(seed):
     # mantissa moves its probability by up to ~2%, and the roundings after it add a few more
     # tenths of a percent; 4% of the output's magnitude bounds that with a margin (measured: under 1%).
     _assert_matches(out, _mla_decode_oracle(p, lens), 4e-2)
+
+
+@pytest.mark.parametrize("equation, x_shape, rows_shape", [
+    ("bht,btc->bhc", (3, 4, 40), (3, 40, 24)),  # the values: probabilities by kv_c
+    ("bhc,btc->bht", (3, 4, 24), (3, 40, 24)),  # the scores
+])
+def test_cache_product_in_float32_is_the_bf16_product_rounded_once(equation, x_shape, rows_shape, monkeypatch):
+    """The eager float32 form gives aten's bf16 product: float32 sums of the same values, each
+    output rounded once to bf16 (so within one bf16 step of the float64 product), in bf16."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(*x_shape, generator=gen).to(torch.bfloat16)
+    rows = torch.randn(*rows_shape, generator=gen).to(torch.bfloat16)
+    exact = torch.einsum(equation, x.double(), rows.double())
+    one_step = exact.abs() * 2.0 ** -8 + 1e-30  # bf16 keeps 8 significant bits
+    for emulated in (True, False):
+        monkeypatch.setattr(mla, "aten_bf16_emulated", lambda: emulated)
+        out = mla.cache_product(equation, x, rows)
+        assert out.dtype == torch.bfloat16 and out.shape == exact.shape
+        assert ((out.double() - exact).abs() <= one_step).all()
+    monkeypatch.setattr(mla, "aten_bf16_emulated", lambda: True)
+    assert mla.cache_product(equation, x.float(), rows.float()).dtype == torch.float32  # float32 untouched
 
 
 def test_mla_prefill_matches_naive_mla():
