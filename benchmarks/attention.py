@@ -11,6 +11,7 @@ import argparse
 
 import torch
 
+from ascend_graph.attention.mla import cache_product
 from benchmarks import attention_capacity as ac
 from benchmarks.common import interleaved_medians, with_malloc
 from benchmarks.roofline import CopyProbe
@@ -24,11 +25,11 @@ def _floor(q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale):
     kv = ac.gather_rows(cache.kv_c, meta.decode.block_tables).squeeze(2).contiguous()  # [B, T, C]
     pe = ac.gather_rows(cache.k_pe, meta.decode.block_tables).squeeze(2).contiguous()  # [B, T, R]
 
-    def run():
+    def run():  # the products as eager MLA decode takes them (float32 where aten emulates bf16)
         q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w_uk)
-        scores = torch.einsum("bhc,btc->bht", q_lat, kv) + torch.einsum("bhr,btr->bht", q_pe, pe)
+        scores = cache_product("bhc,btc->bht", q_lat, kv) + cache_product("bhr,btr->bht", q_pe, pe)
         probs = (scores.float() * scale).softmax(-1).to(kv.dtype)
-        return torch.einsum("bhc,hvc->bhv", torch.einsum("bht,btc->bhc", probs, kv), w_uv)
+        return torch.einsum("bhc,hvc->bhv", cache_product("bht,btc->bhc", probs, kv), w_uv)
     return run
 
 

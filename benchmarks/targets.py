@@ -204,7 +204,7 @@ def _attention_bound(out: dict, floor: dict | None) -> str:
     """The matmul floor of decode attention, and its FLOPs at the machine's best bf16 matmul rate."""
     if not floor:
         return ""
-    text = f"aten's einsums over KV gathered beforehand (eager) reach {_figure(floor['share_of_copy_bandwidth'], 2)}"
+    text = f"eager's products over KV gathered beforehand (aten's) reach {_figure(floor['share_of_copy_bandwidth'], 2)}"
     rates = [r[k] for r in (out.get("compute") or {}).get("rows", [])
              for k in ("bf16_matmul_flops_per_s", "bf16_kernel_matmul_flops_per_s") if k in r]
     d = out["attention"]["conditions"]["dims"]
