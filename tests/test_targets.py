@@ -96,7 +96,7 @@ def test_a_rate_or_share_under_the_printed_precision_is_not_printed_as_zero():
     row = by_name(targets(run), "V2-Lite slice: graph / transformers, batch 8")
     assert "for the 300 MB of routed experts: 0.03 GB/s," in row["bound"]
     bound = by_name(targets({"attention": attention_run(900.0, 0.0042)}), "decode attention b32")["bound"]
-    assert "(eager) reach 0.0042" in bound
+    assert "beforehand (aten's) reach 0.0042" in bound
 
 
 def test_batch_32_matmuls_alone_past_twice_the_roofline_are_named_as_such():
