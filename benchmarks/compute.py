@@ -73,10 +73,10 @@ class StepMatmuls:
     Recorded once from ``run_step`` (an eager step) with their arguments: the model's own weights
     and that step's activations and gathered KV, each product as the model writes it and the
     compiled step sees it (MLA's cache products in bfloat16, not eager's float32 form on a CPU
-    without native bfloat16 matmuls: ``attention.mla.cache_product``). Attention's projections and absorbed products,
-    the dense MLP, the shared experts, the router and the LM head. Called, the replay is what
-    these products cost with aten's matmul; ``as_compiled()`` runs them as the compiled step does
-    from 2 rows on (bfloat16 linears of up to ``ROWS_MM_MAX`` rows in ``rows_mm``, MLA decode's
+    without native bfloat16 matmuls: ``attention.mla.cache_product``). Attention's projections
+    and absorbed products, the dense MLP, the shared experts, the router and the LM head. Called,
+    the replay is what these products cost with aten's matmul; ``as_compiled()`` runs them as the
+    compiled step does from 2 rows on (bfloat16 linears of up to ``ROWS_MM_MAX`` rows in ``rows_mm``, MLA decode's
     attention products in the kernel's batched forms, the rest in the same aten kernels; at 1 row
     the decode-matmul pass makes generated reductions of them, or on AVX2 ``rows_mm`` calls). The
     routed experts are left out because the compiled step runs them in forms of its own
