@@ -44,7 +44,7 @@ NOTES = [
     "(see `moe_forms`). Its MLA attention multiplies the gathered cache rows in float32 where aten has no native "
     "bfloat16 matmul (no AVX-512: a Zen 3), rounding each product once to bfloat16 as aten's own does: aten's "
     "bfloat16 product of the probabilities by the latent rows ran there at about 1 GFLOP/s "
-    "(`ascend_graph/attention/mla.py`, `cache_product`; from 2026-12-01, eager V2-Lite steps 7 ms faster at batch 1).",
+    "(`ascend_graph/attention/mla.py`, `product_rows`; from 2026-12-01, eager V2-Lite steps 7 ms faster at batch 1).",
     "transformers: `DeepseekV2ForCausalLM` of the same configuration (random weights, sdpa attention, "
     "DynamicCache, logits of the last token only), same batch and context, cache cropped back after each step.",
     "Roofline bytes: every weight used once (routed experts: the distinct experts the batch chose), the batch's "

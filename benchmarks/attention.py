@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from ascend_graph.attention.mla import cache_product
+from ascend_graph.attention.mla import by_rows, product_rows
 from benchmarks import attention_capacity as ac
 from benchmarks.common import interleaved_medians, with_malloc
 from benchmarks.roofline import CopyProbe
@@ -27,9 +27,10 @@ def _floor(q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale):
 
     def run():  # the products as eager MLA decode takes them (float32 where aten emulates bf16)
         q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w_uk)
-        scores = cache_product("bhc,btc->bht", q_lat, kv) + cache_product("bhr,btr->bht", q_pe, pe)
+        kv_in, pe_in = product_rows(kv), product_rows(pe)
+        scores = by_rows("bhc,btc->bht", q_lat, kv_in, kv.dtype) + by_rows("bhr,btr->bht", q_pe, pe_in, kv.dtype)
         probs = (scores.float() * scale).softmax(-1).to(kv.dtype)
-        return torch.einsum("bhc,hvc->bhv", cache_product("bht,btc->bhc", probs, kv), w_uv)
+        return torch.einsum("bhc,hvc->bhv", by_rows("bht,btc->bhc", probs, kv_in, kv.dtype), w_uv)
     return run
 
 

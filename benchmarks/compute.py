@@ -73,7 +73,7 @@ class StepMatmuls:
     Recorded once from ``run_step`` (an eager step) with their arguments: the model's own weights
     and that step's activations and gathered KV, each product as the model writes it and the
     compiled step sees it (MLA's cache products in bfloat16, not eager's float32 form on a CPU
-    without native bfloat16 matmuls: ``attention.mla.cache_product``). Attention's projections
+    without native bfloat16 matmuls: ``attention.mla.product_rows``). Attention's projections
     and absorbed products, the dense MLP, the shared experts, the router and the LM head. Called,
     the replay is what these products cost with aten's matmul; ``as_compiled()`` runs them as the
     compiled step does from 2 rows on (bfloat16 linears of up to ``ROWS_MM_MAX`` rows in ``rows_mm``, MLA decode's

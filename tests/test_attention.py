@@ -157,7 +157,7 @@ def test_mla_decode_matches_naive_mla_at_v2_lite_dims():
 @pytest.mark.parametrize("float32_products", [False, True], ids=["aten_bf16", "float32_products"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_mla_decode_matches_naive_mla_bfloat16(seed, float32_products, monkeypatch):
-    # Both eager forms of the cache products (mla.cache_product), whichever this CPU would pick.
+    # Both eager forms of the cache products (mla.product_rows), whichever this CPU would pick.
     monkeypatch.setattr(mla, "aten_bf16_emulated", lambda: float32_products)
     gen = torch.Generator().manual_seed(seed)
     lens = _ragged_lens(gen, batch=6)
@@ -176,9 +176,10 @@ def test_mla_decode_matches_naive_mla_bfloat16(seed, float32_products, monkeypat
     ("bht,btc->bhc", (3, 4, 40), (3, 40, 24)),  # the values: probabilities by kv_c
     ("bhc,btc->bht", (3, 4, 24), (3, 40, 24)),  # the scores
 ])
-def test_cache_product_in_float32_is_the_bf16_product_rounded_once(equation, x_shape, rows_shape, monkeypatch):
-    """The eager float32 form gives aten's bf16 product: float32 sums of the same values, each
-    output rounded once to bf16 (so within one bf16 step of the float64 product), in bf16."""
+def test_float32_cache_products_are_the_bf16_products_rounded_once(equation, x_shape, rows_shape, monkeypatch):
+    """The eager float32 form (``product_rows``' copy) gives aten's bf16 product: float32 sums of
+    the same values, each output rounded once to bf16 (so within one bf16 step of the float64
+    product), in bf16."""
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(*x_shape, generator=gen).to(torch.bfloat16)
     rows = torch.randn(*rows_shape, generator=gen).to(torch.bfloat16)
@@ -186,11 +187,14 @@ def test_cache_product_in_float32_is_the_bf16_product_rounded_once(equation, x_s
     one_step = exact.abs() * 2.0 ** -8 + 1e-30  # bf16 keeps 8 significant bits
     for emulated in (True, False):
         monkeypatch.setattr(mla, "aten_bf16_emulated", lambda: emulated)
-        out = mla.cache_product(equation, x, rows)
+        taken = mla.product_rows(rows)
+        assert taken.dtype == (torch.float32 if emulated else torch.bfloat16)
+        out = mla.by_rows(equation, x, taken, torch.bfloat16)
         assert out.dtype == torch.bfloat16 and out.shape == exact.shape
         assert ((out.double() - exact).abs() <= one_step).all()
     monkeypatch.setattr(mla, "aten_bf16_emulated", lambda: True)
-    assert mla.cache_product(equation, x.float(), rows.float()).dtype == torch.float32  # float32 untouched
+    assert mla.product_rows(rows.float()).dtype == torch.float32  # float32 rows as they are
+    assert mla.product_rows(rows.half()).dtype == torch.float16
 
 
 def test_mla_prefill_matches_naive_mla():

@@ -32,32 +32,40 @@ def mla_decode(q_nope: Tensor, q_pe: Tensor, cache: MLACache, decode: DecodeMeta
     q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w_uk)  # [B, H, C]
     kv = gather_rows(cache.kv_c, decode.block_tables).squeeze(2)  # [B, T, C]
     pe = gather_rows(cache.k_pe, decode.block_tables).squeeze(2)  # [B, T, R]
-    scores = cache_product("bhc,btc->bht", q_lat, kv) + cache_product("bhr,btr->bht", q_pe, pe)
+    kv_in, pe_in = product_rows(kv), product_rows(pe)  # as the products read them (float32 in some eager)
+    scores = by_rows("bhc,btc->bht", q_lat, kv_in, kv.dtype) + by_rows("bhr,btr->bht", q_pe, pe_in, kv.dtype)
     mask = valid_slots(decode.context_lens, kv.shape[1])[:, None, :]  # [B, 1, T]
     probs = masked_softmax(scores, mask, scale).to(kv.dtype)  # [B, H, T]
-    o_lat = cache_product("bht,btc->bhc", probs, kv)  # [B, H, C]
+    o_lat = by_rows("bht,btc->bhc", probs, kv_in, kv.dtype)  # [B, H, C]
     return torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
 
 
-def cache_product(equation: str, x: Tensor, rows: Tensor) -> Tensor:
-    """``torch.einsum(equation, x, rows)`` of a query-side operand by gathered cache rows.
+def product_rows(rows: Tensor) -> Tensor:
+    """Gathered cache rows as MLA decode's products read them: ``rows`` itself, or in eager mode,
+    for bfloat16 on a CPU where aten has no native bfloat16 matmul (``aten_bf16_emulated``), a
+    float32 copy, made once for the scores and the values (``by_rows`` then rounds each product
+    once to bfloat16, as aten's own bfloat16 product does: float32 sums of the same values).
 
-    Eager, in bfloat16 on a CPU where aten has no native bfloat16 matmul (``aten_bf16_emulated``),
-    the product is taken in float32 over the same values and rounded once to bfloat16, which is
-    what aten's own bfloat16 product computes. There aten's product of the probabilities by
-    ``kv_c`` (a ``[T, C]`` matrix, reduced along its rows) runs at about 1 GFLOP/s. Measured
-    (Zen 3, torch 2.13, 1 thread, V2-Lite dims, 16 heads, one-off, ms, bfloat16 / float32 with
-    the conversions; latent scores, rope scores, values): batch 1, context 256: 0.58 / 0.38,
-    0.26 / 0.09, 3.62 / 0.22; batch 8, context 256: 4.31 / 1.58, 1.74 / 0.21, 28.5 / 0.79;
-    batch 32, context 2048: 119.5 / 119.5, 35.8 / 11.1, 1377 / 135. Not done for float16 (there
-    the latent scores at batch 32, context 2048 took 123 ms in float16, 161 in float32) nor for
-    ``paged_decode`` (GQA, batch 8, context 1024: slower in float32). Compiled, the product stays
-    as written: ``DecodeMatmulPass`` has the kernel read the cache in place.
+    There aten's product of the probabilities by ``kv_c`` (a ``[T, C]`` matrix, reduced along its
+    rows) runs at about 1 GFLOP/s. Measured (Zen 3, torch 2.13, 1 thread, V2-Lite dims, 16 heads,
+    one-off, ms, bfloat16 / float32 with the conversions; latent scores, rope scores, values):
+    batch 1, context 256: 0.58 / 0.38, 0.26 / 0.09, 3.62 / 0.22; batch 8, context 256: 4.31 /
+    1.58, 1.74 / 0.21, 28.5 / 0.79; batch 32, context 2048: 119.5 / 119.5, 35.8 / 11.1, 1377 /
+    135. The three together with ``kv_c`` converted once instead of for each product: batch 32,
+    context 2048, 183-215 vs 327-330 ms; context 256, 15-17.5 vs 16.5-20.3 ms. Not done for
+    float16 (there the latent scores at batch 32, context 2048 took 123 ms in float16, 161 in
+    float32) nor for ``paged_decode`` (GQA, batch 8, context 1024: slower in float32). Compiled,
+    the products stay as written: ``DecodeMatmulPass`` has the kernel read the cache in place.
     """
     if torch.compiler.is_compiling() or not (rows.device.type == "cpu" and rows.dtype == torch.bfloat16
                                              and aten_bf16_emulated()):
-        return torch.einsum(equation, x, rows)
-    return torch.einsum(equation, x.float(), rows.float()).to(rows.dtype)
+        return rows
+    return rows.float()
+
+
+def by_rows(equation: str, x: Tensor, rows: Tensor, dtype: torch.dtype) -> Tensor:
+    """``torch.einsum(equation, x, rows)`` in ``rows``' dtype (``product_rows``), as ``dtype``."""
+    return torch.einsum(equation, x.to(rows.dtype), rows).to(dtype)
 
 
 @functools.cache
