@@ -2,6 +2,11 @@
 process: the source at a git revision against the working tree's, for measuring a change to the
 kernel before and after.
 
+Each call is timed in the thread's CPU time (``time.thread_time``), the builds' order swapped
+every run: on this shared machine a call descheduled for other jobs would otherwise count the
+wait (2026-12-01: the paged scores, unchanged between the builds, measured 0.80-1.09 of themselves
+in wall time, 0.95-1.11 in CPU time, medians); contention for caches and memory still counts.
+
 - ``rows``: GFLOP/s of ``expert_rows`` (one weight, ``r`` rows, what ``rows_mm`` runs) over a
   [12288, 2048] bf16 weight streamed from memory (four weights on 2 MiB pages taken in turn), both builds
   interleaved, medians; each result checked against a float64 product.
@@ -61,6 +66,12 @@ def source_at(rev: str) -> str:
                           capture_output=True, text=True, check=True).stdout
 
 
+def alternating(dlls: dict[str, ctypes.CDLL], run: int) -> list[tuple[str, ctypes.CDLL]]:
+    """The builds in order on even runs, reversed on odd ones: neither always runs second."""
+    order = list(dlls.items())
+    return order[::-1] if run % 2 else order
+
+
 def rows_rates(dlls: dict[str, ctypes.CDLL], rows=(1, 2, 4, 8, 16, 32, 64), n: int = 12288, k: int = 2048,
                runs: int = 7) -> list[dict]:
     """Per row count, GFLOP/s of each build's ``expert_rows`` on one thread, medians of ``runs``
@@ -75,13 +86,13 @@ def rows_rates(dlls: dict[str, ctypes.CDLL], rows=(1, 2, 4, 8, 16, 32, 64), n: i
     for r in rows:
         x, ends = torch.randn(r, k).to(torch.bfloat16), torch.tensor([r], dtype=torch.int32)
         times: dict[str, list[float]] = {name: [] for name in dlls}
-        for _ in range(runs):
-            for name, dll in dlls.items():
+        for run in range(runs):
+            for name, dll in alternating(dlls, run):
                 w, out = weights[made % 4], torch.empty(r, n, dtype=torch.bfloat16)
                 made += 1
-                start = time.perf_counter()
+                start = time.thread_time()
                 dll.expert_rows(x.data_ptr(), w.data_ptr(), ends.data_ptr(), out.data_ptr(), 1, n, k, 1)
-                times[name].append(time.perf_counter() - start)
+                times[name].append(time.thread_time() - start)
                 exact = x.double() @ w.double().T
                 if not ((out.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all():
                     raise ValueError(f"kernel_builds: {name} at {r} rows is not within one rounding")
@@ -90,7 +101,7 @@ def rows_rates(dlls: dict[str, ctypes.CDLL], rows=(1, 2, 4, 8, 16, 32, 64), n: i
 
 
 def paged_times(dlls: dict[str, ctypes.CDLL], seqs: int = 32, heads: int = 16, width: int = 576,
-                block: int = 16, context: int = 2048, runs: int = 9, values: bool = False) -> dict[str, float]:
+                block: int = 16, context: int = 2048, runs: int = 15, values: bool = False) -> dict[str, float]:
     """Median ms of each build's ``paged_rows`` (one thread; ``values``: ``paged_kn``, the
     probabilities by the rows) over blocks in a shuffled table; each output within one bf16
     rounding of the float64 product over the gathered rows (else ValueError)."""
@@ -108,13 +119,13 @@ def paged_times(dlls: dict[str, ctypes.CDLL], seqs: int = 32, heads: int = 16, w
     # one bf16 rounding, plus float32 sums' error over the reduced length
     bound = exact.abs() * 2 ** -8 + (x.double().abs() @ matrix.abs()) * x.shape[-1] * 2 ** -24 + 1e-3
     times: dict[str, list[float]] = {name: [] for name in dlls}
-    for _ in range(runs):
-        for name, dll in dlls.items():
+    for run in range(runs):
+        for name, dll in alternating(dlls, run):
             out = torch.empty(shape, dtype=torch.bfloat16)
-            start = time.perf_counter()
+            start = time.thread_time()
             getattr(dll, call)(x.data_ptr(), cache.data_ptr(), table.data_ptr(), out.data_ptr(), seqs, per, block,
                                block * width, heads, width, 1)
-            times[name].append(time.perf_counter() - start)
+            times[name].append(time.thread_time() - start)
             if not ((out.double() - exact).abs() <= bound).all():
                 raise ValueError(f"kernel_builds: {name}'s paged {'values' if values else 'scores'} are not within "
                                  "one rounding")

@@ -34,7 +34,15 @@
  * each element broadcast against 16 input rows as float32) was tried (2026-12-01, Zen 3, one core,
  * MLA decode's values over a paged cache, batch 32, context 2048, 16 heads, C, interleaved runs):
  * 18.2-22.6 ms against 19.3-24.1 ms for this, not a clear win; packing x as float32 and widening
- * the panel cost what the plain multiply-adds saved. */
+ * the panel cost what the plain multiply-adds saved. A second, the other way round, was tried the
+ * same day: 16 columns of a matrix row widened (shift and AND) against 6 input rows' elements
+ * broadcast as float32, 12 sums in registers, the rows copied by column block into a 32 KiB panel,
+ * the next panel's rows prefetched over the tiles. Its loop alone, in L1, ran at 72-79 GFLOP/s,
+ * but at V2-Lite's rows of 512 (kernel_builds' paged values, CPU time, three runs) it took
+ * 21.5-24.1 ms against 22.7-23.2 for this (medians; minima 17.9-18.1 against 20.0): not a clear
+ * win either. Without the panel (each row's 16 columns read where they lie: rows 1 KiB apart
+ * share four L1 sets) it was slower than this; with the next rows prefetched in one burst, the
+ * misses it queued held the copy up (9 ms of the 19 with the multiply-adds left out). */
 typedef struct { __m256 a, b; } ag_ps;
 typedef struct { __m256i a, b; } ag_si;
 #define __m512 ag_ps
