@@ -137,6 +137,7 @@ def run_part(part: str, p: dict, quick: bool, out: dict) -> None:
         out["attention"] = attention.measure(reps=p["attention_reps"], malloc_keeps_freed=out["malloc_keeps_freed_memory"])
         out["attention"]["batch_1"] = attention.batch_one(context=p["attention_batch_1_context"],
                                                           reps=p["attention_reps"])
+        out["attention"]["gqa"] = attention.gqa_decode(reps=p["attention_reps"])
     elif part == "startup":
         out["startup"] = startup.measure("small", p["startup_sizes"], quick, portable=not quick, aot=not quick)
     elif part == "memory":

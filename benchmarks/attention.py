@@ -11,7 +11,10 @@ import argparse
 
 import torch
 
-from ascend_graph.attention.mla import by_rows, product_rows
+from ascend_graph.attention import DecodeMetadata, paged_decode
+from ascend_graph.attention.mla import product_rows
+from ascend_graph.attention.paging import by_rows, gather_rows, masked_softmax, valid_slots
+from ascend_graph.kv_cache import KVCache
 from benchmarks import attention_capacity as ac
 from benchmarks.common import interleaved_medians, with_malloc
 from benchmarks.roofline import CopyProbe
@@ -112,3 +115,53 @@ def batch_one(context: int = 16384, reps: int = 9, dtype: str = "bfloat16") -> d
     print(f"  attention batch 1, context {context}: in place {res['in_place_ms']:.2f} ms, over a gathered copy "
           f"{res['gathered_ms']:.2f} ms", flush=True)
     return res
+
+
+def _former_gqa_decode(q, cache, decode, scale):
+    """``paged_decode`` as it was before 2026-12-01: the products over the gathered
+    ``[B, T, Hk, D]`` rows, in the cache's dtype."""
+    b, hq, d = q.shape
+    hk = cache.k.shape[2]
+    k = gather_rows(cache.k, decode.block_tables)
+    v = gather_rows(cache.v, decode.block_tables)
+    scores = torch.einsum("bkgd,btkd->bkgt", q.view(b, hk, hq // hk, d), k)
+    mask = valid_slots(decode.context_lens, k.shape[1])[:, None, None, :]
+    probs = masked_softmax(scores, mask, scale).to(v.dtype)
+    return torch.einsum("bkgt,btkd->bkgd", probs, v).reshape(b, hq, d)
+
+
+def gqa_decode(batch: int = 8, context: int = 1024, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+               block_size: int = 16, reps: int = 7, dtype: str = "bfloat16") -> dict:
+    """Standard attention's decode (``paged_decode`` over a ``(k, v)`` tuple cache, Llama-3-8B's
+    heads) eager and compiled, against its former form (``_former_gqa_decode``), all four timed
+    interleaved over the same inputs; each output's largest difference from a float64 oracle."""
+    gen = torch.Generator().manual_seed(0)
+    per = context // block_size
+    num_blocks = batch * per + 4
+    kc, vc = (torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(getattr(torch, dtype))
+              for _ in range(2))
+    tables = torch.randperm(num_blocks, generator=gen)[:batch * per].view(batch, per).int()
+    lens = torch.randint(1, context + 1, (batch,), generator=gen).int()
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(kc.dtype)
+    inputs = (q, KVCache(kc, vc), DecodeMetadata(tables, lens), head_dim ** -0.5)
+    exact = _former_gqa_decode(q.double(), KVCache(kc.double(), vc.double()), inputs[2], inputs[3])
+    fns = {"eager": paged_decode, "former_eager": _former_gqa_decode}
+    fns.update({name.replace("eager", "compiled"): ac.compiled(fn) for name, fn in list(fns.items())})
+    errors = {name: (fn(*inputs).double() - exact).abs().max().item() for name, fn in fns.items()}
+    t = interleaved_medians({name: (lambda f: lambda: f(*inputs))(fn) for name, fn in fns.items()}, rounds=reps,
+                            calls_per_round=1, warmup=1)
+    res = {"batch": batch, "context": context, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+           "dtype": dtype, **{f"{name}_ms": t[name] * 1e3 for name in fns},
+           "max_abs_error": errors, "graph_over_eager": t["eager"] / t["compiled"]}
+    print(f"  GQA decode, batch {batch}, context {context}, {heads}/{kv_heads} heads of {head_dim}: eager "
+          f"{res['eager_ms']:.1f} ms, compiled {res['compiled_ms']:.1f} ms; former form {res['former_eager_ms']:.1f} / "
+          f"{res['former_compiled_ms']:.1f} ms", flush=True)
+    return res
+
+
+if __name__ == "__main__":  # the standard-attention probe alone, as the suite runs it
+    from benchmarks.common import set_malloc_keeps_freed_memory
+
+    torch.set_num_threads(1)
+    set_malloc_keeps_freed_memory(True)
+    gqa_decode()

@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ascend_graph.attention import mla
+from ascend_graph.attention import paging
 from ascend_graph.models.moe import RoutedExperts
 from benchmarks import peak
 from benchmarks.common import interleaved_medians
@@ -87,7 +87,7 @@ class StepMatmuls:
         experts = {p.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, RoutedExperts)
                    for p in m.parameters()}
         recorder = _MatmulRecorder()
-        with recorder, mock.patch.object(mla, "aten_bf16_emulated", lambda: False):
+        with recorder, mock.patch.object(paging, "aten_bf16_emulated", lambda: False):
             run_step()
 
         def reads_experts(call: tuple) -> bool:

@@ -252,6 +252,14 @@ def _attention_table(a: dict | None, bw: dict | None) -> list[str]:
                   f"{one['in_place_ms']:.2f} ms reading the cache blocks in place, {one['gathered_ms']:.2f} ms over a "
                   "gathered copy of the rows (aten's `mm`, as before the paged forms took batch 1), timed interleaved; "
                   + ("the same output." if one["same_output"] else "outputs within rounding, not bit for bit.")]
+    g = a.get("gqa")
+    if g:
+        lines += ["", f"Standard attention (`paged_decode` over a `(k, v)` cache, {g['heads']} query and {g['kv_heads']} kv "
+                  f"heads of {g['head_dim']}, {g['dtype']}), batch {g['batch']}, context {g['context']}: eager "
+                  f"{g['eager_ms']:.1f} ms, compiled {g['compiled_ms']:.1f} ms (graph/eager "
+                  f"{g['graph_over_eager']:.2f}); in its form before 2026-12-01 (products over the gathered "
+                  f"`[B, T, Hk, D]` rows in the cache's dtype) {g['former_eager_ms']:.1f} and "
+                  f"{g['former_compiled_ms']:.1f} ms; timed interleaved."]
     return lines + [""]
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ascend_graph.attention import build_attention_metadata, mla_decode, mla_prefill, pad_decode
-from ascend_graph.attention import mla, paged_decode, paged_prefill
+from ascend_graph.attention import mla, paged_decode, paged_prefill, paging
 from ascend_graph.attention.reference import dense_attention, naive_mla
 from ascend_graph.block_manager import BlockManager
 from ascend_graph.kv_cache import (
@@ -158,7 +158,7 @@ def test_mla_decode_matches_naive_mla_at_v2_lite_dims():
 @pytest.mark.parametrize("seed", [0, 1])
 def test_mla_decode_matches_naive_mla_bfloat16(seed, float32_products, monkeypatch):
     # Both eager forms of the cache products (mla.product_rows), whichever this CPU would pick.
-    monkeypatch.setattr(mla, "aten_bf16_emulated", lambda: float32_products)
+    monkeypatch.setattr(paging, "aten_bf16_emulated", lambda: float32_products)
     gen = torch.Generator().manual_seed(seed)
     lens = _ragged_lens(gen, batch=6)
     p = _mla_problem(gen, V2_LITE, lens, num_blocks=64, dtype=torch.bfloat16)
@@ -186,13 +186,13 @@ def test_float32_cache_products_are_the_bf16_products_rounded_once(equation, x_s
     exact = torch.einsum(equation, x.double(), rows.double())
     one_step = exact.abs() * 2.0 ** -8 + 1e-30  # bf16 keeps 8 significant bits
     for emulated in (True, False):
-        monkeypatch.setattr(mla, "aten_bf16_emulated", lambda: emulated)
+        monkeypatch.setattr(paging, "aten_bf16_emulated", lambda: emulated)
         taken = mla.product_rows(rows)
         assert taken.dtype == (torch.float32 if emulated else torch.bfloat16)
-        out = mla.by_rows(equation, x, taken, torch.bfloat16)
+        out = paging.by_rows(equation, x, taken, torch.bfloat16)
         assert out.dtype == torch.bfloat16 and out.shape == exact.shape
         assert ((out.double() - exact).abs() <= one_step).all()
-    monkeypatch.setattr(mla, "aten_bf16_emulated", lambda: True)
+    monkeypatch.setattr(paging, "aten_bf16_emulated", lambda: True)
     assert mla.product_rows(rows.float()).dtype == torch.float32  # float32 rows as they are
     assert mla.product_rows(rows.half()).dtype == torch.float16
 
@@ -271,9 +271,10 @@ HEADS = pytest.mark.parametrize("hq, hk", [(4, 4), (8, 2)], ids=["mha", "gqa"])
 D = 16
 
 
-def _kv_problem(gen, hk, lens, num_blocks):
-    (cache,) = allocate_kv_caches([KVCacheSpec(hk, D)], num_blocks=num_blocks, block_size=S)
-    seqs = [(torch.randn(n, hk, D, generator=gen), torch.randn(n, hk, D, generator=gen)) for n in lens]
+def _kv_problem(gen, hk, lens, num_blocks, dtype=torch.float32):
+    (cache,) = allocate_kv_caches([KVCacheSpec(hk, D, dtype)], num_blocks=num_blocks, block_size=S)
+    seqs = [(torch.randn(n, hk, D, generator=gen).to(dtype), torch.randn(n, hk, D, generator=gen).to(dtype))
+            for n in lens]
     return cache, seqs
 
 
@@ -296,6 +297,28 @@ def test_paged_decode_matches_dense_attention(seed, hq, hk):
     out = paged_decode(q, cache, meta.decode, D ** -0.5)
     ref = torch.cat([_dense_oracle(q[i:i + 1], seqs, i, n) for i, n in enumerate(lens)])
     _assert_matches(out, ref, 1e-5)
+
+
+@HEADS
+@pytest.mark.parametrize("float32_products", [False, True], ids=["aten_bf16", "float32_products"])
+def test_paged_decode_matches_dense_attention_bfloat16(float32_products, hq, hk, monkeypatch):
+    """Both forms of the bf16 products (``paging.float32_products``), whichever this CPU would
+    pick, against the float64 oracle on the same bf16 values."""
+    monkeypatch.setattr(paging, "aten_bf16_emulated", lambda: float32_products)
+    gen = torch.Generator().manual_seed(3)
+    lens = _ragged_lens(gen, batch=6)
+    cache, seqs = _kv_problem(gen, hk, lens, 64, torch.bfloat16)
+    tables = _tables(gen, lens, 64)
+    _write_prefix(cache, tables, seqs, [n - 1 for n in lens])
+    _, meta = _metadata(tables, [n - 1 for n in lens], [1] * 6, 64, width=10)
+    write_kv_cache(cache, *_new_tokens(seqs, [n - 1 for n in lens], [1] * 6), meta.slot_mapping)
+    q = (torch.randn(6, hq, D, generator=gen) * 2).to(torch.bfloat16)
+    out = paged_decode(q, cache, meta.decode, D ** -0.5)
+    assert out.dtype == torch.bfloat16
+    ref = torch.cat([_dense_oracle(q[i:i + 1], seqs, i, n) for i, n in enumerate(lens)])  # float64
+    # scores, probabilities and output each rounded to bf16 (see the MLA bf16 test): 4% of the
+    # output's magnitude
+    _assert_matches(out, ref, 4e-2)
 
 
 @HEADS

@@ -29,3 +29,15 @@ def test_the_copy_probe_copies_its_buffer():
     probe.src.normal_()
     probe()
     assert torch.equal(probe.dst, probe.src) and probe.bytes == 2 * (4 << 20)
+
+
+def test_gqa_decode_times_both_forms_against_one_oracle():
+    """The attention part's standard-attention probe: ``paged_decode`` and its former form,
+    eager and compiled, each within bf16 rounding of the float64 oracle."""
+    from benchmarks.attention import gqa_decode
+
+    r = gqa_decode(batch=2, context=64, heads=4, kv_heads=2, head_dim=16, reps=1)
+    for name in ("eager", "compiled", "former_eager", "former_compiled"):
+        assert r[f"{name}_ms"] > 0
+        assert r["max_abs_error"][name] < 0.05, r["max_abs_error"]
+    assert r["graph_over_eager"] == r["eager_ms"] / r["compiled_ms"]

@@ -11,15 +11,14 @@ Weights: ``w_uk [H, Dn, C]`` and ``w_uv [H, Dv, C]``, the two parts of ``kv_b_pr
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..kv_cache import MLACache
 from .metadata import DecodeMetadata, PrefillMetadata
-from .paging import causal_mask, gather_rows, gather_sequence, masked_softmax, valid_slots
+from .paging import (by_rows, causal_mask, float32_products, gather_rows, gather_sequence, masked_softmax,
+                     valid_slots)
 
 
 def mla_decode(q_nope: Tensor, q_pe: Tensor, cache: MLACache, decode: DecodeMetadata,
@@ -42,7 +41,7 @@ def mla_decode(q_nope: Tensor, q_pe: Tensor, cache: MLACache, decode: DecodeMeta
 
 def product_rows(rows: Tensor) -> Tensor:
     """Gathered cache rows as MLA decode's products read them: ``rows`` itself, or in eager mode,
-    for bfloat16 on a CPU where aten has no native bfloat16 matmul (``aten_bf16_emulated``), a
+    for bfloat16 on a CPU where aten has no native bfloat16 matmul (``paging.float32_products``), a
     float32 copy, made once for the scores and the values (``by_rows`` then rounds each product
     once to bfloat16, as aten's own bfloat16 product does: float32 sums of the same values).
 
@@ -54,28 +53,12 @@ def product_rows(rows: Tensor) -> Tensor:
     135. The three together with ``kv_c`` converted once instead of for each product: batch 32,
     context 2048, 183-215 vs 327-330 ms; context 256, 15-17.5 vs 16.5-20.3 ms. Not done for
     float16 (there the latent scores at batch 32, context 2048 took 123 ms in float16, 161 in
-    float32) nor for ``paged_decode`` (GQA, batch 8, context 1024: slower in float32). Compiled,
-    the products stay as written: ``DecodeMatmulPass`` has the kernel read the cache in place.
+    float32). Compiled, the products stay as written: ``DecodeMatmulPass`` has the kernel read
+    the cache in place (GQA's ``paged_decode``, which has no such kernel, converts compiled too).
     """
-    if torch.compiler.is_compiling() or not (rows.device.type == "cpu" and rows.dtype == torch.bfloat16
-                                             and aten_bf16_emulated()):
+    if torch.compiler.is_compiling() or not float32_products(rows):
         return rows
     return rows.float()
-
-
-def by_rows(equation: str, x: Tensor, rows: Tensor, dtype: torch.dtype) -> Tensor:
-    """``torch.einsum(equation, x, rows)`` in ``rows``' dtype (``product_rows``), as ``dtype``."""
-    return torch.einsum(equation, x.to(rows.dtype), rows).to(dtype)
-
-
-@functools.cache
-def aten_bf16_emulated() -> bool:
-    """Whether aten multiplies bfloat16 CPU tensors without oneDNN's bfloat16 path (which needs
-    AVX-512 or AMX): ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` False or missing."""
-    try:
-        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    except (AttributeError, RuntimeError):  # a build without oneDNN
-        return True
 
 
 def mla_prefill(q_nope: Tensor, q_pe: Tensor, cache: MLACache, prefill: PrefillMetadata,

@@ -12,20 +12,39 @@ from torch import Tensor
 
 from ..kv_cache import KVCache
 from .metadata import DecodeMetadata, PrefillMetadata
-from .paging import causal_mask, gather_rows, gather_sequence, masked_softmax, valid_slots
+from .paging import (by_rows, causal_mask, float32_products, gather_rows, gather_sequence, masked_softmax,
+                     valid_slots)
 
 
 def paged_decode(q: Tensor, cache: KVCache, decode: DecodeMetadata, scale: float) -> Tensor:
-    """Decode attention: ``[B, Hq, D]`` -> ``[B, Hq, D]``."""
+    """Decode attention: ``[B, Hq, D]`` -> ``[B, Hq, D]``.
+
+    The gathered keys and values are multiplied heads first (``[B, Hk, T, D]``), the layout the
+    batched products take; and in float32 where aten emulates bfloat16 matmuls
+    (``paging.float32_products``: a CPU without AVX-512), transposed and converted in one copy,
+    each product then rounded once to the cache's dtype as aten's own bfloat16 product is.
+    Compiled too: no kernel of the project takes these products. Measured (Zen 3, torch 2.13, 1
+    thread, bfloat16, 32 query and 8 kv heads of 128, batch 8, context 1024, blocks of 16,
+    interleaved, ms, the former form / this; ``python -m benchmarks.attention``, three runs):
+    eager 127.2-138.4 / 30.1-36.0, compiled 42.8-46.6 / 20.3-21.4. Over the gathered
+    ``[B, T, Hk, D]`` rows as before, float32 alone made eager 70.0 and compiled 45.6 (one-off).
+    """
     b, hq, d = q.shape
     hk = cache.k.shape[2]
-    k = gather_rows(cache.k, decode.block_tables)  # [B, T, Hk, D]
-    v = gather_rows(cache.v, decode.block_tables)  # [B, T, Hk, D]
+    dtype = torch.float32 if float32_products(cache.k) else cache.k.dtype
+    k = _heads_first(gather_rows(cache.k, decode.block_tables), dtype)  # [B, Hk, T, D]
+    v = _heads_first(gather_rows(cache.v, decode.block_tables), dtype)  # [B, Hk, T, D]
     qg = q.view(b, hk, hq // hk, d)  # [B, Hk, G, D]
-    scores = torch.einsum("bkgd,btkd->bkgt", qg, k)
-    mask = valid_slots(decode.context_lens, k.shape[1])[:, None, None, :]  # [B, 1, 1, T]
-    probs = masked_softmax(scores, mask, scale).to(v.dtype)
-    return torch.einsum("bkgt,btkd->bkgd", probs, v).reshape(b, hq, d)
+    scores = by_rows("bkgd,bktd->bkgt", qg, k, cache.k.dtype)
+    mask = valid_slots(decode.context_lens, k.shape[2])[:, None, None, :]  # [B, 1, 1, T]
+    probs = masked_softmax(scores, mask, scale).to(cache.v.dtype)
+    return by_rows("bkgt,bktd->bkgd", probs, v, cache.v.dtype).reshape(b, hq, d)
+
+
+def _heads_first(rows: Tensor, dtype: torch.dtype) -> Tensor:
+    """``[B, T, Hk, D]`` -> ``[B, Hk, T, D]`` in ``dtype``: a view, or one contiguous copy."""
+    rows = rows.transpose(1, 2)
+    return rows if rows.dtype == dtype else rows.to(dtype, memory_format=torch.contiguous_format)
 
 
 def paged_prefill(q: Tensor, cache: KVCache, prefill: PrefillMetadata, scale: float) -> Tensor:

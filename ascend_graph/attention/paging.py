@@ -42,3 +42,33 @@ def masked_softmax(scores: Tensor, mask: Tensor, scale: float) -> Tensor:
     """Softmax in float32 over the last dim of ``scores * scale`` where ``mask`` is True."""
     scores = scores.float() * scale
     return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+
+
+def _probe_aten_bf16_emulated() -> bool:
+    try:
+        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        return True
+
+
+_ATEN_BF16_EMULATED = _probe_aten_bf16_emulated()  # asked once, at import: a constant when compiled
+
+
+def aten_bf16_emulated() -> bool:
+    """Whether aten multiplies bfloat16 CPU tensors without oneDNN's bfloat16 path (which needs
+    AVX-512 or AMX): ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` False or missing. There
+    its bfloat16 matmuls run a generic loop, some layouts at about 1 GFLOP/s."""
+    return _ATEN_BF16_EMULATED
+
+
+def float32_products(t: Tensor) -> bool:
+    """Whether attention's products over ``t`` (gathered cache rows) run faster in float32: a
+    bfloat16 CPU tensor where ``aten_bf16_emulated()``. Each such product is then rounded once to
+    bfloat16 (``by_rows``), which is what aten's own bfloat16 product computes: float32 sums of
+    the same values, one rounding per output."""
+    return t.device.type == "cpu" and t.dtype == torch.bfloat16 and aten_bf16_emulated()
+
+
+def by_rows(equation: str, x: Tensor, rows: Tensor, dtype: torch.dtype) -> Tensor:
+    """``torch.einsum(equation, x, rows)`` in ``rows``' dtype, as ``dtype``."""
+    return torch.einsum(equation, x.to(rows.dtype), rows).to(dtype)
