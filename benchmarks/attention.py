@@ -3,6 +3,9 @@
 One step is the cache write plus absorbed MLA decode over the tuple cache (``tuple_step`` of
 ``attention_capacity``), eager and compiled, at two cache capacities. Achieved bandwidth is the
 bytes the step must read (each row's latent and rope cache, ``w_uk`` and ``w_uv``) over its time.
+
+``gqa_decode`` times standard attention's decode (``paged_decode``, Llama-3-8B's heads) eager and
+compiled against its former form; ``python -m benchmarks.attention`` runs it alone.
 """
 
 from __future__ import annotations
