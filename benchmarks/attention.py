@@ -15,6 +15,7 @@ import argparse
 import torch
 
 from ascend_graph.attention import DecodeMetadata, paged_decode
+from ascend_graph.attention.paged import _gathered_decode
 from ascend_graph.attention.mla import product_rows
 from ascend_graph.attention.paging import by_rows, gather_rows, masked_softmax, valid_slots
 from ascend_graph.kv_cache import KVCache
@@ -136,8 +137,11 @@ def _former_gqa_decode(q, cache, decode, scale):
 def gqa_decode(batch: int = 8, context: int = 1024, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
                block_size: int = 16, reps: int = 7, dtype: str = "bfloat16") -> dict:
     """Standard attention's decode (``paged_decode`` over a ``(k, v)`` tuple cache, Llama-3-8B's
-    heads) eager and compiled, against its former form (``_former_gqa_decode``), all four timed
-    interleaved over the same inputs; each output's largest difference from a float64 oracle."""
+    heads) eager and compiled, against its two earlier forms: over gathered rows heads first
+    (``paged._gathered_decode``, its form before 2026-12-01 15:00 and still where the kernel does
+    not take the products) and before that over the gathered ``[B, T, Hk, D]`` rows
+    (``_former_gqa_decode``); all six timed interleaved over the same inputs; each output's
+    largest difference from a float64 oracle."""
     gen = torch.Generator().manual_seed(0)
     per = context // block_size
     num_blocks = batch * per + 4
@@ -148,7 +152,7 @@ def gqa_decode(batch: int = 8, context: int = 1024, heads: int = 32, kv_heads: i
     q = torch.randn(batch, heads, head_dim, generator=gen).to(kc.dtype)
     inputs = (q, KVCache(kc, vc), DecodeMetadata(tables, lens), head_dim ** -0.5)
     exact = _former_gqa_decode(q.double(), KVCache(kc.double(), vc.double()), inputs[2], inputs[3])
-    fns = {"eager": paged_decode, "former_eager": _former_gqa_decode}
+    fns = {"eager": paged_decode, "gathered_eager": _gathered_decode, "former_eager": _former_gqa_decode}
     fns.update({name.replace("eager", "compiled"): ac.compiled(fn) for name, fn in list(fns.items())})
     errors = {name: (fn(*inputs).double() - exact).abs().max().item() for name, fn in fns.items()}
     t = interleaved_medians({name: (lambda f: lambda: f(*inputs))(fn) for name, fn in fns.items()}, rounds=reps,
@@ -157,8 +161,9 @@ def gqa_decode(batch: int = 8, context: int = 1024, heads: int = 32, kv_heads: i
            "dtype": dtype, **{f"{name}_ms": t[name] * 1e3 for name in fns},
            "max_abs_error": errors, "graph_over_eager": t["eager"] / t["compiled"]}
     print(f"  GQA decode, batch {batch}, context {context}, {heads}/{kv_heads} heads of {head_dim}: eager "
-          f"{res['eager_ms']:.1f} ms, compiled {res['compiled_ms']:.1f} ms; former form {res['former_eager_ms']:.1f} / "
-          f"{res['former_compiled_ms']:.1f} ms", flush=True)
+          f"{res['eager_ms']:.1f} ms, compiled {res['compiled_ms']:.1f} ms; over gathered rows heads first "
+          f"{res['gathered_eager_ms']:.1f} / {res['gathered_compiled_ms']:.1f} ms; former form "
+          f"{res['former_eager_ms']:.1f} / {res['former_compiled_ms']:.1f} ms", flush=True)
     return res
 
 

@@ -57,6 +57,10 @@ def build(source: str, out_dir: str, name: str) -> ctypes.CDLL:
     dll = expert_rows._bind(ctypes.CDLL(lib))
     if not dll.expert_rows_available():
         raise RuntimeError(f"kernel_builds: {name} has no kernel for this CPU")
+    dll.heads_arg = "long width, long heads" in source  # the paged forms' signature since 2026-12-01
+    if not dll.heads_arg:
+        for paged in (dll.paged_rows, dll.paged_kn):
+            paged.argtypes = paged.argtypes[:-2] + paged.argtypes[-1:]
     return dll
 
 
@@ -124,7 +128,7 @@ def paged_times(dlls: dict[str, ctypes.CDLL], seqs: int = 32, heads: int = 16, w
             out = torch.empty(shape, dtype=torch.bfloat16)
             start = time.thread_time()
             getattr(dll, call)(x.data_ptr(), cache.data_ptr(), table.data_ptr(), out.data_ptr(), seqs, per, block,
-                               block * width, heads, width, 1)
+                               block * width, heads, width, *([1] if dll.heads_arg else []), 1)
             times[name].append(time.thread_time() - start)
             if not ((out.double() - exact).abs() <= bound).all():
                 raise ValueError(f"kernel_builds: {name}'s paged {'values' if values else 'scores'} are not within "

@@ -257,9 +257,12 @@ def _attention_table(a: dict | None, bw: dict | None) -> list[str]:
         lines += ["", f"Standard attention (`paged_decode` over a `(k, v)` cache, {g['heads']} query and {g['kv_heads']} kv "
                   f"heads of {g['head_dim']}, {g['dtype']}), batch {g['batch']}, context {g['context']}: eager "
                   f"{g['eager_ms']:.1f} ms, compiled {g['compiled_ms']:.1f} ms (graph/eager "
-                  f"{g['graph_over_eager']:.2f}); in its form before 2026-12-01 (products over the gathered "
-                  f"`[B, T, Hk, D]` rows in the cache's dtype) {g['former_eager_ms']:.1f} and "
-                  f"{g['former_compiled_ms']:.1f} ms; timed interleaved."]
+                  f"{g['graph_over_eager']:.2f})"
+                  + (f"; over gathered rows heads first (its form where the kernel does not take the products) "
+                     f"{g['gathered_eager_ms']:.1f} and {g['gathered_compiled_ms']:.1f} ms" if "gathered_eager_ms" in g
+                     else "")
+                  + f"; in its form before 2026-12-01 (products over the gathered `[B, T, Hk, D]` rows in the cache's "
+                  f"dtype) {g['former_eager_ms']:.1f} and {g['former_compiled_ms']:.1f} ms; timed interleaved."]
     return lines + [""]
 
 

@@ -300,11 +300,20 @@ def test_paged_decode_matches_dense_attention(seed, hq, hk):
 
 
 @HEADS
-@pytest.mark.parametrize("float32_products", [False, True], ids=["aten_bf16", "float32_products"])
-def test_paged_decode_matches_dense_attention_bfloat16(float32_products, hq, hk, monkeypatch):
-    """Both forms of the bf16 products (``paging.float32_products``), whichever this CPU would
-    pick, against the float64 oracle on the same bf16 values."""
-    monkeypatch.setattr(paging, "aten_bf16_emulated", lambda: float32_products)
+@pytest.mark.parametrize("form", ["aten_bf16", "float32_products", "kernel"])
+def test_paged_decode_matches_dense_attention_bfloat16(form, hq, hk, monkeypatch):
+    """The three forms of the bf16 products, whichever this CPU would pick: aten's bf16 einsums
+    over the gathered rows, the same in float32 (``paging.float32_products``), and the project's
+    kernel over the cache in place (``paged_rows_mm``, ``paged_rows_bmm``); against the float64
+    oracle on the same bf16 values."""
+    from ascend_graph.attention import paged
+    from ascend_graph.models import expert_rows
+
+    monkeypatch.setattr(paging, "aten_bf16_emulated", lambda: form != "aten_bf16")
+    if form == "float32_products":
+        monkeypatch.setenv("ASCEND_GRAPH_EXPERT_KERNEL", "0")
+    elif form == "kernel" and not expert_rows.available():
+        pytest.skip("the kernel does not run here (no C compiler, or neither AVX512-BF16 nor AVX2)")
     gen = torch.Generator().manual_seed(3)
     lens = _ragged_lens(gen, batch=6)
     cache, seqs = _kv_problem(gen, hk, lens, 64, torch.bfloat16)
@@ -313,6 +322,7 @@ def test_paged_decode_matches_dense_attention_bfloat16(float32_products, hq, hk,
     _, meta = _metadata(tables, [n - 1 for n in lens], [1] * 6, 64, width=10)
     write_kv_cache(cache, *_new_tokens(seqs, [n - 1 for n in lens], [1] * 6), meta.slot_mapping)
     q = (torch.randn(6, hq, D, generator=gen) * 2).to(torch.bfloat16)
+    assert paged._products_in_kernel(cache) == (form == "kernel")
     out = paged_decode(q, cache, meta.decode, D ** -0.5)
     assert out.dtype == torch.bfloat16
     ref = torch.cat([_dense_oracle(q[i:i + 1], seqs, i, n) for i, n in enumerate(lens)])  # float64

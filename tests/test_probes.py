@@ -32,13 +32,13 @@ def test_the_copy_probe_copies_its_buffer():
     assert torch.equal(probe.dst, probe.src) and probe.bytes == 2 * (4 << 20)
 
 
-def test_gqa_decode_times_both_forms_against_one_oracle():
-    """The attention part's standard-attention probe: ``paged_decode`` and its former form,
+def test_gqa_decode_times_every_form_against_one_oracle():
+    """The attention part's standard-attention probe: ``paged_decode`` and its two earlier forms,
     eager and compiled, each within bf16 rounding of the float64 oracle."""
     from benchmarks.attention import gqa_decode
 
     r = gqa_decode(batch=2, context=64, heads=4, kv_heads=2, head_dim=16, reps=1)
-    for name in ("eager", "compiled", "former_eager", "former_compiled"):
+    for name in ("eager", "compiled", "gathered_eager", "gathered_compiled", "former_eager", "former_compiled"):
         assert r[f"{name}_ms"] > 0
         assert r["max_abs_error"][name] < 0.05, r["max_abs_error"]
     assert r["graph_over_eager"] == pytest.approx(r["eager_ms"] / r["compiled_ms"])

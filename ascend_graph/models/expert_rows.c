@@ -643,15 +643,16 @@ static inline void interleave_pairs(__m512i r0, __m512i r1, __m512i lo_idx, __m5
 }
 
 /* Row t of a [k, n] matrix: w + t * n, or, through a block table (table not NULL), row t % bs of
- * cache block table[t / bs], blocks bstride elements apart (a paged KV cache's rows, n each). */
+ * cache block table[t / bs], blocks bstride elements apart and its rows (n elements each)
+ * rstride apart: n, or a multiple of n where a token row holds several heads' rows. */
 typedef struct {
     const uint16_t *w;
     const int32_t *table;
-    long bs, bstride;
+    long bs, bstride, rstride;
 } kn_rows_at;
 
 static inline const uint16_t *kn_row(const kn_rows_at *at, long t, long n) {
-    return at->table ? at->w + at->table[t / at->bs] * at->bstride + t % at->bs * n : at->w + t * n;
+    return at->table ? at->w + at->table[t / at->bs] * at->bstride + t % at->bs * at->rstride : at->w + t * n;
 }
 
 /* out (rows at stride n) = x rows (pairs xq) times the [k, n] matrix at; panel: KN_PANEL bytes,
@@ -789,9 +790,10 @@ int expert_rows(const uint16_t *x, const uint16_t *w, const int32_t *ends, uint1
 #ifdef KERNEL
 /* out[e] = x[e] @ (the [k, n] matrix of entry e) for e < experts: x [experts, rows, k] and out
  * [experts, rows, n] contiguous; entry e's rows as ``kn_row`` finds them from ``base``, offset by
- * e * ws elements (dense) or by e * tw table entries (paged). */
-static int kn_all(const uint16_t *x, const kn_rows_at *base, long ws, long tw, uint16_t *out, long experts,
-                  long rows, long k, long n, int threads) {
+ * e * ws elements (dense) or, paged, by (e / heads) * tw table entries and (e % heads) * n
+ * elements (head e % heads of a table row's tokens; heads 1 where each token row is one). */
+static int kn_all(const uint16_t *x, const kn_rows_at *base, long ws, long tw, long heads, uint16_t *out,
+                  long experts, long rows, long k, long n, int threads) {
     long per = (k + 1) / 2 * rows, total = experts * per, blocks = (n + 31) / 32;
     long own = KN_PANEL + (rows * 32 * blocks * (long)sizeof(float) + 63) / 64 * 64; /* bytes per thread */
     int workers = threads > 1 ? threads : 1;
@@ -809,7 +811,8 @@ static int kn_all(const uint16_t *x, const kn_rows_at *base, long ws, long tw, u
 #else
         char *mine = scratch;
 #endif
-        kn_rows_at at = {base->w + e * ws, base->table ? base->table + e * tw : NULL, base->bs, base->bstride};
+        kn_rows_at at = {base->w + e * ws + e % heads * n, base->table ? base->table + e / heads * tw : NULL,
+                         base->bs, base->bstride, base->rstride};
         kn_matrix(xq + e * per, rows, &at, k, n, out + e * rows * n, (__m512i *)mine, (float *)(mine + KN_PANEL));
     }
     free(xq), free(scratch);
@@ -824,69 +827,107 @@ static int kn_all(const uint16_t *x, const kn_rows_at *base, long ws, long tw, u
 int kn_rows(const uint16_t *x, const uint16_t *w, long ws, uint16_t *out, long experts, long rows, long k, long n,
             int threads) {
 #ifdef KERNEL
-    kn_rows_at base = {w, NULL, 0, 0};
-    return kn_all(x, &base, ws, 0, out, experts, rows, k, n, threads);
+    kn_rows_at base = {w, NULL, 0, 0, n};
+    return kn_all(x, &base, ws, 0, 1, out, experts, rows, k, n, threads);
 #else
     (void)x; (void)w; (void)ws; (void)out; (void)experts; (void)rows; (void)k; (void)n; (void)threads;
     return -1;
 #endif
 }
 
-/* MLA decode's attention products over a paged cache, read where it lies (no gathered copy).
- * The cache: blocks of bs rows, block b at cache + b * bstride, its rows of ``width`` contiguous
- * elements one after another; sequence s's token t is row t % bs of block table[s * tw + t / bs]
- * (T = tw * bs tokens, ids checked by the caller). All bfloat16 but the int32 table.
+#ifdef KERNEL
+/* rows rows of k elements, rstride apart at from, to one after another at to */
+static void stage_rows(const uint16_t *from, long rstride, long rows, long k, uint16_t *to) {
+    for (long r = 0; r < rows; r++, from += rstride, to += k) {
+        long c = 0;
+        for (; c + 16 <= k; c += 16)
+            _mm256_storeu_si256((__m256i *)(to + c), _mm256_loadu_si256((const __m256i *)(from + c)));
+        memcpy(to + c, from + c, (size_t)(k - c) * 2);
+    }
+}
+#endif
+
+/* Attention's decode products over a paged cache, read where it lies (no gathered copy).
+ * The cache: blocks of bs token rows, block b at cache + b * bstride, each token row ``heads``
+ * rows of ``width`` contiguous elements (MLA's latent or rope rows: heads 1; standard attention's
+ * [S, Hk, D] blocks: Hk kv heads' rows of D). Entry s (< seqs) reads head s % heads of its table
+ * row s / heads: token t is head s % heads of token row t % bs of block
+ * table[s / heads * tw + t / bs] (T = tw * bs tokens, ids checked by the caller). All bfloat16
+ * but the int32 table.
  * paged_rows: out[s] [rows, T] = x[s] [rows, width] times the tokens' rows transposed (the scores);
- * each block is a weight of bs rows for the tiles or wide forms above.
+ * each block is a weight of bs rows for the tiles or wide forms above, one head's rows copied
+ * together first where heads > 1 (the forms take rows width apart), all heads of a block in turn.
  * paged_kn: out[s] [rows, width] = x[s] [rows, T] times the tokens' rows [T, width] (the values);
  * kn_matrix reading its panel rows through the table.
  * threads > 1 splits the work over OpenMP threads. Return 0, or -1 where this build lacks the
  * kernel or memory for the packed rows. */
 int paged_rows(const uint16_t *x, const uint16_t *cache, const int32_t *table, uint16_t *out, long seqs, long tw,
-               long bs, long bstride, long rows, long width, int threads) {
+               long bs, long bstride, long rows, long width, long heads, int threads) {
 #ifdef KERNEL
-    const long k = width, t_all = tw * bs, wide = wide_rows(rows), ldx = tile_stride(k);
+    const long k = width, t_all = tw * bs, wide = wide_rows(rows), ldx = tile_stride(k), rstride = heads * width;
     /* per sequence: its wide rows packed (per_wide dwords), then the rest copied for the tiles */
     const long per_wide = wide ? packed_dwords(wide, k) : 0;
     const long per = per_wide + (rows - wide) * ldx * (long)sizeof(xrow_t) / 4;
+    /* per thread, where heads > 1: one block's rows of one head, together */
+    const long staged = heads > 1 ? (bs * k + 31) / 32 * 32 : 0;
     uint32_t *xbuf = aligned_alloc(64, (size_t)(seqs * per > 0 ? seqs * per : 1) * 4);
-    if (!xbuf) return -1;
+    uint16_t *stage = aligned_alloc(64, (size_t)((threads > 1 ? threads : 1) * staged * 2 + 64));
+    if (!xbuf || !stage) {
+        free(xbuf), free(stage);
+        return -1;
+    }
     for (long s = 0; s < seqs; s++) {
         if (wide) pack_rows(x + s * rows * k, k, wide, xbuf + s * per);
         tile_rows(x + (s * rows + wide) * k, k, rows - wide, (xrow_t *)(xbuf + s * per + per_wide), ldx);
     }
-    long chunk = COLS / bs < 1 ? 1 : COLS / bs; /* blocks per work item */
-    long per_seq = (tw + chunk - 1) / chunk, items = seqs * per_seq;
+    /* a work item: chunk blocks of one table row, each block for all its heads in turn (the
+     * block's token rows read once, in order) */
+    long chunk = COLS / bs < 1 ? 1 : COLS / bs;
+    long per_seq = (tw + chunk - 1) / chunk, items = seqs / heads * per_seq;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
     for (long item = 0; item < items; item++) {
-        long s = item / per_seq, j0 = item % per_seq * chunk, j1 = j0 + chunk < tw ? j0 + chunk : tw;
-        for (long j = j0; j < j1; j++) {
-            const uint16_t *wb = cache + table[s * tw + j] * bstride;
-            const uint16_t *next = j + 1 < tw ? cache + table[s * tw + j + 1] * bstride : NULL;
-            uint16_t *o = out + s * rows * t_all + j * bs;
-            if (wide) wide_range(wb, bs, k, xbuf + s * per, o, t_all, wide, 0, bs, next);
-            if (rows > wide)
-                rows_block(wb, bs, k, (xrow_t *)(xbuf + s * per + per_wide), ldx, o + wide * t_all, t_all, 0, bs,
-                           rows - wide, wide ? NULL : next);
-        }
+#ifdef _OPENMP
+        uint16_t *mine = stage + omp_get_thread_num() * staged;
+#else
+        uint16_t *mine = stage;
+#endif
+        long row = item / per_seq, j0 = item % per_seq * chunk, j1 = j0 + chunk < tw ? j0 + chunk : tw;
+        const int32_t *ids = table + row * tw;
+        for (long j = j0; j < j1; j++)
+            for (long h = 0; h < heads; h++) {
+                long s = row * heads + h;
+                const uint16_t *wb = cache + ids[j] * bstride + h * width;
+                const uint16_t *next = j + 1 < tw ? cache + ids[j + 1] * bstride + h * width : NULL;
+                uint16_t *o = out + s * rows * t_all + j * bs;
+                if (heads > 1) {
+                    stage_rows(wb, rstride, bs, k, mine);
+                    if (next && h == 0) /* the next block's token rows, all heads, into cache meanwhile */
+                        for (long c = 0; c < bs * rstride; c += 32) _mm_prefetch((const char *)(next + c), _MM_HINT_T0);
+                    wb = mine, next = NULL;
+                }
+                if (wide) wide_range(wb, bs, k, xbuf + s * per, o, t_all, wide, 0, bs, next);
+                if (rows > wide)
+                    rows_block(wb, bs, k, (xrow_t *)(xbuf + s * per + per_wide), ldx, o + wide * t_all, t_all, 0, bs,
+                               rows - wide, wide ? NULL : next);
+            }
     }
-    free(xbuf);
+    free(xbuf), free(stage);
     return 0;
 #else
     (void)x; (void)cache; (void)table; (void)out; (void)seqs; (void)tw; (void)bs; (void)bstride; (void)rows;
-    (void)width; (void)threads;
+    (void)width; (void)heads; (void)threads;
     return -1;
 #endif
 }
 
 int paged_kn(const uint16_t *x, const uint16_t *cache, const int32_t *table, uint16_t *out, long seqs, long tw,
-             long bs, long bstride, long rows, long width, int threads) {
+             long bs, long bstride, long rows, long width, long heads, int threads) {
 #ifdef KERNEL
-    kn_rows_at base = {cache, table, bs, bstride};
-    return kn_all(x, &base, 0, tw, out, seqs, rows, tw * bs, width, threads);
+    kn_rows_at base = {cache, table, bs, bstride, heads * width};
+    return kn_all(x, &base, 0, tw, heads, out, seqs, rows, tw * bs, width, threads);
 #else
     (void)x; (void)cache; (void)table; (void)out; (void)seqs; (void)tw; (void)bs; (void)bstride; (void)rows;
-    (void)width; (void)threads;
+    (void)width; (void)heads; (void)threads;
     return -1;
 #endif
 }

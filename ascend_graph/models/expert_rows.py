@@ -28,7 +28,9 @@ only; the eager runner keeps aten's ``bmm`` there); and ``paged_rows_mm`` and ``
 the two attention forms over a paged cache read through the block table, each block where it
 lies, which the compiled step runs instead where the rows are the cache's gathered rows: no
 gathered copy is made (batch 32, context 2048, one interleaved run: MLA decode attention 19.9
-against 30.3 ms; the copies took 13.3 of those 30.3 ms, profiled).
+against 30.3 ms; the copies took 13.3 of those 30.3 ms, profiled). Head by head (``x [B, Hk, M,
+*]`` over a ``[NB, S, Hk, D]`` cache) they take standard attention's decode products, eager and
+compiled, where aten emulates bf16 (``attention.paged.paged_decode``).
 
 It is built on first use with the system C compiler (``cc``, or ``$CC``) for this CPU
 (``-march=native``, OpenMP where the compiler has it: ``torch.get_num_threads()`` threads), about
@@ -146,7 +148,7 @@ def _bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     dll.kn_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 4 + [ctypes.c_int]
     for paged in (dll.paged_rows, dll.paged_kn):
         paged.restype = ctypes.c_int
-        paged.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 6 + [ctypes.c_int]
+        paged.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 7 + [ctypes.c_int]
     return dll
 
 
@@ -280,50 +282,59 @@ def paged_rows_mm(x: Tensor, cache: Tensor, block_tables: Tensor) -> Tensor:
     ``out[b, m, t] = x[b, m] . token t of sequence b``, ``[B, M, T]`` with ``T = W * S``. ``cache
     [NB, S, ..., K]`` holds S token rows of K per block (each block contiguous), ``block_tables
     [B, W]`` block ids; as ``bmm(x, gather_rows(cache, block_tables).view(B, T, K).transpose(1, 2))``
-    without the gathered copy. CPU, bfloat16; call only where ``available()``. The compiled MLA
-    decode step runs it for its attention scores (``backends.inductor.DecodeMatmulPass``)."""
+    without the gathered copy. Head by head: ``x [B, H, M, K]`` against a cache ``[NB, S, H, K]``
+    (standard attention's keys, H kv heads) -> ``[B, H, M, T]``, ``out[b, h, m, t] = x[b, h, m] .
+    head h of token t``. CPU, bfloat16; call only where ``available()``. The compiled MLA decode
+    step runs it for its attention scores (``backends.inductor.DecodeMatmulPass``), standard
+    attention's decode for its own (``attention.paged_decode``)."""
     _check_bf16_cpu("paged_rows_mm", x, cache)
-    bs, tables = _check_paged("paged_rows_mm", x, cache, block_tables)
-    if x.shape[2] != cache.shape[-1]:
-        raise ValueError(f"paged_rows_mm: x [B, M, K] must end in the cache's row width {cache.shape[-1]}, "
+    bs, heads, tables = _check_paged("paged_rows_mm", x, cache, block_tables)
+    if x.shape[-1] != cache.shape[-1]:
+        raise ValueError(f"paged_rows_mm: x [B, (H,) M, K] must end in the cache's row width {cache.shape[-1]}, "
                          f"got {tuple(x.shape)}")
-    return _run_paged("paged_rows_mm", x, cache, tables, bs, tables.shape[1] * bs)
+    return _run_paged("paged_rows_mm", x, cache, tables, bs, heads, tables.shape[1] * bs)
 
 
 @paged_rows_mm.register_fake
 def _(x: Tensor, cache: Tensor, block_tables: Tensor) -> Tensor:
-    return x.new_empty(x.shape[0], x.shape[1], block_tables.shape[1] * _rows_per_block(cache))
+    rows = cache.shape[1] if x.dim() == 4 else _rows_per_block(cache)
+    return x.new_empty(*x.shape[:-1], block_tables.shape[1] * rows)
 
 
 @torch.library.custom_op("ascend_graph::paged_rows_bmm", mutates_args=())
 def paged_rows_bmm(x: Tensor, cache: Tensor, block_tables: Tensor) -> Tensor:
     """``x [B, M, T]`` times each sequence's cached tokens ``[T, N]`` (``T = W * S``), read in place
     through its block table: as ``bmm(x, gather_rows(cache, block_tables).view(B, T, N))`` without
-    the gathered copy (``cache``, ``block_tables`` as for ``paged_rows_mm``). CPU, bfloat16; call
-    only where ``available()``. The compiled MLA decode step runs it for the attention's
-    probabilities times the latent cache rows."""
+    the gathered copy (``cache``, ``block_tables`` as for ``paged_rows_mm``). Head by head: ``x [B,
+    H, M, T]`` times head h's rows of a cache ``[NB, S, H, N]`` -> ``[B, H, M, N]``. CPU, bfloat16;
+    call only where ``available()``. The compiled MLA decode step runs it for the attention's
+    probabilities times the latent cache rows, standard attention's decode for its values."""
     _check_bf16_cpu("paged_rows_bmm", x, cache)
-    bs, tables = _check_paged("paged_rows_bmm", x, cache, block_tables)
-    if x.shape[2] != tables.shape[1] * bs:
-        raise ValueError(f"paged_rows_bmm: x [B, M, T] needs T = {tables.shape[1]} blocks x {bs} rows = "
+    bs, heads, tables = _check_paged("paged_rows_bmm", x, cache, block_tables)
+    if x.shape[-1] != tables.shape[1] * bs:
+        raise ValueError(f"paged_rows_bmm: x [B, (H,) M, T] needs T = {tables.shape[1]} blocks x {bs} rows = "
                          f"{tables.shape[1] * bs}, got {tuple(x.shape)}")
-    return _run_paged("paged_rows_bmm", x, cache, tables, bs, cache.shape[-1])
+    return _run_paged("paged_rows_bmm", x, cache, tables, bs, heads, cache.shape[-1])
 
 
 @paged_rows_bmm.register_fake
 def _(x: Tensor, cache: Tensor, block_tables: Tensor) -> Tensor:
-    return x.new_empty(x.shape[0], x.shape[1], cache.shape[-1])
+    return x.new_empty(*x.shape[:-1], cache.shape[-1])
 
 
 def _rows_per_block(cache: Tensor) -> int:
     return math.prod(cache.shape[1:-1])
 
 
-def _check_paged(name: str, x: Tensor, cache: Tensor, block_tables: Tensor) -> tuple[int, Tensor]:
-    """Rows per block and the table as contiguous int32, or ValueError naming what is off: the
-    shapes, a block not laid out as its rows one after another, an id outside the cache."""
-    if x.dim() != 3 or cache.dim() < 3 or block_tables.dim() != 2 or block_tables.shape[0] != x.shape[0]:
-        raise ValueError(f"{name}: expected x [B, M, *], cache [NB, S, ..., width] and block_tables [B, W]; got "
+def _check_paged(name: str, x: Tensor, cache: Tensor, block_tables: Tensor) -> tuple[int, int, Tensor]:
+    """Rows per block (per head), the heads read one by one (1 for ``x [B, M, *]``) and the table
+    as contiguous int32, or ValueError naming what is off: the shapes, a block not laid out as
+    its rows one after another, an id outside the cache."""
+    by_head = x.dim() == 4 and cache.dim() == 4 and cache.shape[2] == x.shape[1]
+    if (x.dim() != 3 or cache.dim() < 3) and not by_head or block_tables.dim() != 2 \
+            or block_tables.shape[0] != x.shape[0]:
+        raise ValueError(f"{name}: expected x [B, M, *] with cache [NB, S, ..., width], or x [B, H, M, *] with "
+                         f"cache [NB, S, H, width], and block_tables [B, W]; got "
                          f"{tuple(x.shape)}, {tuple(cache.shape)}, {tuple(block_tables.shape)}")
     if block_tables.dtype not in (torch.int32, torch.int64) or block_tables.device.type != "cpu":
         raise ValueError(f"{name}: block_tables must be int32 or int64 on the CPU, got {block_tables.dtype} "
@@ -334,18 +345,19 @@ def _check_paged(name: str, x: Tensor, cache: Tensor, block_tables: Tensor) -> t
     if block_tables.numel() and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < cache.shape[0]:
         raise ValueError(f"{name}: block_tables ids must lie in [0, {cache.shape[0]}), got "
                          f"{int(block_tables.min())}..{int(block_tables.max())}")
-    return _rows_per_block(cache), block_tables.to(torch.int32).contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    return (cache.shape[1], x.shape[1], tables) if by_head else (_rows_per_block(cache), 1, tables)
 
 
-def _run_paged(name: str, x: Tensor, cache: Tensor, tables: Tensor, bs: int, n: int) -> Tensor:
+def _run_paged(name: str, x: Tensor, cache: Tensor, tables: Tensor, bs: int, heads: int, n: int) -> Tensor:
     """The kernel's paged forms on checked arguments; ``n`` the output's last dimension."""
     x = x.contiguous()
-    seqs, rows, _ = x.shape
-    out = torch.empty(seqs, rows, n, dtype=torch.bfloat16)
+    rows = x.shape[-2]
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
     kernel = _library().paged_rows if name == "paged_rows_mm" else _library().paged_kn
     if out.numel():
-        status = kernel(x.data_ptr(), cache.data_ptr(), tables.data_ptr(), out.data_ptr(), seqs, tables.shape[1],
-                        bs, cache.stride(0), rows, cache.shape[-1], torch.get_num_threads())
+        status = kernel(x.data_ptr(), cache.data_ptr(), tables.data_ptr(), out.data_ptr(), x.shape[0] * heads,
+                        tables.shape[1], bs, cache.stride(0), rows, cache.shape[-1], heads, torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"{name}: the kernel could not run (out of memory for the packed rows)")
     return out
