@@ -160,6 +160,28 @@ static void tile_rows(const uint16_t *x, long k, long rows, float *dst, long ldx
     }
 }
 
+/* The sums of the 8 lanes of a, b, c and d, in that order: three horizontal adds and one of the
+ * halves, where four hsum256 take 24 instructions. The tile's reductions count where rows are
+ * short: a GQA head's 128 elements are 8 steps of the tile, and there its reductions, rounding
+ * and stores took about a third of the tile's time, one sum at a time (perf, in cache). A row's
+ * sums reduced, rounded (to_bf16_4) and stored together, against one at a time (one Zen 3 core,
+ * [1200, 128] weights, 41 runs alternating, GFLOP/s): 1 row 9.6 / 10.3, 3 rows 19.6 / 20.8,
+ * 4 rows 29.2 / 32.4, 8 rows 35.1 / 38.5, 12 rows 27.3 / 29.3; at K = 2048 the same (4 and 8
+ * rows 42.9 / 42.7, 47.9 / 47.9). */
+static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* 4 float32 rounded to bfloat16 as to_bf16 rounds each, in the low 64 bits */
+static inline __m128i to_bf16_4(__m128 v) {
+    __m128i u = _mm_castps_si128(v);
+    __m128i odd = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
+    __m128i r = _mm_srli_epi32(_mm_add_epi32(u, _mm_add_epi32(odd, _mm_set1_epi32(0x7fff))), 16);
+    r = _mm_blendv_epi8(r, _mm_set1_epi32(0x7fc0), _mm_castps_si128(_mm_cmpunord_ps(v, v))); /* NaN */
+    return _mm_packus_epi32(r, r);
+}
+
 /* acc[a][b] += 16 weight elements v of row b times the same of row a of x (split), for a < tm */
 static inline __attribute__((always_inline)) void tile_step(__m256 acc[TM][TN], __m256i v, const float *x, long ldx,
                                                             const int tm, const int b) {
@@ -195,8 +217,13 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *w, long k
             tile_step(acc, _mm256_loadu_si256((const __m256i *)part), x + full, ldx, tm, b);
         }
     }
-    for (int a = 0; a < tm; a++)
-        for (int b = 0; b < tn; b++) out[a * ldo + i + b] = to_bf16(hsum256(acc[a][b]));
+    const __m256 zero = _mm256_setzero_ps();
+    for (int a = 0; a < tm; a++) { /* a row's tn <= 3 sums reduced and rounded together */
+        uint16_t o[4];
+        _mm_storel_epi64((__m128i *)o, to_bf16_4(hsum4(acc[a][0], tn > 1 ? acc[a][1] : zero,
+                                                       tn > 2 ? acc[a][2] : zero, zero)));
+        memcpy(out + a * ldo + i, o, (size_t)tn * 2);
+    }
 }
 #else
 typedef uint16_t xrow_t; /* the tiles' input rows, copied (tile_rows) */
