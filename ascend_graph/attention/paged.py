@@ -26,8 +26,8 @@ def paged_decode(q: Tensor, cache: KVCache, decode: DecodeMetadata, scale: float
     rounded once to bfloat16, as aten's own bfloat16 product). No gathered copy is made. Measured
     (Zen 3, torch 2.13, 1 thread, bfloat16, 32 query and 8 kv heads of 128, batch 8, context
     1024, blocks of 16, interleaved, ms, ``_gathered_decode`` / this; ``python -m
-    benchmarks.attention``, three runs): eager 34.1-36.9 / 10.1-12.0, compiled 19.2-21.3 /
-    9.5-11.5. The two products ran at 16 and 19 GFLOP/s (each timed alone): a kv head's 4 query
+    benchmarks.attention``, six runs): eager 34.1-38.8 / 10.1-12.2, compiled 19.2-22.9 /
+    9.5-12.3. The two products ran at 16 and 19 GFLOP/s (each timed alone): a kv head's 4 query
     rows against rows of 128 leave the tiles' reductions a large share.
 
     Elsewhere the gathered keys and values are multiplied heads first (``_gathered_decode``).
