@@ -21,8 +21,12 @@ def test_two_builds_are_timed_side_by_side_and_a_wrong_one_is_refused(tmp_path):
     assert all(r["old"] > 0 and r["now"] > 0 for r in rows)
     assert set(kernel_builds.paged_times(dlls, seqs=2, context=64, runs=1)) == {"old", "now"}
     assert set(kernel_builds.paged_times(dlls, seqs=2, context=64, width=40, runs=1, values=True)) == {"old", "now"}
-    doubled = source.replace("to_bf16(float f) {", "to_bf16(float f) {\n    f = 2 * f;", 1)
-    assert doubled != source
+    # every rounding to bf16 (one at a time; AVX2's 4 and 8 at a time) doubling its input
+    doubled = source
+    for head, double in [("to_bf16(float f) {", "f = 2 * f;"), ("to_bf16_4(__m128 v) {", "v = _mm_add_ps(v, v);"),
+                         ("to_bf16_8(__m256 v) {", "v = _mm256_add_ps(v, v);")]:
+        assert head in doubled
+        doubled = doubled.replace(head, f"{head}\n    {double}", 1)
     dlls["now"] = kernel_builds.build(doubled, str(tmp_path), "doubled")
     with pytest.raises(ValueError, match="now at 1 rows is not within one rounding"):
         kernel_builds.rows_rates(dlls, rows=(1,), n=70, k=96, runs=1)
