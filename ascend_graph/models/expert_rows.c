@@ -944,12 +944,13 @@ int paged_rows(const uint16_t *x, const uint16_t *cache, const int32_t *table, u
             for (long h = 0; h < heads; h++) {
                 long s = row * heads + h;
                 const uint16_t *wb = cache + ids[j] * bstride + h * width;
-                const uint16_t *next = j + 1 < tw ? cache + ids[j + 1] * bstride + h * width : NULL;
+                /* the next block prefetched by the forms; where heads > 1 not: T0, T2 or none measured
+                 * alike (3.7-4.7 ms, Llama-3-8B's heads, batch 8, context 1024, one core, 21 runs alternating) */
+                const uint16_t *next = heads == 1 && j + 1 < tw ? cache + ids[j + 1] * bstride : NULL;
                 uint16_t *o = out + s * rows * t_all + j * bs;
-                if (heads > 1) { /* no prefetch of the next block: T0, T2 or none measured alike (3.7-4.7 ms,
-                                  * Llama-3-8B's heads, batch 8, context 1024, one core, 21 runs alternating) */
+                if (heads > 1) {
                     stage_rows(wb, rstride, bs, k, mine);
-                    wb = mine, next = NULL;
+                    wb = mine;
                 }
                 if (wide) wide_range(wb, bs, k, xbuf + s * per, o, t_all, wide, 0, bs, next);
                 if (rows > wide)

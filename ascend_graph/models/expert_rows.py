@@ -331,8 +331,8 @@ def _check_paged(name: str, x: Tensor, cache: Tensor, block_tables: Tensor) -> t
     as contiguous int32, or ValueError naming what is off: the shapes, a block not laid out as
     its rows one after another, an id outside the cache."""
     by_head = x.dim() == 4 and cache.dim() == 4 and cache.shape[2] == x.shape[1]
-    if (x.dim() != 3 or cache.dim() < 3) and not by_head or block_tables.dim() != 2 \
-            or block_tables.shape[0] != x.shape[0]:
+    by_rows = x.dim() == 3 and cache.dim() >= 3
+    if not (by_head or by_rows) or block_tables.dim() != 2 or block_tables.shape[0] != x.shape[0]:
         raise ValueError(f"{name}: expected x [B, M, *] with cache [NB, S, ..., width], or x [B, H, M, *] with "
                          f"cache [NB, S, H, width], and block_tables [B, W]; got "
                          f"{tuple(x.shape)}, {tuple(cache.shape)}, {tuple(block_tables.shape)}")
