@@ -138,7 +138,7 @@ def gqa_decode(batch: int = 8, context: int = 1024, heads: int = 32, kv_heads: i
                block_size: int = 16, reps: int = 7, dtype: str = "bfloat16") -> dict:
     """Standard attention's decode (``paged_decode`` over a ``(k, v)`` tuple cache, Llama-3-8B's
     heads) eager and compiled, against its two earlier forms: over gathered rows heads first
-    (``paged._gathered_decode``, its form before 2026-12-01 15:00 and still where the kernel does
+    (``paged._gathered_decode``, its form until 2026-12-01 16:40 and still where the kernel does
     not take the products) and before that over the gathered ``[B, T, Hk, D]`` rows
     (``_former_gqa_decode``); all six timed interleaved over the same inputs; each output's
     largest difference from a float64 oracle."""
