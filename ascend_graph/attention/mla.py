@@ -54,7 +54,8 @@ def product_rows(rows: Tensor) -> Tensor:
     context 2048, 183-215 vs 327-330 ms; context 256, 15-17.5 vs 16.5-20.3 ms. Not done for
     float16 (there the latent scores at batch 32, context 2048 took 123 ms in float16, 161 in
     float32). Compiled, the products stay as written: ``DecodeMatmulPass`` has the kernel read
-    the cache in place (GQA's ``paged_decode``, which has no such kernel, converts compiled too).
+    the cache in place (GQA's ``paged_decode`` calls the kernel's paged forms itself, eager and
+    compiled, under the same condition).
     """
     if torch.compiler.is_compiling() or not float32_products(rows):
         return rows
