@@ -4,12 +4,12 @@ from .kv_cache import (KVCache, KVCacheSpec, MLACache, MLACacheSpec, NULL_BLOCK,
                        blocks_for_budget, bytes_per_block, write_kv_cache)
 
 from .config import GraphConfig, TorchairOptions
-from .backends import detect_platform, resolve_backend
-from .block_manager import BlockManager
-from .engine import Engine, EngineStats
-from .sampling import SamplingParams
-from .parity import ParityReport, compare_step
-from .runner import GraphRunner, RunnerStats, SequenceStep
+from .compile import detect_platform, resolve_backend
+from .engine.block_manager import BlockManager
+from .engine.engine import Engine, EngineStats
+from .engine.sampling import SamplingParams
+from .runner.parity import ParityReport, compare_step
+from .runner.graph_runner import GraphRunner, RunnerStats, SequenceStep
 
 __all__ = [
     "GraphConfig", "TorchairOptions", "detect_platform", "resolve_backend", "BlockManager",

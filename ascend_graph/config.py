@@ -84,7 +84,7 @@ class GraphConfig:
       code loads it without compiling, and replays skip dynamo's guard check. The weights
       stay the model's tensors (not copied into the package). No recompile detection: a
       package is only ever loaded for the inputs it was built for
-      (``ascend_graph.backends.aot_inductor``). Not combinable with freezing.
+      (``ascend_graph.compile.aot_inductor``). Not combinable with freezing.
     - ``torchair``: options of the torchair backend (``TorchairOptions``).
     """
 
@@ -148,13 +148,13 @@ class GraphConfig:
         ``d`` holds our own keys (the field names; ``torchair`` a dict of ``TorchairOptions``
         fields), and/or vllm-ascend's ``{"torchair_graph_config": {...}}``, also accepted nested
         as ``{"additional_config": {"torchair_graph_config": {...}}}``; how its keys map is in
-        ``ascend_graph._vllm_ascend``. The same setting given both ways must agree. Unknown keys
+        ``ascend_graph.integrations.vllm_ascend``. The same setting given both ways must agree. Unknown keys
         are rejected by name; other ``additional_config`` sections (vllm-ascend features outside
         graph compilation) are ignored with a warning. vllm-ascend's graph-only keys are refused
         while graph mode is off, as vllm-ascend refuses them; our own keys are not, so that
         ``enabled`` alone turns graph mode off without editing the rest.
         """
-        from ._vllm_ascend import map_torchair_graph_config, split_vllm_ascend
+        from .integrations.vllm_ascend import map_torchair_graph_config, split_vllm_ascend
 
         base = base if base is not None else cls()
         own, section = split_vllm_ascend(d)

@@ -170,7 +170,7 @@ _LIB.define("write_slots(Tensor(a!) cache_a, Tensor(b!) cache_b, Tensor a, Tenso
 
 def write_slots_aten(cache_a: Tensor, cache_b: Tensor, a: Tensor, b: Tensor, slot_mapping: Tensor) -> None:
     """The op's body in aten ops: its kernel, and what a graph compiler that generates the write
-    itself traces instead of calling the op (``backends.inductor.inline_cache_writes``)."""
+    itself traces instead of calling the op (``compile.inductor.inline_cache_writes``)."""
     idx = slot_mapping.clamp(min=0)  # [T]; padding lands in slot 0 of NULL_BLOCK
     cache_a.view(-1, *cache_a.shape[2:]).index_copy_(0, idx, a.to(cache_a.dtype))
     cache_b.view(-1, *cache_b.shape[2:]).index_copy_(0, idx, b.to(cache_b.dtype))

@@ -39,7 +39,7 @@ NOTES = [
     "eager and transformers alike: large temporaries are otherwise mapped fresh and page-faulted on every step. "
     "The attention table shows the compiled step under glibc's default as well.",
     "Eager is measured at its best: its MoE sorts rows by expert and reads each chosen expert once, with the "
-    "same expert kernel as the compiled step (`expert_rows_mm`, `ascend_graph/models/expert_rows.py`; "
+    "same expert kernel as the compiled step (`expert_rows_mm`, `ascend_graph/kernels/ops.py`; "
     "`torch._grouped_mm` where it cannot run), no weight copies; before, it gathered T*K weight matrices "
     "(see `moe_forms`). Its MLA attention multiplies the gathered cache rows in float32 where aten has no native "
     "bfloat16 matmul (no AVX-512: a Zen 3), rounding each product once to bfloat16 as aten's own does: aten's "

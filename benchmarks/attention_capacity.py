@@ -91,7 +91,7 @@ def compiled(fn: Callable, paged: bool = True) -> Callable:
     (C++ wrapper, the decode-matmul pass with its kernels, the generated cache write); ``paged``
     False: the pass's kernel multiplies a gathered copy of the cache rows instead of reading them
     in place (at batch 1, aten's ``mm`` does)."""
-    from ascend_graph.backends.inductor import DecodeMatmulPass, make_backend
+    from ascend_graph.compile.inductor import DecodeMatmulPass, make_backend
     from ascend_graph.config import GraphConfig
 
     backend = make_backend("inductor", GraphConfig(enabled=True, backend="inductor"), "cpu", None)

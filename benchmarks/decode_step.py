@@ -20,7 +20,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from ascend_graph.block_manager import BlockManager  # noqa: E402
+from ascend_graph.engine.block_manager import BlockManager  # noqa: E402
 from ascend_graph.config import GraphConfig  # noqa: E402
 from benchmarks.common import conditions, interleaved_samples, write_json  # noqa: E402
 from benchmarks.compute import StepMatmuls  # noqa: E402
@@ -53,7 +53,7 @@ def _one_row_products(device: torch.device, backend: str) -> dict:
     """How the CPU graph step ran its one-row bf16 products (``DecodeMatmulPass.one_row_kernel``)."""
     if device.type != "cpu" or backend != "inductor":
         return {}
-    from ascend_graph.backends.inductor import DecodeMatmulPass
+    from ascend_graph.compile.inductor import DecodeMatmulPass
 
     return {"one_row_products": "kernel" if DecodeMatmulPass().one_row_kernel else "reductions"}
 
@@ -102,7 +102,7 @@ def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, ba
         t = {k: statistics.median(v) for k, v in samples.items()}
         row = {"batch": n, **{f"{k}_s": v for k, v in t.items()}, "speedup": t["eager"] / t["graph"]}
         if "matmuls_aten" in t:
-            from ascend_graph.backends.inductor import ROWS_MM_MAX
+            from ascend_graph.compile.inductor import ROWS_MM_MAX
             row["rows_mm_max_rows"] = ROWS_MM_MAX
             row["matmuls_batched_in_kernel"] = floor.batched_in_kernel  # attention products in the kernel
         row.update({f"graph_vs_{k}": t[k] / t["graph"] for k in ALTERNATIVES if k in t})

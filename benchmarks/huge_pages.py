@@ -12,7 +12,7 @@ process, so it cannot be compared side by side in one run; the copy here can. Li
 
 from __future__ import annotations
 
-from ascend_graph.block_manager import BlockManager
+from ascend_graph.engine.block_manager import BlockManager
 from ascend_graph.config import GraphConfig
 from ascend_graph.runtime import anon_huge_page_bytes, huge_pages_supported, weights_on_huge_pages
 from benchmarks.common import interleaved_medians

@@ -1,4 +1,4 @@
-"""Two builds of the few-row kernel (``ascend_graph/models/expert_rows.c``) side by side in one
+"""Two builds of the few-row kernel (``ascend_graph/kernels/csrc/expert_rows.c``) side by side in one
 process: the source at a git revision against the working tree's, for measuring a change to the
 kernel before and after.
 
@@ -14,7 +14,7 @@ in wall time, 0.95-1.11 in CPU time, medians); contention for caches and memory 
   rows of 576, blocks of 16, batch 32, context 2048) and of its values (``paged_kn``: the
   probabilities by rows of 512), both builds interleaved, checked likewise.
 - ``--step``: the V2-Lite slice's graph step (context 256) at the given batches, one captured
-  runner, the two builds swapped between calls (``expert_rows._library``), interleaved.
+  runner, the two builds swapped between calls (``kernels.build._library``), interleaved.
 
     python -m benchmarks.kernel_builds --old 55a1e36 [--rows 1,2,4,8,16,32,64] [--paged] [--step 8,32]
 """
@@ -36,7 +36,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from ascend_graph.models import expert_rows  # noqa: E402
+from ascend_graph import kernels  # noqa: E402
 from benchmarks.common import interleaved_samples  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,14 +47,14 @@ def build(source: str, out_dir: str, name: str) -> ctypes.CDLL:
     src, lib = os.path.join(out_dir, f"{name}.c"), os.path.join(out_dir, f"{name}.so")
     with open(src, "w") as f:
         f.write(source)
-    cc = expert_rows.compiler()
+    cc = kernels.compiler()
     if cc is None:
         raise RuntimeError("kernel_builds: no C compiler ($CC, cc or gcc)")
     done = subprocess.run([cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", src, "-o", lib],
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"kernel_builds: {name} does not build:\n{done.stderr}")
-    dll = expert_rows._bind(ctypes.CDLL(lib))
+    dll = kernels.build._bind(ctypes.CDLL(lib))
     if not dll.expert_rows_available():
         raise RuntimeError(f"kernel_builds: {name} has no kernel for this CPU")
     dll.heads_arg = "long width, long heads" in source  # the paged forms' signature since 2026-12-01
@@ -66,7 +66,7 @@ def build(source: str, out_dir: str, name: str) -> ctypes.CDLL:
 
 def source_at(rev: str) -> str:
     """``expert_rows.c`` as git revision ``rev`` has it."""
-    return subprocess.run(["git", "-C", REPO, "show", f"{rev}:ascend_graph/models/expert_rows.c"],
+    return subprocess.run(["git", "-C", REPO, "show", f"{rev}:ascend_graph/kernels/csrc/expert_rows.c"],
                           capture_output=True, text=True, check=True).stdout
 
 
@@ -138,7 +138,7 @@ def paged_times(dlls: dict[str, ctypes.CDLL], seqs: int = 32, heads: int = 16, w
 
 def step_times(dlls: dict[str, ctypes.CDLL], sizes: tuple[int, ...], rounds: int = 7) -> list[dict]:
     """Per batch, ms of a V2-Lite-slice graph step with each build, one runner, interleaved."""
-    from ascend_graph.block_manager import BlockManager
+    from ascend_graph.engine.block_manager import BlockManager
     from ascend_graph.config import GraphConfig
     from benchmarks.models import build as build_model, cases, decode_batch, make_runner
 
@@ -146,14 +146,14 @@ def step_times(dlls: dict[str, ctypes.CDLL], sizes: tuple[int, ...], rounds: int
     config = GraphConfig(enabled=True, backend="inductor", capture_sizes=sizes, max_batch_size=max(sizes))
     runner = make_runner(build_model(case), config, sizes, case.context)
     runner.capture(show_progress=False)
-    blocks, found, kept = BlockManager(runner.num_blocks, runner.block_size), [], expert_rows._library
+    blocks, found, kept = BlockManager(runner.num_blocks, runner.block_size), [], kernels.build._library
     try:
         for n in sizes:
             entries = decode_batch(runner, blocks, n, case.context)
 
             def with_build(name: str):
                 def step():
-                    expert_rows._library = lambda: dlls[name]
+                    kernels.build._library = lambda: dlls[name]
                     runner.execute(entries, mode="graph")
                 return step
 
@@ -161,7 +161,7 @@ def step_times(dlls: dict[str, ctypes.CDLL], sizes: tuple[int, ...], rounds: int
                                           calls_per_round=2, warmup=1)
             found.append({"batch": n, **{name: statistics.median(s) * 1e3 for name, s in samples.items()}})
     finally:
-        expert_rows._library = kept
+        kernels.build._library = kept
     return found
 
 
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step", default="", help="batches of a V2-Lite-slice graph step to time, e.g. 8,32")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    with open(expert_rows.SOURCE) as f:
+    with open(kernels.SOURCE) as f:
         now = f.read()
     with tempfile.TemporaryDirectory() as d:
         dlls = {"old": build(source_at(args.old), d, "old"), "now": build(now, d, "now")}

@@ -34,8 +34,8 @@ from typing import NamedTuple
 
 import torch
 
-from ascend_graph.backends.inductor import InductorBackend, DecodeMatmulPass, config_patches
-from ascend_graph.block_manager import BlockManager
+from ascend_graph.compile.inductor import InductorBackend, DecodeMatmulPass, config_patches
+from ascend_graph.engine.block_manager import BlockManager
 from ascend_graph.config import GraphConfig
 from benchmarks.common import interleaved_medians, set_malloc_keeps_freed_memory
 from benchmarks.models import (build, cases, decode_batch, make_runner, with_one_token_experts,

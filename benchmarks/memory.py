@@ -25,7 +25,7 @@ import tempfile
 
 def child(mode: str, model_name: str, sizes: tuple[int, ...], steps: int, quick: bool) -> dict:
     """Run ``steps`` decode steps of each batch size in ``mode``; peak RSS and what it was before."""
-    from ascend_graph.block_manager import BlockManager
+    from ascend_graph.engine.block_manager import BlockManager
     from ascend_graph.config import GraphConfig
     from benchmarks.models import build, cases, decode_batch, make_runner
 
@@ -70,7 +70,7 @@ def step_allocations(model_name: str, batch: int, capacities: tuple[int, int], q
     """Bytes allocated during one decode step, graph and eager, at each cache capacity."""
     from torch.profiler import ProfilerActivity, profile
 
-    from ascend_graph.block_manager import BlockManager
+    from ascend_graph.engine.block_manager import BlockManager
     from ascend_graph.config import GraphConfig
     from benchmarks.models import build, cases, decode_batch, make_runner
 

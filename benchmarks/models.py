@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ascend_graph.block_manager import BlockManager
+from ascend_graph.engine.block_manager import BlockManager
 from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
 from ascend_graph.models.deepseek_config import RopeScaling
-from ascend_graph.models.layers import ChunkedLinear
-from ascend_graph.models.moe import RoutedExperts
+from ascend_graph.layers import ChunkedLinear
+from ascend_graph.moe.layer import RoutedExperts
 from ascend_graph.runner import GraphRunner, SequenceStep
 from ascend_graph.runtime import on_huge_pages, weights_on_huge_pages
 

@@ -3,8 +3,8 @@
 ``gathered`` (each token's experts' weights indexed, einsum) was the only decode form before;
 ``sorted_by_expert`` (rows sorted by expert, one grouped matmul) reads each chosen expert once
 without a host sync, its matmuls by ``torch._grouped_mm`` before and by the project's
-``expert_rows_mm`` now where that runs (``ascend_graph/models/expert_rows.py``); ``decode`` is
-what the model now runs (see ``ascend_graph.models.moe``). Compiled forms go through the runner's
+``expert_rows_mm`` now where that runs (``ascend_graph/kernels/ops.py``); ``decode`` is
+what the model now runs (see ``ascend_graph.moe.layer``). Compiled forms go through the runner's
 backend (Inductor with the single-row matmul pass). Bandwidth counts each distinct chosen
 expert's weights once; the copy bandwidth is timed in the same rounds (the MoE's roofline).
 
@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ascend_graph.backends import resolve_backend
+from ascend_graph.compile import resolve_backend
 from ascend_graph.config import GraphConfig
-from ascend_graph.models.moe import RoutedExperts
+from ascend_graph.moe.layer import RoutedExperts
 from benchmarks.common import interleaved_medians
 from benchmarks.compute import onednn_linear, onednn_packs, pack_for_onednn
 from benchmarks.models import v2_lite_slice

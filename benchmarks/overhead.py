@@ -24,8 +24,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from ascend_graph.attention import build_attention_metadata
 from ascend_graph.attention.metadata import INT32_TYPECODE
-from ascend_graph.backends.inductor import InductorBackend, config_patches
-from ascend_graph.block_manager import BlockManager
+from ascend_graph.compile.inductor import InductorBackend, config_patches
+from ascend_graph.engine.block_manager import BlockManager
 from ascend_graph.config import GraphConfig
 from benchmarks.common import interleaved_medians
 from benchmarks.models import build, cases, decode_batch, make_runner

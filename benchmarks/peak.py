@@ -7,10 +7,10 @@ that oneDNN's bf16 matmuls use. The best of a few runs (noise only lowers a peak
 
 ``python -m benchmarks.peak`` also prints how fast one core streams a bfloat16 weight through a
 one-row product (a hand-written kernel, weights on huge pages) by row length and layout: the
-measurement behind ``runtime.LONG_REDUCTION`` and ``models.layers.ChunkedLinear``; and, for 1 to
+measurement behind ``runtime.LONG_REDUCTION`` and ``layers.ChunkedLinear``; and, for 1 to
 32 rows, aten's ``F.linear`` against the project's few-row kernel (``rows_mm``) on the same
-row-major weights (``few_rows_streams``): the measurement behind ``models/expert_rows.py`` and
-``backends.inductor.ROWS_MM_MAX``.
+row-major weights (``few_rows_streams``): the measurement behind ``kernels/ops.py`` and
+``compile.inductor.ROWS_MM_MAX``.
 
     python -m benchmarks.peak
 """
@@ -23,13 +23,13 @@ import subprocess
 import tempfile
 import time
 
-from ascend_graph.models import expert_rows
+from ascend_graph import kernels
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peak.c")
 
 
 def _build(out_dir: str) -> ctypes.CDLL | None:
-    cc = expert_rows.compiler()
+    cc = kernels.compiler()
     if cc is None:
         return None
     lib = os.path.join(out_dir, "peak.so")
@@ -129,10 +129,10 @@ def few_rows_streams(weight_mib: int = 48, k: int = 2048, rows=(1, 2, 3, 4, 8, 1
     import torch
     import torch.nn.functional as F
 
-    from ascend_graph.models import expert_rows
+    from ascend_graph import kernels
     from ascend_graph.runtime import huge_page_buffer
 
-    if not expert_rows.available():
+    if not kernels.available():
         return []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

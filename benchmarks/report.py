@@ -199,7 +199,7 @@ def _levers_table(lv: dict | None) -> list[str]:
                     "`one-row products as reductions` (or `in the kernel`): the other choice for one-row bf16 "
                     "products over row-major weights and for one token's routed experts; the default follows the "
                     "kernel's build (`rows_mm` and `expert_rows_mm` on AVX2, reductions on AVX512-BF16: "
-                    "`expert_rows.ONE_ROW_KERNEL`). "
+                    "`kernels.ONE_ROW_KERNEL`). "
                     "`few-row matmuls in aten`: the pass without the kernel (`rows_mm` and the attention "
                     "products), as before it. `attention products in aten`: the pass without the kernel for MLA "
                     "decode's batched attention products only (scores and values). `attention over gathered KV`: "

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ascend_graph.models.moe import MoE, RoutedExperts
+from ascend_graph.moe.layer import MoE, RoutedExperts
 
 
 def copy_bandwidth(mib: int = 512, reps: int = 15) -> dict:

@@ -52,7 +52,7 @@ def child(args: argparse.Namespace) -> dict:
 
     cpp = count_cpp_compiles()
 
-    from ascend_graph.backends.inductor import cache_dir_for_compile
+    from ascend_graph.compile.inductor import cache_dir_for_compile
     from ascend_graph.config import GraphConfig
     from benchmarks.models import build, cases, make_runner
 

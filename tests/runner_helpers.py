@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from ascend_graph.block_manager import BlockManager
+from ascend_graph.engine.block_manager import BlockManager
 from ascend_graph.models.llama import LlamaConfig, LlamaForCausalLM
 from ascend_graph.runner import GraphRunner, SequenceStep
 

@@ -16,9 +16,9 @@ import torch
 from runner_helpers import (BLOCK_SIZE, MAX_MODEL_LEN, Schedule, assert_graph_outputs_are_fresh, make_runner,
                             small_model)
 
-from ascend_graph.backends.aot_inductor import PACKAGE_SUBDIR, inductor_options, package_key
+from ascend_graph.compile.aot_inductor import PACKAGE_SUBDIR, inductor_options, package_key
 from ascend_graph.config import GraphConfig
-from ascend_graph.parity import compare_step
+from ascend_graph.runner.parity import compare_step
 from ascend_graph.runner import GraphRunner
 
 SIZES = (1, 2)
@@ -71,17 +71,17 @@ def test_packages_equal_eager_for_every_size(compiled):
 def test_a_package_calls_the_projects_kernel_where_it_runs(compiled, monkeypatch):
     """At 2 rows the package multiplies as the Inductor backend's graphs do: the dense products in
     ``rows_mm``, the MoE's experts in ``expert_rows_mm`` (as eager does)."""
-    from ascend_graph.models import expert_rows
+    from ascend_graph import kernels
 
     _, model, runner, sched = compiled
-    calls, run, kn, run_kn = [], expert_rows._run, [], expert_rows._run_kn
-    monkeypatch.setattr(expert_rows, "_run", lambda name, x, w, *a: calls.append((name, w.shape[0])) or run(name, x, w, *a))
-    monkeypatch.setattr(expert_rows, "_run_kn", lambda x, w: kn.append(x.shape) or run_kn(x, w))
+    calls, run, kn, run_kn = [], kernels.ops._run, [], kernels.ops._run_kn
+    monkeypatch.setattr(kernels.ops, "_run", lambda name, x, w, *a: calls.append((name, w.shape[0])) or run(name, x, w, *a))
+    monkeypatch.setattr(kernels.ops, "_run_kn", lambda x, w: kn.append(x.shape) or run_kn(x, w))
     report = compare_step(runner, sched.decode_entries()[:2])  # eager, then the package
     assert report.ok, report.summary()
     cfg = model.config
     moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
-    if expert_rows.available():
+    if kernels.available():
         experts = cfg.n_routed_experts
         assert calls.count(("expert_rows_mm", experts)) == 2 * 2 * moe_layers  # gate/up and down, eager and package
         assert [n for n, _ in calls].count("rows_mm") > 0

@@ -14,7 +14,7 @@ import torch
 from ascend_graph.attention import build_attention_metadata, mla_decode, mla_prefill, pad_decode
 from ascend_graph.attention import mla, paged_decode, paged_prefill, paging
 from ascend_graph.attention.reference import dense_attention, naive_mla
-from ascend_graph.block_manager import BlockManager
+from ascend_graph.engine.block_manager import BlockManager
 from ascend_graph.kv_cache import (
     NULL_BLOCK, KVCacheSpec, MLACacheSpec, allocate_kv_caches, write_kv_cache,
 )
@@ -307,12 +307,12 @@ def test_paged_decode_matches_dense_attention_bfloat16(form, hq, hk, monkeypatch
     kernel over the cache in place (``paged_rows_mm``, ``paged_rows_bmm``); against the float64
     oracle on the same bf16 values."""
     from ascend_graph.attention import paged
-    from ascend_graph.models import expert_rows
+    from ascend_graph import kernels
 
     monkeypatch.setattr(paging, "aten_bf16_emulated", lambda: form != "aten_bf16")
     if form == "float32_products":
         monkeypatch.setenv("ASCEND_GRAPH_EXPERT_KERNEL", "0")
-    elif form == "kernel" and not expert_rows.available():
+    elif form == "kernel" and not kernels.available():
         pytest.skip("the kernel does not run here (no C compiler, or neither AVX512-BF16 nor AVX2)")
     gen = torch.Generator().manual_seed(3)
     lens = _ragged_lens(gen, batch=6)

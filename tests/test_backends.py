@@ -14,8 +14,8 @@ import types
 import pytest
 import torch
 
-from ascend_graph.backends import detect_platform, input_device, resolve_backend
-from ascend_graph.backends.inductor import InductorBackend, DecodeMatmulPass
+from ascend_graph.compile import detect_platform, input_device, resolve_backend
+from ascend_graph.compile.inductor import InductorBackend, DecodeMatmulPass
 from ascend_graph.config import GraphConfig, TorchairOptions
 
 
@@ -217,7 +217,7 @@ def test_torchair_contract_skips_tiling_option_where_torchair_lacks_it(fake_npu)
 
 
 def test_torchair_contract_cached_graph_goes_through_cache_compile(fake_npu):
-    from ascend_graph.backends.torchair import cache_compile
+    from ascend_graph.compile.torchair import cache_compile
 
     cfg = GraphConfig(compile_cache_dir="/tmp/ag-torchair", torchair=TorchairOptions(use_cached_graph=True))
     method = torch.nn.Linear(2, 2).forward

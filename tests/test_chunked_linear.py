@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
-from ascend_graph.models.layers import ChunkedLinear, linear
+from ascend_graph.layers import ChunkedLinear, linear
 from ascend_graph.runtime import LONG_REDUCTION, weights_on_huge_pages
 
 

@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 
 from ascend_graph.config import GraphConfig
 from ascend_graph.engine import Engine
-from ascend_graph.parity import compare_step
+from ascend_graph.runner.parity import compare_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -138,7 +138,7 @@ def test_compiled_moe_reads_each_expert_once_without_gathering_their_weights():
     the gathered forms would need (``grouped_mm_on_gpu``: ``torch._grouped_mm``)."""
     from benchmarks.models import v2_lite_slice
 
-    from ascend_graph.models.moe import RoutedExperts, grouped_mm_on_gpu
+    from ascend_graph.moe.layer import RoutedExperts, grouped_mm_on_gpu
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     experts = RoutedExperts(v2_lite_slice(), torch.bfloat16, DEVICE)

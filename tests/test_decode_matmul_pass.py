@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ascend_graph.backends.inductor import (ROWS_MM_MAX, DecodeMatmulPass, batched_limits,
+from ascend_graph.compile.inductor import (ROWS_MM_MAX, DecodeMatmulPass, batched_limits,
                                             InductorBackend)
-from ascend_graph.models import expert_rows
+from ascend_graph import kernels
 
 
 def _compiled(fn, with_pass: bool, pass_: DecodeMatmulPass | None = None):
@@ -159,7 +159,7 @@ def test_few_row_bfloat16_matmuls_run_the_kernel_and_keep_the_exact_product(rows
     fn = lambda x, r: r + F.linear(F.silu(F.linear(x, w1)), w2)  # noqa: E731
     got, code = run_and_get_code(_compiled(fn, with_pass=True, pass_=DecodeMatmulPass(one_row_kernel=one_row)),
                                  x, residual)
-    kernel = expert_rows.available() and rows <= ROWS_MM_MAX and (rows > 1 or one_row)
+    kernel = kernels.available() and rows <= ROWS_MM_MAX and (rows > 1 or one_row)
     assert "".join(code).count("ascend_graph.rows_mm.default(") == (2 if kernel else 0)
     h = F.silu((x.double() @ w1.double().T).to(torch.bfloat16).float()).to(torch.bfloat16)
     reference = residual.double() + h.double() @ w2.double().T
@@ -185,33 +185,33 @@ def test_few_row_kernel_only_for_bfloat16_row_major_weights_and_not_when_switche
     x = torch.randn(4, 32)
     wb, xb = w.bfloat16(), x.bfloat16()
     kernel = "ascend_graph.rows_mm.default"
-    assert (kernel in targets(lambda x: F.linear(x, wb), xb, DecodeMatmulPass())) == expert_rows.available()
+    assert (kernel in targets(lambda x: F.linear(x, wb), xb, DecodeMatmulPass())) == kernels.available()
     assert kernel not in targets(lambda x: F.linear(x, w), x, DecodeMatmulPass())  # float32
     assert kernel not in targets(lambda x: x @ wb.T.contiguous(), xb, DecodeMatmulPass())  # a [K, N] weight
     assert kernel not in targets(lambda x: F.linear(x, wb), xb, DecodeMatmulPass(few_rows_kernel=False))
-    assert DecodeMatmulPass().uuid() != DecodeMatmulPass(few_rows_kernel=False).uuid() or not expert_rows.available()
+    assert DecodeMatmulPass().uuid() != DecodeMatmulPass(few_rows_kernel=False).uuid() or not kernels.available()
     one = xb[:1]
     in_kernel = targets(lambda x: F.linear(x, wb), one, DecodeMatmulPass(one_row_kernel=True))
     reduced = targets(lambda x: F.linear(x, wb), one, DecodeMatmulPass(one_row_kernel=False))
-    assert (kernel in in_kernel) == expert_rows.available() and kernel not in reduced
-    assert "aten.sum.dim_IntList" in reduced and ("aten.sum.dim_IntList" in in_kernel) != expert_rows.available()
+    assert (kernel in in_kernel) == kernels.available() and kernel not in reduced
+    assert "aten.sum.dim_IntList" in reduced and ("aten.sum.dim_IntList" in in_kernel) != kernels.available()
     both_off = DecodeMatmulPass(one_row_kernel=True, few_rows_kernel=False)
     assert kernel not in targets(lambda x: F.linear(x, wb), one, both_off)
     assert ((DecodeMatmulPass(one_row_kernel=True).uuid() != DecodeMatmulPass(one_row_kernel=False).uuid())
-            == expert_rows.available())
+            == kernels.available())
 
 
 def test_aot_inductor_packages_take_the_same_pass_and_key_whether_the_kernel_runs(monkeypatch):
     """A package calls the kernel as the Inductor backend's graphs do, and its key changes with
     whether the kernel runs here: a package is never loaded where it cannot run."""
-    from ascend_graph.backends.aot_inductor import inductor_options
+    from ascend_graph.compile.aot_inductor import inductor_options
     from ascend_graph.config import GraphConfig
 
     config = GraphConfig(enabled=True, backend="inductor", aot_inductor=True)
     aot_pass = inductor_options(config, "cpu")["post_grad_custom_post_pass"]
     key = aot_pass.uuid()
     assert aot_pass.few_rows_kernel is True and key == DecodeMatmulPass().uuid()
-    if expert_rows.available():
+    if kernels.available():
         monkeypatch.setenv("ASCEND_GRAPH_EXPERT_KERNEL", "0")
         assert inductor_options(config, "cpu")["post_grad_custom_post_pass"].uuid() != key
 
@@ -234,8 +234,8 @@ def test_batched_products_over_transposed_rows_run_the_kernel_and_keep_each_prod
 
     small = DecodeMatmulPass(batched_min_elements=r * t)  # these test-sized products take the kernel
     got, code = run_and_get_code(_compiled(scores, with_pass=True, pass_=small), q, kv, pe)
-    assert "".join(code).count("ascend_graph.expert_rows_mm.default(") == (2 if expert_rows.available() else 0)
-    assert ("bmm" in "".join(code)) != expert_rows.available()
+    assert "".join(code).count("ascend_graph.expert_rows_mm.default(") == (2 if kernels.available() else 0)
+    assert ("bmm" in "".join(code)) != kernels.available()
     nope = torch.einsum("bhc,btc->bht", q[..., :c].double(), (kv * 2).double()).to(torch.bfloat16)
     rope = torch.einsum("bhr,btr->bht", q[..., c:].double(), pe.double()).to(torch.bfloat16)
     torch.testing.assert_close(got, nope + rope, atol=0, rtol=0)
@@ -261,7 +261,7 @@ def test_batched_products_over_k_by_n_matrices_run_the_kernel_and_keep_each_prod
 
     small = DecodeMatmulPass(batched_min_elements=dn * c)  # these test-sized products take the kernel
     (values, q_lat), code = run_and_get_code(_compiled(products, with_pass=True, pass_=small), probs, kv, q, kv_b)
-    assert "".join(code).count("ascend_graph.rows_bmm.default(") == (2 if expert_rows.available() else 0)
+    assert "".join(code).count("ascend_graph.rows_bmm.default(") == (2 if kernels.available() else 0)
     torch.testing.assert_close(values, torch.einsum("bht,btc->bhc", probs.double(), (kv * 2).double()).to(torch.bfloat16),
                                atol=0, rtol=2 ** -7)
     torch.testing.assert_close(q_lat, torch.einsum("bhd,hdc->bhc", q.double(), kv_b[:, :dn].double()).to(torch.bfloat16),
@@ -291,7 +291,7 @@ def test_batched_kernel_only_for_its_layouts_sizes_and_not_when_switched_off():
             _, code = run_and_get_code(torch.compile(fn, backend=backend, fullgraph=True, dynamic=False), *args)
         return "".join(code).count(f"ascend_graph.{op}.default(")
 
-    kernel = int(expert_rows.available())
+    kernel = int(kernels.available())
     values = lambda p, v: torch.einsum("bht,btc->bhc", p, v)  # noqa: E731  ([K, N] matrices: rows_bmm)
     assert count(values, DecodeMatmulPass(), p, v) == 0
     assert count(values, DecodeMatmulPass(), p, v, op="rows_bmm") == kernel
@@ -308,7 +308,7 @@ def test_batched_kernel_only_for_its_layouts_sizes_and_not_when_switched_off():
     assert count(scores, DecodeMatmulPass(), p.float(), w.float()) == 0
     q = torch.randn(16, 32, 128).to(torch.bfloat16)
     w_uk = torch.randn(16, 512, 128).to(torch.bfloat16).transpose(1, 2)  # as kv_b_parts gives it
-    on_avx2 = expert_rows.isa() == "AVX2"
+    on_avx2 = kernels.isa() == "AVX2"
     assert count(lambda q, w: torch.bmm(q, w), DecodeMatmulPass(), q, w_uk) == on_avx2
     keys = {DecodeMatmulPass().uuid(), DecodeMatmulPass(batched_rows_kernel=False).uuid(),
             DecodeMatmulPass(batched_min_elements=1).uuid(), DecodeMatmulPass(paged_attention=False).uuid()}
@@ -349,7 +349,7 @@ def test_mla_decode_over_a_paged_cache_reads_the_blocks_in_place(b):
     gathered, gathered_code = run_and_get_code(_compiled(step, True, DecodeMatmulPass(paged_attention=False, **small)),
                                                *args)
     code, gathered_code = "".join(code), "".join(gathered_code)
-    kernel = expert_rows.available()
+    kernel = kernels.available()
     assert code.count("ascend_graph.paged_rows_mm.default(") == 2 * kernel
     assert code.count("ascend_graph.paged_rows_bmm.default(") == kernel
     assert "paged_rows" not in gathered_code
@@ -393,7 +393,7 @@ def test_gathered_rows_are_recognised_only_through_views_that_keep_the_tables_or
     does not, nor does a slice."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ascend_graph.backends.inductor import _gathered_cache
+    from ascend_graph.compile.inductor import _gathered_cache
 
     aten = torch.ops.aten
     b, w, s, c = 2, 3, 4, 8

@@ -24,7 +24,7 @@ from ascend_graph import allocate_kv_caches  # noqa: E402
 from ascend_graph.attention import build_attention_metadata  # noqa: E402
 from ascend_graph.models import DeepseekForCausalLM, load_deepseek  # noqa: E402
 from ascend_graph.models.deepseek import kv_b_from_checkpoint  # noqa: E402
-from ascend_graph.models.layers import ChunkedLinear  # noqa: E402
+from ascend_graph.layers import ChunkedLinear  # noqa: E402
 from hf_models import random_prompts, tiny_hf_model  # noqa: E402
 
 NEW_TOKENS = 32

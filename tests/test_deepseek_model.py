@@ -18,7 +18,7 @@ from ascend_graph.attention import build_attention_metadata, pad_decode
 from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM, load_deepseek, softmax_scale
 from ascend_graph.models.deepseek import kv_b_to_checkpoint
 from ascend_graph.models.loader import CheckpointError
-from ascend_graph.models.moe import MoE
+from ascend_graph.moe.layer import MoE
 
 BLOCK_SIZE = 4
 

@@ -13,7 +13,7 @@ import torch
 from ascend_graph.config import GraphConfig
 from ascend_graph.engine import Engine
 from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
-from ascend_graph.sampling import SamplingParams, filtered_probs
+from ascend_graph.engine.sampling import SamplingParams, filtered_probs
 
 PROMPTS = [[(7 * i + 3 * j) % 256 for j in range(2 + 3 * i)] for i in range(6)]  # 2..17 tokens
 BUDGETS = [5, 12, 3, 9, 7, 4]

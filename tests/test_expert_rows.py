@@ -13,11 +13,11 @@ import sys
 import pytest
 import torch
 
-from ascend_graph.models import expert_rows
+from ascend_graph import kernels
 
 from test_moe_forms import _moe
 
-needs_kernel = pytest.mark.skipif(not expert_rows.available(),
+needs_kernel = pytest.mark.skipif(not kernels.available(),
                                   reason="expert_rows_mm needs a C compiler and a CPU with AVX512-BF16 or AVX2 and FMA")
 
 
@@ -136,21 +136,21 @@ def test_decode_picks_sorted_by_expert_when_compiled_from_two_tokens_where_the_k
 def test_one_token_kernel_defaults_to_the_builds_choice():
     experts = _moe().to(torch.bfloat16).experts
     assert experts.one_token_kernel is None
-    assert experts.one_token_in_kernel == expert_rows.ONE_ROW_KERNEL.get(expert_rows.isa(), False)
+    assert experts.one_token_in_kernel == kernels.ONE_ROW_KERNEL.get(kernels.isa(), False)
     experts.one_token_kernel = not experts.one_token_in_kernel
-    assert experts.one_token_in_kernel == (not expert_rows.ONE_ROW_KERNEL.get(expert_rows.isa(), False))
+    assert experts.one_token_in_kernel == (not kernels.ONE_ROW_KERNEL.get(kernels.isa(), False))
 
 
 def test_uses_kernel_only_for_bfloat16_on_cpu_and_not_when_switched_off(monkeypatch):
     experts = _moe().experts  # float32
     assert not experts.uses_kernel(torch.zeros(2, 64))
     experts = experts.to(torch.bfloat16)
-    assert experts.uses_kernel(torch.zeros(2, 64, dtype=torch.bfloat16)) == expert_rows.available()
+    assert experts.uses_kernel(torch.zeros(2, 64, dtype=torch.bfloat16)) == kernels.available()
     monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)  # AOTInductor packages run it too
-    assert experts.uses_kernel(torch.zeros(2, 64, dtype=torch.bfloat16)) == expert_rows.available()
+    assert experts.uses_kernel(torch.zeros(2, 64, dtype=torch.bfloat16)) == kernels.available()
     monkeypatch.undo()
     monkeypatch.setenv("ASCEND_GRAPH_EXPERT_KERNEL", "0")
-    assert not expert_rows.available()
+    assert not kernels.available()
 
 
 @needs_kernel
@@ -280,7 +280,7 @@ def test_a_later_process_loads_the_built_kernel_without_compiling(tmp_path):
     """The first process builds the kernel into the cache directory; the next one loads it and
     runs no compiler (a guard on subprocess.run refuses a build)."""
     cache = str(tmp_path / "kernels")
-    first = _fresh_process("from ascend_graph.models import expert_rows; assert expert_rows.available()", cache)
+    first = _fresh_process("from ascend_graph import kernels; assert kernels.available()", cache)
     assert first.returncode == 0, first.stderr[-2000:]
     built = os.listdir(cache)
     assert len(built) == 1 and built[0].startswith("expert_rows-") and built[0].endswith(".so")
@@ -292,8 +292,8 @@ def guarded(cmd, *a, **k):
     return run(cmd, *a, **k)
 subprocess.run = guarded
 import torch
-from ascend_graph.models import expert_rows
-assert expert_rows.available()
+from ascend_graph import kernels
+assert kernels.available()
 x, w = torch.ones(3, 40, dtype=torch.bfloat16), torch.ones(7, 40, dtype=torch.bfloat16)
 assert (torch.ops.ascend_graph.rows_mm(x, w) == 40).all()
 """, cache)
@@ -305,7 +305,7 @@ assert (torch.ops.ascend_graph.rows_mm(x, w) == 40).all()
 def test_an_unwritable_cache_directory_still_builds_the_kernel(tmp_path):
     blocker = tmp_path / "a file"
     blocker.write_text("")
-    done = _fresh_process("from ascend_graph.models import expert_rows; assert expert_rows.available()",
+    done = _fresh_process("from ascend_graph import kernels; assert kernels.available()",
                           str(blocker / "kernels"))  # cannot be created: its parent is a file
     assert done.returncode == 0, done.stderr[-2000:]
 
@@ -438,13 +438,13 @@ def _build_for(name: str, tmp_path):
     that takes them)."""
     import ctypes
 
-    cc = expert_rows.compiler()
+    cc = kernels.compiler()
     if cc is None:
         pytest.skip("needs a C compiler")
-    path = expert_rows._compile(cc, ["-O3", *BUILDS[name][0], "-shared", "-fPIC"], str(tmp_path / f"{name}.so"))
+    path = kernels.build._compile(cc, ["-O3", *BUILDS[name][0], "-shared", "-fPIC"], str(tmp_path / f"{name}.so"))
     if path is None:
         pytest.skip(f"the C compiler does not build for {name} ({' '.join(BUILDS[name][0])})")
-    return expert_rows._bind(ctypes.CDLL(path))
+    return kernels.build._bind(ctypes.CDLL(path))
 
 
 @pytest.mark.parametrize("name", sorted(BUILDS))
@@ -458,11 +458,11 @@ def test_each_build_runs_the_form_its_instructions_allow(name, tmp_path):
 def test_the_native_build_is_the_widest_form_this_cpu_runs():
     from ascend_graph.runtime import machine
 
-    if expert_rows.compiler() is None:
+    if kernels.compiler() is None:
         pytest.skip("needs a C compiler")
     flags = set(machine()["cpu_flags"])
     widest = next((bits for _, bits, needs in sorted(BUILDS.values(), key=lambda b: -b[1]) if needs <= flags), 0)
-    lib = expert_rows._library()
+    lib = kernels.build._library()
     assert (lib.expert_rows_available() if lib is not None else 0) == widest
 
 

@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 from ascend_graph.attention import build_attention_metadata, mla_decode, pad_decode, paged_decode
-from ascend_graph.backends.inductor import make_backend
+from ascend_graph.compile.inductor import make_backend
 from ascend_graph.config import GraphConfig
 from ascend_graph.kv_cache import KVCacheSpec, MLACacheSpec, allocate_kv_caches, write_slots
 

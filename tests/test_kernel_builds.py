@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from ascend_graph.models import expert_rows
+from ascend_graph import kernels
 from benchmarks import kernel_builds
 
-pytestmark = pytest.mark.skipif(not expert_rows.available(),
+pytestmark = pytest.mark.skipif(not kernels.available(),
                                 reason="needs the kernel (a C compiler and AVX512-BF16 or AVX2 and FMA)")
 
 
 def test_two_builds_are_timed_side_by_side_and_a_wrong_one_is_refused(tmp_path):
-    with open(expert_rows.SOURCE) as f:
+    with open(kernels.SOURCE) as f:
         source = f.read()
     dlls = {"old": kernel_builds.build(source, str(tmp_path), "old"),
             "now": kernel_builds.build(source, str(tmp_path), "now")}

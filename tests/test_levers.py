@@ -32,14 +32,15 @@ def test_the_other_one_row_choice_also_flips_one_tokens_experts_on_a_copy_sharin
     import torch
 
     from ascend_graph.config import GraphConfig
-    from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM, expert_rows
-    from ascend_graph.models.moe import RoutedExperts
+    from ascend_graph import kernels
+    from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
+    from ascend_graph.moe.layer import RoutedExperts
     from benchmarks.models import with_one_token_experts
 
     other = not levers.one_row_in_kernel()
     variant = levers.variants(GraphConfig(enabled=True, backend="inductor"), "unused")[levers.ONE_ROW[other]]
     assert variant.other_one_row
-    assert variant.patches["post_grad_custom_post_pass"].one_row_kernel == (other and expert_rows.available())
+    assert variant.patches["post_grad_custom_post_pass"].one_row_kernel == (other and kernels.available())
     model = DeepseekForCausalLM(DeepseekConfig.small(), dtype=torch.float32, seed=0)
     copy = with_one_token_experts(model, other)
     experts = [m for m in copy.modules() if isinstance(m, RoutedExperts)]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
-from ascend_graph.models.moe import MoE
+from ascend_graph.moe.layer import MoE
 
 from test_deepseek_model import _moe_oracle
 
@@ -40,7 +40,7 @@ def test_compiled_decode_form_matches_eager(tokens, dtype):
 
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_compiled_gathered_by_expert_matches_eager_and_decode_picks_it_for_large_experts(tokens, monkeypatch):
-    import ascend_graph.models.moe as moe_module
+    import ascend_graph.moe.layer as moe_module
 
     moe = _moe().to(torch.bfloat16)
     x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
@@ -66,7 +66,7 @@ def test_compiled_decode_on_a_gpu_with_grouped_mm_takes_the_sorted_form_at_every
     """Where ``torch._grouped_mm`` runs on the GPU (``grouped_mm_on_gpu``), the compiled decode form
     is ``sorted_by_expert`` without the CPU kernel, from one token on; tests/test_cuda.py runs it
     on a GPU. Here: the choice, with the GPU check stood in for."""
-    import ascend_graph.models.moe as moe_module
+    import ascend_graph.moe.layer as moe_module
 
     moe = _moe().to(torch.bfloat16)
     x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)

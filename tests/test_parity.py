@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ascend_graph.commands import logit_agreement
-from ascend_graph.parity import _close_rows, allowed_difference, tolerances
+from ascend_graph.cli.commands import logit_agreement
+from ascend_graph.runner.parity import _close_rows, allowed_difference, tolerances
 
 
 def test_tolerance_scales_with_the_rows_largest_value_not_each_element():
@@ -69,7 +69,7 @@ def _flip_case(monkeypatch, swap=None, bump=None, grouped=False):
     within their 2 best of 4 groups (then every group is near-tied too). Returns ``(report,
     stand-in's caches after, routers, margins {(router, token): margin / its row's largest choice})``
     (the experts' margins)."""
-    from ascend_graph import parity
+    from ascend_graph.runner import parity
     from ascend_graph.config import GraphConfig
     from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
     from tests.runner_helpers import Schedule, make_runner, prefilled, small_model
@@ -158,9 +158,9 @@ def test_a_graph_that_took_a_near_tied_group_passes_with_the_group_flip_reported
 def test_a_group_swap_is_tried_only_where_the_groups_are_near_tied():
     """Groups far apart record no group near-tie; within ``rtol`` of the row's largest group score
     they do, naming the last chosen group and the next."""
-    from ascend_graph import parity
+    from ascend_graph.runner import parity
     from ascend_graph.models import DeepseekConfig
-    from ascend_graph.models.moe import Router
+    from ascend_graph.moe.layer import Router
 
     router = Router(DeepseekConfig.small_v3())
     with torch.no_grad():

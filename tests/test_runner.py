@@ -13,7 +13,7 @@ import torch
 from runner_helpers import Schedule, assert_graph_outputs_are_fresh, make_runner, prefilled, small_model
 
 from ascend_graph.config import GraphConfig
-from ascend_graph.parity import compare_step
+from ascend_graph.runner.parity import compare_step
 from ascend_graph.runner import GraphCompileError, RecompileError, SequenceStep
 from ascend_graph.runtime import StaticAddressError
 
@@ -231,13 +231,13 @@ def test_inductor_graph_equals_eager_for_every_size_and_between(kind, dtype):
 
 def test_inductor_graph_equals_eager_at_batches_that_run_the_wide_matmul_form(monkeypatch):
     """bfloat16 at 21 and 32 rows: the compiled step's dense products run ``rows_mm``'s wide form
-    (``models/expert_rows.c``; aten in eager), padded and full. A dense model: in the
+    (``kernels/csrc/expert_rows.c``; aten in eager), padded and full. A dense model: in the
     small MoE model, eager's own routing at 32 tokens has near-ties (0.0005 between the 2nd and
     3rd expert's score), and graph and eager differ past the bf16 tolerance there with aten too."""
-    from ascend_graph.models import expert_rows
+    from ascend_graph import kernels
 
-    rows_mm_rows, run = [], expert_rows._run
-    monkeypatch.setattr(expert_rows, "_run", lambda name, x, *a: rows_mm_rows.append(x.shape[0]) or run(name, x, *a))
+    rows_mm_rows, run = [], kernels.ops._run
+    monkeypatch.setattr(kernels.ops, "_run", lambda name, x, *a: rows_mm_rows.append(x.shape[0]) or run(name, x, *a))
     model = small_model("llama", torch.bfloat16)
     runner = make_runner(model, graph_config(backend="inductor", capture_sizes=(32,), max_batch_size=32))
     sched = Schedule()
@@ -246,7 +246,7 @@ def test_inductor_graph_equals_eager_at_batches_that_run_the_wide_matmul_form(mo
         report = compare_step(runner, sched.decode_entries()[:n])
         assert report.ok and report.untouched_ok, report.summary()
     assert runner.stats.recompiles == 0
-    assert set(rows_mm_rows) == ({32} if expert_rows.available() else set())  # graph mode only, padded to 32
+    assert set(rows_mm_rows) == ({32} if kernels.available() else set())  # graph mode only, padded to 32
 
 
 @pytest.mark.parametrize("paged", [True, False])
@@ -260,19 +260,19 @@ def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(m
     aten's ``bmm``. At
     batch 1 the scores and values read the blocks in place too (else aten's ``mm`` of the gathered
     rows). Graph equals eager."""
-    from ascend_graph.models import expert_rows
+    from ascend_graph import kernels
 
-    weights, run, kn, run_kn = [], expert_rows._run, [], expert_rows._run_kn
-    pages, run_paged = [], expert_rows._run_paged
-    monkeypatch.setattr(expert_rows, "_run", lambda name, x, w, *a: weights.append(tuple(w.shape)) or run(name, x, w, *a))
-    monkeypatch.setattr(expert_rows, "_run_kn", lambda x, w: kn.append((tuple(x.shape), tuple(w.shape))) or run_kn(x, w))
-    monkeypatch.setattr(expert_rows, "_run_paged",
+    weights, run, kn, run_kn = [], kernels.ops._run, [], kernels.ops._run_kn
+    pages, run_paged = [], kernels.ops._run_paged
+    monkeypatch.setattr(kernels.ops, "_run", lambda name, x, w, *a: weights.append(tuple(w.shape)) or run(name, x, w, *a))
+    monkeypatch.setattr(kernels.ops, "_run_kn", lambda x, w: kn.append((tuple(x.shape), tuple(w.shape))) or run_kn(x, w))
+    monkeypatch.setattr(kernels.ops, "_run_paged",
                         lambda name, x, cache, *a: pages.append((name, cache.shape[-1])) or run_paged(name, x, cache, *a))
-    from ascend_graph.backends.inductor import INLINE_CACHE_WRITES, DecodeMatmulPass, InductorBackend, config_patches
+    from ascend_graph.compile.inductor import INLINE_CACHE_WRITES, DecodeMatmulPass, InductorBackend, config_patches
 
     model = small_model("mla", torch.bfloat16)
     config = inductor_config()
-    on = expert_rows.available()
+    on = kernels.available()
     # this model's attention products are below batched_limits(): a pass that takes them
     small = DecodeMatmulPass(batched_min_elements=1, paged_attention=paged)
     backend = InductorBackend({**config_patches(config, "cpu"), "post_grad_custom_post_pass": small},
@@ -308,7 +308,7 @@ def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(m
 def test_inductor_freezing_from_min_batch_folds_weights_and_equals_eager(dtype):
     """Sizes >= inductor_freezing_min_batch compile with the weights as graph constants (not
     inputs), smaller sizes with the weights as inputs; every size still equals eager."""
-    from ascend_graph.backends import resolve_backend
+    from ascend_graph.compile import resolve_backend
 
     config = inductor_config(inductor_freezing_min_batch=2)
     weights_as_inputs = []  # per compile: how many of the model's weights are graph inputs
@@ -338,8 +338,8 @@ def test_inductor_freezing_is_refused_off_cpu_before_anything_is_allocated():
 def test_torchair_contract_use_cached_graph_compiles_each_size_through_cache_compile(monkeypatch):
     """With torchair's graph cache on, each capture size goes to ``cache_compile`` as a module
     method with its own code name (no NPU here: platform and torchair are stand-ins)."""
-    import ascend_graph.backends as backends
-    import ascend_graph.backends.torchair as torchair_backend
+    import ascend_graph.compile as backends
+    import ascend_graph.compile.torchair as torchair_backend
     from ascend_graph.config import TorchairOptions
 
     handed = []

@@ -9,9 +9,9 @@ be an operand of some replayed call.
 import pytest
 import torch
 
-from ascend_graph.block_manager import BlockManager
+from ascend_graph.engine.block_manager import BlockManager
 from ascend_graph.config import GraphConfig
-from ascend_graph.models.moe import RoutedExperts
+from ascend_graph.moe.layer import RoutedExperts
 from benchmarks.compute import StepMatmuls, _MatmulRecorder, onednn_linear, onednn_packs, pack_for_onednn
 from benchmarks.models import decode_batch, make_runner
 from runner_helpers import small_model
@@ -58,8 +58,8 @@ def test_the_pre_packed_replay_computes_the_same_products():
 def test_the_compiled_forms_replay_runs_few_row_linears_in_rows_mm_with_the_same_products(monkeypatch):
     """``as_compiled``: the bfloat16 linears of 2 to ROWS_MM_MAX rows run in ``rows_mm`` (as the
     compiled step runs them), the rest as recorded; each product within bf16 rounding of aten's."""
-    from ascend_graph.backends.inductor import ROWS_MM_MAX
-    from ascend_graph.models import expert_rows
+    from ascend_graph.compile.inductor import ROWS_MM_MAX
+    from ascend_graph import kernels
 
     model = small_model("mla", dtype=torch.bfloat16)
     for batch in (4, 32, ROWS_MM_MAX + 1):  # 32: the wide form
@@ -69,7 +69,7 @@ def test_the_compiled_forms_replay_runs_few_row_linears_in_rows_mm_with_the_same
         op, kernel_calls = torch.ops.ascend_graph.rows_mm, []
         monkeypatch.setattr(torch.ops.ascend_graph, "rows_mm", lambda *a: kernel_calls.append(a) or op(*a))
         compiled = floor.as_compiled()
-        if not expert_rows.available() or batch > ROWS_MM_MAX:
+        if not kernels.available() or batch > ROWS_MM_MAX:
             assert compiled is None
             continue
         plain, forms = floor(), compiled()
@@ -86,8 +86,8 @@ def test_the_compiled_forms_replay_runs_the_attention_products_in_the_kernel_wit
     """``as_compiled``: MLA decode's batched attention products that the pass hands the kernel
     (``batched_rows_form``; the limits lowered for this small model) run in ``expert_rows_mm`` or
     ``rows_bmm`` over the recorded gathered rows, each within bf16 rounding of aten's ``bmm``."""
-    from ascend_graph.backends.inductor import batched_rows_form
-    from ascend_graph.models import expert_rows
+    from ascend_graph.compile.inductor import batched_rows_form
+    from ascend_graph import kernels
 
     model = small_model("mla", dtype=torch.bfloat16)
     runner = make_runner(model, GraphConfig(enabled=False), (4,), 16)
@@ -102,7 +102,7 @@ def test_the_compiled_forms_replay_runs_the_attention_products_in_the_kernel_wit
             with torch.inference_mode(), inner:
                 op.decompose(*args, **kwargs)
             forms += [batched_rows_form(*a[:2], 32, 64) for f, a, _ in inner.calls if f is torch.ops.aten.bmm.default]
-    if not expert_rows.available():
+    if not kernels.available():
         assert compiled is None and floor.batched_in_kernel == 0
         return
     assert {"expert_rows_mm", "rows_bmm"} <= set(forms)  # the scores and the values

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import kernels
 from ..kv_cache import KVCache
 from .metadata import DecodeMetadata, PrefillMetadata
 from .paging import (by_rows, causal_mask, float32_products, gather_rows, gather_sequence, masked_softmax,
@@ -20,7 +21,7 @@ def paged_decode(q: Tensor, cache: KVCache, decode: DecodeMetadata, scale: float
     """Decode attention: ``[B, Hq, D]`` -> ``[B, Hq, D]``.
 
     Where aten emulates bfloat16 matmuls (``paging.float32_products``: a CPU without AVX-512) and
-    the project's kernel runs (``models.expert_rows.available()``), both products read each kv
+    the project's kernel runs (``kernels.available()``), both products read each kv
     head's rows where they lie in the cache, through the block table, eager and compiled alike:
     ``paged_rows_mm`` for the scores, ``paged_rows_bmm`` for the values (float32 sums, each
     rounded once to bfloat16, as aten's own bfloat16 product). No gathered copy is made. Measured
@@ -46,9 +47,8 @@ def _products_in_kernel(cache: KVCache) -> bool:
     """Whether ``paged_decode`` reads the cache in place through the project's kernel (above)."""
     if not (float32_products(cache.k) and cache.v.dtype == cache.k.dtype):
         return False
-    from ..models import expert_rows  # here: the models package imports this one
 
-    return expert_rows.available()
+    return kernels.available()
 
 
 def _gathered_decode(q: Tensor, cache: KVCache, decode: DecodeMetadata, scale: float) -> Tensor:

@@ -34,8 +34,8 @@ from torch import Tensor, nn
 from ..attention import AttentionMetadata, mla_decode, mla_prefill
 from ..kv_cache import MLACache, MLACacheSpec, write_slots
 from .deepseek_config import DeepseekConfig
-from .layers import RMSNorm, linear
-from .moe import MLP, MoE
+from ..layers import RMSNorm, linear
+from ..moe import MLP, MoE
 from .rope import RotaryEmbedding, apply_rope, softmax_scale
 
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ..attention import AttentionMetadata, paged_decode, paged_prefill
 from ..kv_cache import KVCache, KVCacheSpec, write_slots
-from .layers import RMSNorm
+from ..layers import RMSNorm
 
 
 @dataclass(frozen=True)

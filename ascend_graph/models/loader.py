@@ -27,7 +27,7 @@ from torch import Tensor
 from ..runtime import weights_on_huge_pages
 from .deepseek import DeepseekForCausalLM, kv_b_from_checkpoint
 from .deepseek_config import DeepseekConfig
-from .layers import ChunkedLinear
+from ..layers import ChunkedLinear
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .deepseek_config import DeepseekConfig, RopeScaling
-from .layers import Float32Module
+from ..layers import Float32Module
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -21,7 +21,7 @@ import torch
 
 from . import commands
 from .commands import BUILTIN_MODELS, DTYPES
-from .config import BACKENDS
+from ..config import BACKENDS
 
 EPILOG = """examples:
   ascend-graph demo                                  # the quick start: small model, graph vs eager

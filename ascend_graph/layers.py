@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..runtime import reduction_chunks
+from .runtime import reduction_chunks
 
 
 def linear(in_features: int, out_features: int, dtype: torch.dtype, device=None, bias: bool = False,

@@ -16,10 +16,10 @@ transformers 5 holds them). Four forms compute the same sum (``RoutedExperts.dec
   after, from the last-level cache.
 - ``sorted_by_expert``: token rows sorted by expert, one grouped matmul over all experts with
   device-side offsets (``torch._grouped_mm``; on a CPU with AVX512-BF16, bfloat16, the project's
-  ``expert_rows_mm``, 2-2.5x faster at these few rows per expert: ``models/expert_rows.py``).
+  ``expert_rows_mm``, 2-2.5x faster at these few rows per expert: ``kernels/ops.py``).
   Static, sync-free, reads each chosen expert once: the eager decode form (CPU, float32/16 and
   bfloat16) and the compiled one from 2 tokens on where ``expert_rows_mm`` runs (from 1 where
-  the kernel's build takes one-row products, ``expert_rows.ONE_ROW_KERNEL``: AVX2, where the
+  the kernel's build takes one-row products, ``kernels.ONE_ROW_KERNEL``: AVX2, where the
   generated reduction streams the experts at 0.7 of one core's read rate), else when
   ``T*K >= 3X`` (``GROUPED_MIN_PAIRS_PER_EXPERT``, bfloat16). On a CUDA GPU of compute
   capability 9.0 or later in bfloat16 it is the compiled form at every batch (``grouped_mm_on_gpu``):
@@ -32,13 +32,17 @@ transformers 5 holds them). Four forms compute the same sum (``RoutedExperts.dec
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import expert_rows
-from .deepseek_config import DeepseekConfig
-from .layers import Float32Module, linear
+from .. import kernels
+from ..layers import Float32Module, linear
+
+if TYPE_CHECKING:  # the models package builds these layers from its config
+    from ..models.deepseek_config import DeepseekConfig
 
 
 class MLP(nn.Module):
@@ -166,7 +170,7 @@ class RoutedExperts(nn.Module):
         super().__init__()
         x, e, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         # compiled, one token's experts: ``expert_rows_mm`` (True) or the gathered reduction;
-        # None: ``expert_rows.one_row_kernel()``, the kernel's build here (the ``levers``
+        # None: ``kernels.one_row_kernel()``, the kernel's build here (the ``levers``
         # benchmark sets it to time the other choice)
         self.one_token_kernel: bool | None = None
         self.gate_up_proj = nn.Parameter(torch.empty(x, 2 * i, e, dtype=dtype, device=device))
@@ -238,13 +242,13 @@ class RoutedExperts(nn.Module):
         kernel built here) rather than ``torch._grouped_mm``; in AOTInductor packages too
         (``tests/test_aot_inductor.py``)."""
         return (x.device.type == "cpu" and x.dtype == self.gate_up_proj.dtype == torch.bfloat16
-                and expert_rows.available())
+                and kernels.available())
 
     @property
     def one_token_in_kernel(self) -> bool:
         """Whether a compiled step multiplies one token's experts with ``expert_rows_mm`` (where
         ``uses_kernel``) rather than as the gathered reduction (``one_token_kernel``)."""
-        return expert_rows.one_row_kernel() if self.one_token_kernel is None else self.one_token_kernel
+        return kernels.one_row_kernel() if self.one_token_kernel is None else self.one_token_kernel
 
     @property
     def expert_bytes(self) -> int:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Mapping, Optional
 
-from .config import TORCHAIR_MODES, convert
+from ..config import TORCHAIR_MODES, convert
 
 SECTION = "torchair_graph_config"
 

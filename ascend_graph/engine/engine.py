@@ -23,11 +23,11 @@ import torch
 from torch import Tensor, nn
 
 from .block_manager import BlockManager
-from .config import GraphConfig
-from .kv_cache import blocks_for_budget
-from .parity import ParityReport, compare_step
-from .runner import GraphRunner, SequenceStep
-from .runtime import progress
+from ..config import GraphConfig
+from ..kv_cache import blocks_for_budget
+from ..runner.parity import ParityReport, compare_step
+from ..runner.graph_runner import GraphRunner, SequenceStep
+from ..runtime import progress
 from .sampling import Sampler, SamplingParams
 from .scheduler import Request, Scheduler
 from .tokenizer import Tokenizer, load_tokenizer
@@ -108,7 +108,7 @@ class Engine:
         Its tokenizer, if the directory has one, is loaded on first use (string prompts,
         ``decode``); ``kwargs`` go to ``Engine``.
         """
-        from .models import load_deepseek
+        from ..models import load_deepseek
 
         kwargs.setdefault("tokenizer", os.fspath(path))
         return cls(load_deepseek(path, dtype=dtype, device=device), graph_config=graph_config, device=device,

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .kv_cache import NULL_BLOCK
+from ..kv_cache import NULL_BLOCK
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .runner import GraphRunner, PreparedStep, SequenceStep
+    from .graph_runner import GraphRunner, PreparedStep, SequenceStep
 
 # (atol, rtol) per dtype: float32 graphs differ from eager only by operation order;
 # half types by a few units in the last place of the stored values. rtol is relative to the largest
@@ -191,7 +191,7 @@ def _flips_for(runner, step, bad: list[int], owners: dict[int, int], blocks_ok: 
 
 def _routers(model) -> list:
     """``(name, module)`` of the model's mixture-of-experts routers, in call order."""
-    from .models.moe import Router
+    from ..moe.layer import Router
     return [(n, m) for n, m in model.named_modules() if isinstance(m, Router)]
 
 

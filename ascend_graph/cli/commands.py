@@ -17,10 +17,10 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from . import runtime
-from .config import GraphConfig
-from .engine import Engine
-from .parity import ParityReport, allowed_difference, tolerances
+from .. import runtime
+from ..config import GraphConfig
+from ..engine.engine import Engine
+from ..runner.parity import ParityReport, allowed_difference, tolerances
 from .report import format_bench, format_demo, format_generate, format_parity
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,7 +32,7 @@ BUILTIN_MODELS = ("small", "small-v3")
 
 def load_model(args: argparse.Namespace) -> tuple[nn.Module, dict]:
     """The model ``--model`` names (built-in with seed-0 weights, or a checkpoint) and a description."""
-    from .models import DeepseekConfig, DeepseekForCausalLM, load_deepseek
+    from ..models import DeepseekConfig, DeepseekForCausalLM, load_deepseek
 
     dtype = DTYPES[args.dtype] if args.dtype else None
     if args.model in BUILTIN_MODELS:

@@ -24,11 +24,11 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .attention import AttentionMetadata, DecodeMetadata, build_attention_metadata
-from .attention.metadata import DECODE_PADDING
-from .config import GraphConfig
-from .kv_cache import allocate_kv_caches
-from .runtime import StaticAddresses, memory_in_use, progress
+from ..attention import AttentionMetadata, DecodeMetadata, build_attention_metadata
+from ..attention.metadata import DECODE_PADDING
+from ..config import GraphConfig
+from ..kv_cache import allocate_kv_caches
+from ..runtime import StaticAddresses, memory_in_use, progress
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +310,7 @@ class GraphRunner:
 
     def _compile_for_size(self, size: int, backend: Optional[Callable]) -> Callable:
         if self.config.aot_inductor:
-            from .backends.aot_inductor import load_or_compile
+            from ..compile.aot_inductor import load_or_compile
 
             ids_v, pos_v, meta_v = self._views(size)
             model, compiled = load_or_compile(self._step, f"decode_step_{size}", (ids_v, pos_v, self.kv_caches, meta_v),
@@ -319,7 +319,7 @@ class GraphRunner:
             return model
         method = step_for_size(self._step, size)
         if self._uses_torchair_graph_cache():
-            from .backends.torchair import cache_compile
+            from ..compile.torchair import cache_compile
             return cache_compile(method, self.config)
         return torch.compile(method, backend=backend, fullgraph=True, dynamic=False)
 
@@ -354,13 +354,13 @@ class GraphRunner:
     def _uses_torchair_graph_cache(self) -> bool:
         if self._backend is not None or not self.config.torchair.use_cached_graph:
             return False
-        from .backends import backend_name, detect_platform
+        from ..compile import backend_name, detect_platform
         return backend_name(self.config, detect_platform(self.device)) == "torchair"
 
     def _resolve_backend(self) -> Callable:
         if self._backend is not None:
             return self._backend
-        from .backends import resolve_backend
+        from ..compile import resolve_backend
         return resolve_backend(self.config, self.device)
 
     def _counting_backend(self, backend: Callable) -> Callable:
@@ -381,7 +381,7 @@ class GraphRunner:
 
     def _check_aot_inductor(self, backend: Optional[Callable]) -> None:
         """``aot_inductor`` needs a CPU runner on the Inductor backend (raises ValueError)."""
-        from .backends import backend_name
+        from ..compile import backend_name
 
         if self.device.type != "cpu":
             raise ValueError(f"aot_inductor=True is for CPU runners; this one runs on {self.device}")

@@ -8,7 +8,7 @@ C++ compiler run, and no dynamo guard check on each replay.
 As in the Inductor backend, the cache write is generated code (``inductor.inline_cache_writes``
 on the exported program), not a call of the custom op through AOTInductor's proxy executor.
 Also as there, a step of 2 or more rows calls the project's CPU kernel for its few-row matmuls
-(``ascend_graph::rows_mm``, ``ascend_graph::expert_rows_mm``, ``models/expert_rows.py``) where
+(``ascend_graph::rows_mm``, ``ascend_graph::expert_rows_mm``, ``kernels/ops.py``) where
 it runs: the loading process builds it at first use with the system C compiler (about 2 s here),
 and the key below includes whether it runs, so a package is never loaded where it cannot.
 Without it a package's batch-8 V2-Lite-slice step took 97.6 ms against the Inductor backend's

@@ -20,11 +20,11 @@ from ..config import GraphConfig
 
 # backend name -> module with ``make_backend(name, config, platform, mode)``
 BACKEND_MODULES = {
-    "torchair": "ascend_graph.backends.torchair",
-    "inductor": "ascend_graph.backends.inductor",
-    "cudagraphs": "ascend_graph.backends.debug",
-    "aot_eager": "ascend_graph.backends.debug",
-    "eager": "ascend_graph.backends.debug",
+    "torchair": "ascend_graph.compile.torchair",
+    "inductor": "ascend_graph.compile.inductor",
+    "cudagraphs": "ascend_graph.compile.debug",
+    "aot_eager": "ascend_graph.compile.debug",
+    "eager": "ascend_graph.compile.debug",
 }
 # what ``backend="auto"`` means on each platform
 AUTO_BACKEND = {"npu": "torchair", "cuda": "inductor", "cpu": "inductor"}

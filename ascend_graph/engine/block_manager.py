@@ -11,8 +11,8 @@ from __future__ import annotations
 from array import array
 from collections import deque
 
-from .attention.metadata import INT32_TYPECODE
-from .kv_cache import NULL_BLOCK
+from ..attention.metadata import INT32_TYPECODE
+from ..kv_cache import NULL_BLOCK
 
 
 class OutOfBlocks(RuntimeError):

@@ -1,0 +1,7 @@
+"""The offline engine: scheduler, block manager, sampling, tokenizer."""
+
+from .block_manager import BlockManager
+from .engine import Engine, EngineStats
+from .sampling import SamplingParams
+
+__all__ = ["BlockManager", "Engine", "EngineStats", "SamplingParams"]

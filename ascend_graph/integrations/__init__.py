@@ -1,0 +1,1 @@
+"""Integrations with serving stacks: vllm-ascend's configuration schema."""
