@@ -110,7 +110,7 @@ class StepMatmuls:
         eager step made (the compiled step reads them in place: ``paged_rows_mm``,
         ``paged_rows_bmm``); None where no call is. ``batched_in_kernel`` counts those ``bmm``.
         ``batched_rows_max`` and ``batched_min_elements`` as the pass's (tests: smaller models)."""
-        from ascend_graph.compile.inductor import batched_rows_form, runs_rows_mm
+        from ascend_graph.compile.passes.decode_matmul import batched_rows_form, runs_rows_mm
 
         limits = (batched_rows_max, batched_min_elements)
 
@@ -171,7 +171,7 @@ class _KernelBmm(TorchDispatchMode):
         self.limits, self.hits = limits, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from ascend_graph.compile.inductor import batched_rows_form
+        from ascend_graph.compile.passes.decode_matmul import batched_rows_form
 
         if func is _aten.bmm.default and not kwargs and (fn := _batched_in_kernel(*args, batched_rows_form(
                 *args, *self.limits))):
@@ -234,7 +234,7 @@ def _packed_linear(x: torch.Tensor, w: torch.Tensor):
 
 def measure(batches=(1, 8, 32, 64), context: int = 256, rounds: int = 7) -> dict:
     """FLOPs per step and the bf16 matmul rate (FLOP/s) at each batch, with copy bandwidth."""
-    from ascend_graph.compile.inductor import runs_rows_mm
+    from ascend_graph.compile.passes.decode_matmul import runs_rows_mm
 
     probe, rows = CopyProbe(), []
     w = torch.randn(10944, 2048).to(torch.bfloat16)

@@ -102,7 +102,7 @@ def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, ba
         t = {k: statistics.median(v) for k, v in samples.items()}
         row = {"batch": n, **{f"{k}_s": v for k, v in t.items()}, "speedup": t["eager"] / t["graph"]}
         if "matmuls_aten" in t:
-            from ascend_graph.compile.inductor import ROWS_MM_MAX
+            from ascend_graph.compile.passes.decode_matmul import ROWS_MM_MAX
             row["rows_mm_max_rows"] = ROWS_MM_MAX
             row["matmuls_batched_in_kernel"] = floor.batched_in_kernel  # attention products in the kernel
         row.update({f"graph_vs_{k}": t[k] / t["graph"] for k in ALTERNATIVES if k in t})

@@ -19,7 +19,8 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
 
-from ascend_graph.compile.inductor import INLINE_CACHE_WRITES, InductorBackend, config_patches  # noqa: E402
+from ascend_graph.compile.inductor import InductorBackend, config_patches  # noqa: E402
+from ascend_graph.compile.passes.inline_writes import INLINE_CACHE_WRITES
 from ascend_graph.engine.block_manager import BlockManager  # noqa: E402
 from ascend_graph.config import GraphConfig  # noqa: E402
 from benchmarks.common import set_malloc_keeps_freed_memory  # noqa: E402

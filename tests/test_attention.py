@@ -13,7 +13,7 @@ import torch
 
 from ascend_graph.attention import build_attention_metadata, mla_decode, mla_prefill, pad_decode
 from ascend_graph.attention import mla, paged_decode, paged_prefill, paging
-from ascend_graph.attention.reference import dense_attention, naive_mla
+from ascend_graph.attention.oracle import dense_attention, naive_mla
 from ascend_graph.engine.block_manager import BlockManager
 from ascend_graph.kv_cache import (
     NULL_BLOCK, KVCacheSpec, MLACacheSpec, allocate_kv_caches, write_kv_cache,
@@ -116,15 +116,15 @@ def _mla_oracle(p, i, length, q_rows):
                      p.w_uk, p.w_uv, p.scale)
 
 
-def _mla_decode_step(p, tables, lens, num_blocks, width=None):
-    """Earlier tokens written by hand-computed slots, then the decode write and attention."""
+def _mla_decode_step(p, tables, lens, num_blocks, width=None, decode=mla_decode):
+    """Earlier tokens written by hand-computed slots, then the decode write and attention (``decode``)."""
     _write_prefix(p.cache, tables, p.seqs, [n - 1 for n in lens])
     positions, meta = _metadata(tables, [n - 1 for n in lens], [1] * len(lens), num_blocks, width)
     assert positions.tolist() == [n - 1 for n in lens]
     write_kv_cache(p.cache, *_new_tokens(p.seqs, [n - 1 for n in lens], [1] * len(lens)), meta.slot_mapping)
     q_nope = torch.stack([q[n - 1] for q, n in zip(p.q_nope, lens)])  # [B, H, Dn]
     q_pe = torch.stack([q[n - 1] for q, n in zip(p.q_pe, lens)])  # [B, H, R]
-    return mla_decode(q_nope, q_pe, p.cache, meta.decode, p.w_uk, p.w_uv, p.scale)
+    return decode(q_nope, q_pe, p.cache, meta.decode, p.w_uk, p.w_uv, p.scale)
 
 
 def _mla_decode_oracle(p, lens):
@@ -154,15 +154,24 @@ def test_mla_decode_matches_naive_mla_at_v2_lite_dims():
     _assert_matches(out, _mla_decode_oracle(p, lens), 1e-5)
 
 
-@pytest.mark.parametrize("float32_products", [False, True], ids=["aten_bf16", "float32_products"])
+@pytest.mark.parametrize("form", ["aten_bf16", "float32_products", "cpu_kernel"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_mla_decode_matches_naive_mla_bfloat16(seed, float32_products, monkeypatch):
-    # Both eager forms of the cache products (mla.product_rows), whichever this CPU would pick.
-    monkeypatch.setattr(paging, "aten_bf16_emulated", lambda: float32_products)
+def test_mla_decode_matches_naive_mla_bfloat16(seed, form, monkeypatch):
+    """Every form of the bf16 products, whichever this CPU would pick: the reference backend's
+    aten bf16 einsums over the gathered rows, the same in float32 (``mla.product_rows``), and the
+    cpu_kernel backend reading the cache in place."""
+    from ascend_graph.attention.cpu import CpuMLA
+
+    monkeypatch.setattr(paging, "aten_bf16_emulated", lambda: form == "float32_products")
+    decode = mla_decode
+    if form == "cpu_kernel":
+        if not CpuMLA.supports(torch.device("cpu"), torch.bfloat16):
+            pytest.skip("the kernel does not run here (no C compiler, or neither AVX512-BF16 nor AVX2)")
+        decode = CpuMLA().decode
     gen = torch.Generator().manual_seed(seed)
     lens = _ragged_lens(gen, batch=6)
     p = _mla_problem(gen, V2_LITE, lens, num_blocks=64, dtype=torch.bfloat16)
-    out = _mla_decode_step(p, _tables(gen, lens, 64), lens, 64)
+    out = _mla_decode_step(p, _tables(gen, lens, 64), lens, 64, decode=decode)
     assert out.dtype == torch.bfloat16
     # The oracle sees the same bf16-rounded inputs, so only rounding inside the op counts: the
     # latent query, the logits, the probabilities, the latent output and the output are each
@@ -195,6 +204,8 @@ def test_float32_cache_products_are_the_bf16_products_rounded_once(equation, x_s
     monkeypatch.setattr(paging, "aten_bf16_emulated", lambda: True)
     assert mla.product_rows(rows.float()).dtype == torch.float32  # float32 rows as they are
     assert mla.product_rows(rows.half()).dtype == torch.float16
+    compiled = torch.compile(lambda r: mla.product_rows(r).float(), fullgraph=True, backend="eager")
+    assert torch.equal(compiled(rows), rows.float())  # the same form inside a compiled step
 
 
 def test_mla_prefill_matches_naive_mla():
@@ -302,17 +313,16 @@ def test_paged_decode_matches_dense_attention(seed, hq, hk):
 @HEADS
 @pytest.mark.parametrize("form", ["aten_bf16", "float32_products", "kernel"])
 def test_paged_decode_matches_dense_attention_bfloat16(form, hq, hk, monkeypatch):
-    """The three forms of the bf16 products, whichever this CPU would pick: aten's bf16 einsums
-    over the gathered rows, the same in float32 (``paging.float32_products``), and the project's
-    kernel over the cache in place (``paged_rows_mm``, ``paged_rows_bmm``); against the float64
-    oracle on the same bf16 values."""
-    from ascend_graph.attention import paged
+    """The three forms of the bf16 products, whichever this CPU would pick: the reference
+    backend's aten bf16 einsums over the gathered rows, the same in float32
+    (``paging.float32_products``), and the cpu_kernel backend over the cache in place
+    (``paged_rows_mm``, ``paged_rows_bmm``); against the float64 oracle on the same bf16 values."""
     from ascend_graph import kernels
+    from ascend_graph.attention.cpu import CpuPaged
 
     monkeypatch.setattr(paging, "aten_bf16_emulated", lambda: form != "aten_bf16")
-    if form == "float32_products":
-        monkeypatch.setenv("ASCEND_GRAPH_EXPERT_KERNEL", "0")
-    elif form == "kernel" and not kernels.available():
+    decode = CpuPaged().decode if form == "kernel" else paged_decode
+    if form == "kernel" and not kernels.available():
         pytest.skip("the kernel does not run here (no C compiler, or neither AVX512-BF16 nor AVX2)")
     gen = torch.Generator().manual_seed(3)
     lens = _ragged_lens(gen, batch=6)
@@ -322,8 +332,7 @@ def test_paged_decode_matches_dense_attention_bfloat16(form, hq, hk, monkeypatch
     _, meta = _metadata(tables, [n - 1 for n in lens], [1] * 6, 64, width=10)
     write_kv_cache(cache, *_new_tokens(seqs, [n - 1 for n in lens], [1] * 6), meta.slot_mapping)
     q = (torch.randn(6, hq, D, generator=gen) * 2).to(torch.bfloat16)
-    assert paged._products_in_kernel(cache) == (form == "kernel")
-    out = paged_decode(q, cache, meta.decode, D ** -0.5)
+    out = decode(q, cache, meta.decode, D ** -0.5)
     assert out.dtype == torch.bfloat16
     ref = torch.cat([_dense_oracle(q[i:i + 1], seqs, i, n) for i, n in enumerate(lens)])  # float64
     # scores, probabilities and output each rounded to bf16 (see the MLA bf16 test): 4% of the

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from ascend_graph.compile import detect_platform, input_device, resolve_backend
-from ascend_graph.compile.inductor import InductorBackend, DecodeMatmulPass
+from ascend_graph.compile.inductor import InductorBackend
+from ascend_graph.compile.passes.decode_matmul import DecodeMatmulPass
 from ascend_graph.config import GraphConfig, TorchairOptions
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ascend_graph.compile.inductor import (ROWS_MM_MAX, DecodeMatmulPass, batched_limits,
-                                            InductorBackend)
+from ascend_graph.compile.inductor import InductorBackend
+from ascend_graph.compile.passes.decode_matmul import ROWS_MM_MAX, DecodeMatmulPass, batched_limits
 from ascend_graph import kernels
 
 
@@ -311,123 +311,5 @@ def test_batched_kernel_only_for_its_layouts_sizes_and_not_when_switched_off():
     on_avx2 = kernels.isa() == "AVX2"
     assert count(lambda q, w: torch.bmm(q, w), DecodeMatmulPass(), q, w_uk) == on_avx2
     keys = {DecodeMatmulPass().uuid(), DecodeMatmulPass(batched_rows_kernel=False).uuid(),
-            DecodeMatmulPass(batched_min_elements=1).uuid(), DecodeMatmulPass(paged_attention=False).uuid()}
+            DecodeMatmulPass(batched_min_elements=1).uuid(), DecodeMatmulPass(one_row_kernel=True).uuid()}
     assert len(keys) == 4
-
-
-@pytest.mark.parametrize("b", [3, 1])
-def test_mla_decode_over_a_paged_cache_reads_the_blocks_in_place(b):
-    """MLA decode's scores (latent and rope parts) and values over cache rows gathered by block
-    table run ``paged_rows_mm`` and ``paged_rows_bmm`` on the cache itself: no gathered copy is
-    made, and the result is bit for bit the kernel's over the gathered copy (``paged_attention``
-    False) and within rounding of float64. At batch 1 too, where the gathered copy's products
-    would otherwise become ``mm`` (aten's: equal within rounding). Rows gathered and then sliced
-    keep the copy."""
-    from torch._inductor.utils import run_and_get_code
-
-    from ascend_graph.attention.metadata import DecodeMetadata
-    from ascend_graph.attention.mla import mla_decode
-    from ascend_graph.attention.paging import gather_rows, gather_sequence
-    from ascend_graph.attention.reference import naive_mla
-    from ascend_graph.kv_cache import MLACache
-
-    gen = torch.Generator().manual_seed(9)
-    h, dn, c, r, blocks, s, w = 16, 24, 96, 32, 12, 4, 5
-    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(torch.bfloat16)  # noqa: E731
-    cache = MLACache(rnd(blocks, s, 1, c), rnd(blocks, s, 1, r))
-    tables = torch.randint(1, blocks, (3, w), generator=gen, dtype=torch.int32)[:b]
-    decode = DecodeMetadata(tables, torch.tensor([20, 7, 13][:b], dtype=torch.int32))
-    q_nope, q_pe, w_uv = rnd(b, h, dn), rnd(b, h, r), rnd(h, dn, c) / c ** 0.5
-    w_uk = (rnd(h, c, dn) / c ** 0.5).transpose(1, 2)  # [H, Dn, C], stored as kv_b_parts gives it
-
-    def step(q_nope, q_pe, kv_c, k_pe, tables, lens):
-        return mla_decode(q_nope, q_pe, MLACache(kv_c, k_pe), DecodeMetadata(tables, lens), w_uk, w_uv, 0.2)
-
-    args = (q_nope, q_pe, *cache, tables, decode.context_lens)
-    small = dict(batched_min_elements=r * s * w)  # these test-sized products take the kernel
-    paged, code = run_and_get_code(_compiled(step, True, DecodeMatmulPass(**small)), *args)
-    gathered, gathered_code = run_and_get_code(_compiled(step, True, DecodeMatmulPass(paged_attention=False, **small)),
-                                               *args)
-    code, gathered_code = "".join(code), "".join(gathered_code)
-    kernel = kernels.available()
-    assert code.count("ascend_graph.paged_rows_mm.default(") == 2 * kernel
-    assert code.count("ascend_graph.paged_rows_bmm.default(") == kernel
-    assert "paged_rows" not in gathered_code
-    count = lambda code, op: code.count(f"ascend_graph.{op}.default(")  # noqa: E731
-    if b > 1:
-        assert "ascend_graph.rows_bmm.default(" not in code  # the values in place
-        # over the gathered copy instead: the two scores by expert_rows_mm, the values by rows_bmm
-        # (the heads' products by W_UK and W_UV run expert_rows_mm in both)
-        assert count(code, "expert_rows_mm") == 2 * kernel
-        assert count(gathered_code, "expert_rows_mm") - count(code, "expert_rows_mm") == 2 * kernel
-        assert count(gathered_code, "rows_bmm") - count(code, "rows_bmm") == kernel
-        torch.testing.assert_close(paged, gathered, atol=0, rtol=0)
-    else:  # over the gathered copy: the products as aten's mm, rounded differently
-        torch.testing.assert_close(paged, gathered, atol=2e-2, rtol=2e-2)
-    exact = torch.cat([naive_mla(q_nope[i:i + 1], q_pe[i:i + 1], gather_sequence(cache.kv_c, tables[i], n).squeeze(1),
-                                 gather_sequence(cache.k_pe, tables[i], n).squeeze(1), w_uk, w_uv, 0.2)
-                       for i, n in enumerate(decode.context_lens.tolist())])
-    torch.testing.assert_close(paged.double(), exact, atol=3e-2, rtol=3e-2)
-
-    def sliced(q_pe, k_pe, tables):
-        return torch.einsum("bhr,btr->bht", q_pe, gather_rows(k_pe, tables).squeeze(2)[:, 1:])
-
-    got, code = run_and_get_code(_compiled(sliced, True, DecodeMatmulPass(batched_min_elements=1)), q_pe, cache.k_pe,
-                                 tables)
-    assert "paged_rows" not in "".join(code)
-    torch.testing.assert_close(got, sliced(q_pe, cache.k_pe, tables), atol=0, rtol=0)
-
-    def reordered(q_pe, k_pe, tables):  # tokens row-major by (row in block, block): not the table's order
-        rows = k_pe[tables.long()].permute(0, 2, 1, 3, 4).reshape(b, w * s, r)
-        return torch.einsum("bhr,btr->bht", q_pe, rows)
-
-    got, code = run_and_get_code(_compiled(reordered, True, DecodeMatmulPass(batched_min_elements=1)), q_pe,
-                                 cache.k_pe, tables)
-    assert "paged_rows" not in "".join(code)
-    torch.testing.assert_close(got, reordered(q_pe, cache.k_pe, tables), atol=0, rtol=0)
-
-
-def test_gathered_rows_are_recognised_only_through_views_that_keep_the_tables_order():
-    """``_gathered_cache`` on hand-made graphs: the gathered rows viewed as ``[B, T, width]`` (or
-    its transpose) qualify; the same shape reached by a reshape that must copy (tokens reordered)
-    does not, nor does a slice."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from ascend_graph.compile.inductor import _gathered_cache
-
-    aten = torch.ops.aten
-    b, w, s, c = 2, 3, 4, 8
-    with FakeTensorMode() as mode:
-        vals = {"cache": torch.empty(10, s, 1, c, dtype=torch.bfloat16), "tables": torch.empty(b, w, dtype=torch.int64)}
-
-    def graph_of(*ops):
-        g = torch.fx.Graph()
-        nodes = {name: g.placeholder(name) for name in vals}
-        for name, node in nodes.items():
-            node.meta["val"] = vals[name]
-        node = g.call_function(aten.index.Tensor, (nodes["cache"], [nodes["tables"]]))
-        with mode:
-            node.meta["val"] = vals["cache"][vals["tables"]]
-        for op, *args in ops:
-            node = g.call_function(op, (node, *args))
-            with mode:
-                node.meta["val"] = op(node.args[0].meta["val"], *args)
-        return node
-
-    natural = graph_of((aten.reshape.default, [b, w * s, c]))
-    assert _gathered_cache(natural, transposed=False) is not None
-    assert _gathered_cache(natural, transposed=True) is None
-    assert _gathered_cache(graph_of((aten.reshape.default, [b, w * s, c]), (aten.permute.default, [0, 2, 1])),
-                           transposed=True) is not None
-    reordered = graph_of((aten.permute.default, [0, 2, 1, 3, 4]), (aten.reshape.default, [b, w * s, c]))
-    assert _gathered_cache(reordered, transposed=False) is None
-    sliced = graph_of((aten.reshape.default, [b, w * s, c]), (aten.slice.Tensor, 1, 1))
-    assert _gathered_cache(sliced, transposed=False) is None
-    # a batch of one: its dimension's stride is whatever the views left (no address depends on it)
-    with mode:
-        vals["tables"] = torch.empty(1, w, dtype=torch.int64)
-    one = graph_of((aten.reshape.default, [1, w * s, c]), (aten.unsqueeze.default, 3),
-                   (aten.permute.default, [3, 2, 1, 0]), (aten.reshape.default, [1, c, w * s]))
-    assert one.meta["val"].stride()[0] != w * s * c
-    assert _gathered_cache(one, transposed=True) is not None
-    assert _gathered_cache(one, transposed=False) is None

@@ -249,18 +249,21 @@ def test_inductor_graph_equals_eager_at_batches_that_run_the_wide_matmul_form(mo
     assert set(rows_mm_rows) == ({32} if kernels.available() else set())  # graph mode only, padded to 32
 
 
-@pytest.mark.parametrize("paged", [True, False])
-def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(monkeypatch, paged):
-    """bfloat16 MLA decode at 1-4 rows, with a pass that takes this small model's products: the
-    compiled step computes the attention scores (latent and rope parts) with ``paged_rows_mm``
-    over the cache blocks where they lie (``paged`` False: ``expert_rows_mm``, one "expert" per
-    sequence over its gathered cache rows), the probabilities by the latent rows with
-    ``paged_rows_bmm`` (else ``rows_bmm``), the output by ``W_UV`` and the queries by ``W_UK`` with
-    ``expert_rows_mm`` (one "expert" per head; the model stores ``W_UK`` transposed); eager uses
-    aten's ``bmm``. At
-    batch 1 the scores and values read the blocks in place too (else aten's ``mm`` of the gathered
-    rows). Graph equals eager."""
+@pytest.mark.parametrize("attention", ["cpu_kernel", "reference"])
+def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(monkeypatch, attention):
+    """bfloat16 MLA decode at 1-4 rows, with a pass that takes this small model's products. The
+    cpu_kernel attention backend computes the scores (latent and rope parts) with
+    ``paged_rows_mm`` and the probabilities by the latent rows with ``paged_rows_bmm`` over the
+    cache blocks where they lie, in eager and graph steps alike, at batch 1 too. The reference
+    backend multiplies gathered rows: compiled, the pass runs those products as ``expert_rows_mm``
+    (one "expert" per sequence) and ``rows_bmm``. Both: the output by ``W_UV`` and the queries by
+    ``W_UK`` with ``expert_rows_mm`` (one "expert" per head) in the graph, aten's ``bmm`` in eager.
+    Graph equals eager."""
     from ascend_graph import kernels
+
+    paged = attention == "cpu_kernel"
+    if paged and not kernels.available():
+        pytest.skip("the CPU kernel does not build here")
 
     weights, run, kn, run_kn = [], kernels.ops._run, [], kernels.ops._run_kn
     pages, run_paged = [], kernels.ops._run_paged
@@ -268,13 +271,16 @@ def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(m
     monkeypatch.setattr(kernels.ops, "_run_kn", lambda x, w: kn.append((tuple(x.shape), tuple(w.shape))) or run_kn(x, w))
     monkeypatch.setattr(kernels.ops, "_run_paged",
                         lambda name, x, cache, *a: pages.append((name, cache.shape[-1])) or run_paged(name, x, cache, *a))
-    from ascend_graph.compile.inductor import INLINE_CACHE_WRITES, DecodeMatmulPass, InductorBackend, config_patches
+    from ascend_graph.compile.inductor import InductorBackend, config_patches
+    from ascend_graph.compile.passes.decode_matmul import DecodeMatmulPass
+    from ascend_graph.compile.passes.inline_writes import INLINE_CACHE_WRITES
 
     model = small_model("mla", torch.bfloat16)
+    model.select_backends(attention=attention)
     config = inductor_config()
     on = kernels.available()
     # this model's attention products are below batched_limits(): a pass that takes them
-    small = DecodeMatmulPass(batched_min_elements=1, paged_attention=paged)
+    small = DecodeMatmulPass(batched_min_elements=1)
     backend = InductorBackend({**config_patches(config, "cpu"), "post_grad_custom_post_pass": small},
                               inline_writes=INLINE_CACHE_WRITES["cpu"])
     runner = make_runner(model, config, backend=backend)

@@ -58,7 +58,7 @@ def test_the_pre_packed_replay_computes_the_same_products():
 def test_the_compiled_forms_replay_runs_few_row_linears_in_rows_mm_with_the_same_products(monkeypatch):
     """``as_compiled``: the bfloat16 linears of 2 to ROWS_MM_MAX rows run in ``rows_mm`` (as the
     compiled step runs them), the rest as recorded; each product within bf16 rounding of aten's."""
-    from ascend_graph.compile.inductor import ROWS_MM_MAX
+    from ascend_graph.compile.passes.decode_matmul import ROWS_MM_MAX
     from ascend_graph import kernels
 
     model = small_model("mla", dtype=torch.bfloat16)
@@ -86,7 +86,7 @@ def test_the_compiled_forms_replay_runs_the_attention_products_in_the_kernel_wit
     """``as_compiled``: MLA decode's batched attention products that the pass hands the kernel
     (``batched_rows_form``; the limits lowered for this small model) run in ``expert_rows_mm`` or
     ``rows_bmm`` over the recorded gathered rows, each within bf16 rounding of aten's ``bmm``."""
-    from ascend_graph.compile.inductor import batched_rows_form
+    from ascend_graph.compile.passes.decode_matmul import batched_rows_form
     from ascend_graph import kernels
 
     model = small_model("mla", dtype=torch.bfloat16)

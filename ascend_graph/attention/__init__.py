@@ -1,10 +1,13 @@
-"""Attention metadata and the MLA / paged attention ops over tuple KV caches."""
+"""Attention over tuple KV caches: metadata, the backend interface and its implementations."""
 
+from .backend import ATTENTION_BACKENDS, select_attention_backend
+from .base import AttentionBackend, MLABackend, PagedBackend
 from .metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata, build_attention_metadata, pad_decode
 from .mla import mla_decode, mla_prefill
 from .paged import paged_decode, paged_prefill
 
 __all__ = [
-    "AttentionMetadata", "DecodeMetadata", "PrefillMetadata", "build_attention_metadata", "pad_decode",
-    "mla_decode", "mla_prefill", "paged_decode", "paged_prefill",
+    "ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "DecodeMetadata", "MLABackend", "PagedBackend",
+    "PrefillMetadata", "build_attention_metadata", "mla_decode", "mla_prefill", "pad_decode", "paged_decode",
+    "paged_prefill", "select_attention_backend",
 ]

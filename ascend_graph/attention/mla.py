@@ -4,9 +4,9 @@ Shape legend: B decode rows, H heads, Dn qk_nope_head_dim, Dv v_head_dim, C kv_l
 R qk_rope_head_dim, T block-table token slots, L a prefill sequence's context, Q its new tokens.
 
 Weights: ``w_uk [H, Dn, C]`` and ``w_uv [H, Dv, C]``, the two parts of ``kv_b_proj.weight``
-(any strides; the DeepSeek model passes ``W_UK`` as the transpose of a contiguous ``[H, C, Dn]``,
-``models.deepseek.kv_b_parts``). The two cache tensors are always read separately: scores are
-``q_latent . kv_c + q_pe . k_pe``, never a concatenation of caches.
+(any strides). The two cache tensors are always read separately: scores are
+``q_latent . kv_c + q_pe . k_pe``, never a concatenation of caches. These are the pure-torch
+forms over gathered rows (``reference.ReferenceMLA``); ``cpu.CpuMLA`` reads the cache in place.
 """
 
 from __future__ import annotations
@@ -40,26 +40,11 @@ def mla_decode(q_nope: Tensor, q_pe: Tensor, cache: MLACache, decode: DecodeMeta
 
 
 def product_rows(rows: Tensor) -> Tensor:
-    """Gathered cache rows as MLA decode's products read them: ``rows`` itself, or in eager mode,
-    for bfloat16 on a CPU where aten has no native bfloat16 matmul (``paging.float32_products``), a
-    float32 copy, made once for the scores and the values (``by_rows`` then rounds each product
-    once to bfloat16, as aten's own bfloat16 product does: float32 sums of the same values).
-
-    There aten's product of the probabilities by ``kv_c`` (a ``[T, C]`` matrix, reduced along its
-    rows) runs at about 1 GFLOP/s. Measured (Zen 3, torch 2.13, 1 thread, V2-Lite dims, 16 heads,
-    one-off, ms, bfloat16 / float32 with the conversions; latent scores, rope scores, values):
-    batch 1, context 256: 0.58 / 0.38, 0.26 / 0.09, 3.62 / 0.22; batch 8, context 256: 4.31 /
-    1.58, 1.74 / 0.21, 28.5 / 0.79; batch 32, context 2048: 119.5 / 119.5, 35.8 / 11.1, 1377 /
-    135. The three together with ``kv_c`` converted once instead of for each product: batch 32,
-    context 2048, 183-215 vs 327-330 ms; context 256, 15-17.5 vs 16.5-20.3 ms. Not done for
-    float16 (there the latent scores at batch 32, context 2048 took 123 ms in float16, 161 in
-    float32). Compiled, the products stay as written: ``DecodeMatmulPass`` has the kernel read
-    the cache in place (GQA's ``paged_decode`` calls the kernel's paged forms itself, eager and
-    compiled, under the same condition).
-    """
-    if torch.compiler.is_compiling() or not float32_products(rows):
-        return rows
-    return rows.float()
+    """Gathered cache rows as ``mla_decode``'s products read them: ``rows`` itself, or a float32
+    copy (made once for the scores and the values) where ``paging.float32_products(rows)``; each
+    product is then rounded once to the cache dtype (``by_rows``), as aten's bfloat16 product is.
+    The same in eager and compiled steps. Why: docs/cpu-kernels.md ("aten without bf16")."""
+    return rows.float() if float32_products(rows) else rows
 
 
 def mla_prefill(q_nope: Tensor, q_pe: Tensor, cache: MLACache, prefill: PrefillMetadata,

@@ -31,11 +31,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..attention import AttentionMetadata, mla_decode, mla_prefill
-from ..kv_cache import MLACache, MLACacheSpec, write_slots
+from ..attention import AttentionMetadata, MLABackend, select_attention_backend
+from ..kv_cache import MLACache, MLACacheSpec
 from .deepseek_config import DeepseekConfig
 from ..layers import RMSNorm, linear
 from ..moe import MLP, MoE
+from .selection import ChoosesBackends
 from .rope import RotaryEmbedding, apply_rope, softmax_scale
 
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
@@ -65,6 +66,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = linear(config.kv_lora_rank, h * (config.qk_nope_head_dim + config.v_head_dim),
                                 dtype, device)
         self.o_proj = linear(h * config.v_head_dim, e, dtype, device, bias)
+        self.backend: MLABackend = select_attention_backend("mla", self.kv_a_proj_with_mqa.weight.device, dtype)
 
     def _query(self, x: Tensor) -> Tensor:
         if not self.q_lora:
@@ -80,13 +82,14 @@ class MLAttention(nn.Module):
         kv_c = self.kv_a_layernorm(kv_c)
         q_pe = apply_rope(q_pe, cos, sin, self.rope_interleave)
         k_pe = apply_rope(k_pe[:, None, :], cos, sin, self.rope_interleave)  # [T, 1, R]
-        write_slots(cache.kv_c, cache.k_pe, kv_c[:, None, :], k_pe, meta.slot_mapping)
+        self.backend.write(cache, kv_c[:, None, :], k_pe, meta.slot_mapping)
         w_uk, w_uv = kv_b_parts(self.kv_b_proj.weight, h, dn, self.v_head_dim)
         n_dec, outs = meta.num_decode_tokens, []
         if meta.decode is not None:
-            outs.append(mla_decode(q_nope[:n_dec], q_pe[:n_dec], cache, meta.decode, w_uk, w_uv, self.scale))
+            outs.append(self.backend.decode(q_nope[:n_dec], q_pe[:n_dec], cache, meta.decode, w_uk, w_uv, self.scale))
         if meta.prefill is not None:
-            outs.append(mla_prefill(q_nope[n_dec:], q_pe[n_dec:], cache, meta.prefill, w_uk, w_uv, self.scale))
+            outs.append(self.backend.prefill(q_nope[n_dec:], q_pe[n_dec:], cache, meta.prefill, w_uk, w_uv,
+                                             self.scale))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, H, Dv]
         return self.o_proj(out.flatten(1))
 
@@ -128,8 +131,7 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoE):
-            # A step with a prefill runs eager: it may take the grouped expert path.
-            return x + self.mlp(h, grouped=meta.prefill is not None)
+            return x + self.mlp(h, prefill=meta.prefill is not None)  # a step with a prefill runs eager
         return x + self.mlp(h)
 
 
@@ -155,8 +157,10 @@ class DeepseekModel(nn.Module):
         return self.norm(x)
 
 
-class DeepseekForCausalLM(nn.Module):
+class DeepseekForCausalLM(ChoosesBackends, nn.Module):
     """DeepSeek V2/V3 for decoding with tuple MLA caches.
+
+    Attention and MoE run the backends chosen for the weights (``select_backends``, ``backends``).
 
     ``forward`` returns the final-normed hidden states; ``compute_logits`` applies ``lm_head``
     (so a runner can pick the rows it needs before the vocabulary projection). Weights are created
@@ -180,6 +184,11 @@ class DeepseekForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         """The weights' dtype (routing and rope frequencies stay float32 regardless)."""
         return self.model.embed_tokens.weight.dtype
+
+    attention_kind = "mla"
+
+    def attention_layers(self):
+        return (layer.self_attn for layer in self.model.layers)
 
     def kv_cache_specs(self) -> list[MLACacheSpec]:
         """One ``MLACacheSpec`` per layer, in the model's dtype."""

@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import AttentionMetadata, paged_decode, paged_prefill
-from ..kv_cache import KVCache, KVCacheSpec, write_slots
+from ..attention import AttentionMetadata, PagedBackend, select_attention_backend
+from ..kv_cache import KVCache, KVCacheSpec
 from ..layers import RMSNorm
+from .selection import ChoosesBackends
 
 
 @dataclass(frozen=True)
@@ -55,20 +56,22 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        weight = self.q_proj.weight
+        self.backend: PagedBackend = select_attention_backend("paged", weight.device, weight.dtype)
 
     def forward(self, x: Tensor, positions: Tensor, cache: KVCache, meta: AttentionMetadata) -> Tensor:
         cfg, t = self.cfg, x.shape[0]
         q = rotate_neox(self.q_proj(x).view(t, -1, cfg.head_dim), positions, cfg.rope_theta)  # [T, Hq, D]
         k = rotate_neox(self.k_proj(x).view(t, -1, cfg.head_dim), positions, cfg.rope_theta)  # [T, Hk, D]
         v = self.v_proj(x).view(t, -1, cfg.head_dim)
-        write_slots(cache.k, cache.v, k, v, meta.slot_mapping)
+        self.backend.write(cache, k, v, meta.slot_mapping)
         scale = cfg.head_dim ** -0.5
         n_dec = meta.num_decode_tokens
         outs = []
         if meta.decode is not None:
-            outs.append(paged_decode(q[:n_dec], cache, meta.decode, scale))
+            outs.append(self.backend.decode(q[:n_dec], cache, meta.decode, scale))
         if meta.prefill is not None:
-            outs.append(paged_prefill(q[n_dec:], cache, meta.prefill, scale))
+            outs.append(self.backend.prefill(q[n_dec:], cache, meta.prefill, scale))
         return self.o_proj(torch.cat(outs).reshape(t, -1))
 
 
@@ -100,8 +103,10 @@ class LlamaLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(ChoosesBackends, nn.Module):
     """Small Llama-style causal LM following the runner's step contract."""
+
+    attention_kind = "paged"
 
     def __init__(self, cfg: LlamaConfig = LlamaConfig()) -> None:
         super().__init__()
@@ -110,6 +115,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch.float32)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def attention_layers(self):
+        return (layer.self_attn for layer in self.layers)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         """One ``KVCacheSpec`` per layer, in the model's dtype."""

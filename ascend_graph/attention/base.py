@@ -1,0 +1,75 @@
+"""The attention backend interface: one implementation computes one kind of attention over the
+tuple caches, the same way in eager and in graph mode.
+
+Shape legend: T tokens in the step, B decode rows, H heads (Hq query, Hk kv), Dn qk_nope_head_dim,
+R qk_rope_head_dim, Dv v_head_dim, C kv_lora_rank, D head size, sum Q a prefill's new tokens.
+
+A backend is chosen once, when the model is built (``backend.select_attention_backend``), and
+the model calls it in every step. Contracts every implementation keeps:
+- ``write`` stores the step's new entries through ``kv_cache.write_slots`` (the one cache write,
+  which sends padding slots to the null block and declares its mutation), before ``decode``/``prefill``.
+- ``decode`` reads each row's blocks through its block table, masked to ``context_lens``; padded
+  rows (null block, context 0..1) give finite values that the runner drops.
+- ``prefill`` reads each sequence's whole context (earlier tokens and the new ones).
+- No host sync in ``decode`` (it runs inside captured graphs).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from ..kv_cache import KVCache, MLACache, write_slots
+from .metadata import DecodeMetadata, PrefillMetadata
+
+
+class AttentionBackend:
+    """Common part of the attention backends: the name, the kind of cache, the cache write."""
+
+    name: ClassVar[str]
+    kind: ClassVar[str]  # "mla" over MLACache(kv_c, k_pe), "paged" over KVCache(k, v)
+
+    @classmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether this implementation runs for caches of ``dtype`` on ``device``."""
+        raise NotImplementedError
+
+    def write(self, cache: MLACache | KVCache, first: Tensor, second: Tensor, slot_mapping: Tensor) -> None:
+        """Write ``[T, 1 or Hk, width]`` new entries of both cache elements at ``slot_mapping [T]``."""
+        write_slots(cache[0], cache[1], first, second, slot_mapping)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class MLABackend(AttentionBackend):
+    """Multi-head latent attention over ``MLACache(kv_c, k_pe)``; ``w_uk [H, Dn, C]`` and
+    ``w_uv [H, Dv, C]`` are the two parts of ``kv_b_proj`` (any strides)."""
+
+    kind = "mla"
+
+    def decode(self, q_nope: Tensor, q_pe: Tensor, cache: MLACache, decode: DecodeMetadata,
+               w_uk: Tensor, w_uv: Tensor, scale: float) -> Tensor:
+        """Absorbed decode: ``[B, H, Dn]``, ``[B, H, R]`` -> ``[B, H, Dv]``."""
+        raise NotImplementedError
+
+    def prefill(self, q_nope: Tensor, q_pe: Tensor, cache: MLACache, prefill: PrefillMetadata,
+                w_uk: Tensor, w_uv: Tensor, scale: float) -> Tensor:
+        """``[sum Q, H, Dn]``, ``[sum Q, H, R]`` -> ``[sum Q, H, Dv]``."""
+        raise NotImplementedError
+
+
+class PagedBackend(AttentionBackend):
+    """Standard (MHA / GQA) attention over ``KVCache(k, v)``."""
+
+    kind = "paged"
+
+    def decode(self, q: Tensor, cache: KVCache, decode: DecodeMetadata, scale: float) -> Tensor:
+        """``[B, Hq, D]`` -> ``[B, Hq, D]``."""
+        raise NotImplementedError
+
+    def prefill(self, q: Tensor, cache: KVCache, prefill: PrefillMetadata, scale: float) -> Tensor:
+        """``[sum Q, Hq, D]`` -> ``[sum Q, Hq, D]``."""
+        raise NotImplementedError

@@ -1,0 +1,117 @@
+"""Attention backends: chosen once for the cache dtype and device, and each runs the same algorithm
+in eager and compiled steps (the cpu_kernel backend reads the cache in place in both: the compiled
+code calls the kernel's paged ops on the cache and tables); against the float64 oracle
+(``attention.oracle``) on the same bf16 values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+from ascend_graph import kernels
+from ascend_graph.attention import ATTENTION_BACKENDS, select_attention_backend
+from ascend_graph.attention.cpu import CpuMLA, CpuPaged
+from ascend_graph.attention.metadata import DecodeMetadata
+from ascend_graph.attention.oracle import dense_attention, naive_mla
+from ascend_graph.attention.paging import aten_bf16_emulated, gather_sequence
+from ascend_graph.attention.reference import ReferenceMLA, ReferencePaged
+from ascend_graph.compile.inductor import InductorBackend
+from ascend_graph.kv_cache import KVCache, MLACache
+
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="the CPU kernel does not build here")
+
+
+def test_selection_takes_the_first_backend_that_runs_and_names_bad_requests():
+    cpu = torch.device("cpu")
+    kernel = kernels.available()
+    assert select_attention_backend("mla", cpu, torch.float32).name == "reference"
+    assert select_attention_backend("mla", cpu, torch.bfloat16).name == ("cpu_kernel" if kernel else "reference")
+    paged = "cpu_kernel" if kernel and aten_bf16_emulated() else "reference"
+    assert select_attention_backend("paged", cpu, torch.bfloat16).name == paged
+    assert isinstance(select_attention_backend("mla", cpu, torch.bfloat16, "reference"), ReferenceMLA)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        select_attention_backend("flash", cpu, torch.float32)
+    with pytest.raises(ValueError, match=r"attention backend must be one of \['cpu_kernel', 'reference'\]"):
+        select_attention_backend("mla", cpu, torch.float32, "npu")
+    with pytest.raises(ValueError, match="does not run for torch.float32 caches on cpu"):
+        select_attention_backend("mla", cpu, torch.float32, "cpu_kernel")
+    assert [name for name, _ in ATTENTION_BACKENDS["paged"]][-1] == "reference"  # runs everywhere, last
+
+
+def test_models_report_and_reselect_their_backends_when_cast():
+    from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
+
+    model = DeepseekForCausalLM(DeepseekConfig.small(), dtype=torch.float32)
+    assert model.backends() == {"attention": "reference", "moe": "grouped_mm"}
+    model.to(torch.bfloat16)
+    kernel = "cpu_kernel" if kernels.available() else None
+    assert model.backends() == {"attention": kernel or "reference", "moe": kernel or "grouped_mm"}
+    assert model.select_backends(attention="reference", moe="gathered") == {"attention": "reference", "moe": "gathered"}
+    model.to(torch.float32)  # a named request is kept across casts where it still runs
+    assert model.backends() == {"attention": "reference", "moe": "gathered"}
+
+
+def _mla_case(b: int, gen: torch.Generator):
+    h, dn, c, r, blocks, s, w = 16, 24, 96, 32, 12, 4, 5
+    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(torch.bfloat16)  # noqa: E731
+    cache = MLACache(rnd(blocks, s, 1, c), rnd(blocks, s, 1, r))
+    tables = torch.randint(1, blocks, (3, w), generator=gen, dtype=torch.int32)[:b]
+    lens = torch.tensor([20, 7, 13][:b], dtype=torch.int32)
+    w_uk = (rnd(h, c, dn) / c ** 0.5).transpose(1, 2)  # [H, Dn, C]
+    return cache, tables, lens, rnd(b, h, dn), rnd(b, h, r), w_uk, rnd(h, dn, c) / c ** 0.5
+
+
+def _compiled(fn):
+    return torch.compile(fn, backend=InductorBackend({}), fullgraph=True, dynamic=False)
+
+
+@needs_kernel
+@pytest.mark.parametrize("b", [3, 1])
+def test_cpu_mla_reads_the_cache_in_place_and_compiled_equals_eager(b):
+    cache, tables, lens, q_nope, q_pe, w_uk, w_uv = _mla_case(b, torch.Generator().manual_seed(9))
+    backend = CpuMLA()
+
+    def step(q_nope, q_pe, kv_c, k_pe, tables, lens):
+        return backend.decode(q_nope, q_pe, MLACache(kv_c, k_pe), DecodeMetadata(tables, lens), w_uk, w_uv, 0.2)
+
+    args = (q_nope, q_pe, *cache, tables, lens)
+    eager = step(*args)
+    graph, code = run_and_get_code(_compiled(step), *args)
+    code = "".join(code)
+    assert code.count("ascend_graph.paged_rows_mm.default(") == 2  # latent and rope scores
+    assert code.count("ascend_graph.paged_rows_bmm.default(") == 1  # the values
+    torch.testing.assert_close(graph, eager, atol=2e-2, rtol=2e-2)  # Inductor fuses the softmax: bf16 roundings
+    exact = torch.cat([naive_mla(q_nope[i:i + 1], q_pe[i:i + 1], gather_sequence(cache.kv_c, tables[i], n).squeeze(1),
+                                 gather_sequence(cache.k_pe, tables[i], n).squeeze(1), w_uk, w_uv, 0.2)
+                       for i, n in enumerate(lens.tolist())])
+    torch.testing.assert_close(eager.double(), exact, atol=3e-2, rtol=3e-2)
+    reference = ReferenceMLA().decode(q_nope, q_pe, cache, DecodeMetadata(tables, lens), w_uk, w_uv, 0.2)
+    torch.testing.assert_close(eager, reference, atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("hq, hk", [(8, 2), (4, 4)])
+def test_cpu_paged_compiled_equals_eager_and_the_oracle(hq, hk):
+    gen = torch.Generator().manual_seed(4)
+    blocks, s, w, d = 10, 4, 4, 32
+    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(torch.bfloat16)  # noqa: E731
+    cache = KVCache(rnd(blocks, s, hk, d), rnd(blocks, s, hk, d))
+    tables = torch.randint(1, blocks, (3, w), generator=gen, dtype=torch.int32)
+    lens = torch.tensor([16, 3, 9], dtype=torch.int32)
+    q = rnd(3, hq, d)
+    backend = CpuPaged()
+
+    def step(q, k, v, tables, lens):
+        return backend.decode(q, KVCache(k, v), DecodeMetadata(tables, lens), d ** -0.5)
+
+    eager = step(q, *cache, tables, lens)
+    graph, code = run_and_get_code(_compiled(step), q, *cache, tables, lens)
+    assert "".join(code).count("ascend_graph.paged_rows_mm.default(") == 1
+    torch.testing.assert_close(graph, eager, atol=2e-2, rtol=2e-2)  # Inductor fuses the softmax: bf16 roundings
+    exact = torch.cat([dense_attention(q[i:i + 1], gather_sequence(cache.k, tables[i], n),
+                                       gather_sequence(cache.v, tables[i], n), d ** -0.5)
+                       for i, n in enumerate(lens.tolist())])
+    torch.testing.assert_close(eager.double(), exact, atol=3e-2, rtol=3e-2)
+    reference = ReferencePaged().decode(q, cache, DecodeMetadata(tables, lens), d ** -0.5)
+    torch.testing.assert_close(eager, reference, atol=2e-2, rtol=2e-2)
