@@ -102,7 +102,8 @@ def settings(args: argparse.Namespace, engine: Engine) -> dict:
     """The graph and cache settings a run used."""
     return {"backend": args.backend, "capture_sizes": list(engine.runner.capture_sizes),
             "block_size": engine.block_size, "max_model_len": engine.max_model_len,
-            "max_num_seqs": engine.max_num_seqs, "num_blocks": engine.num_blocks}
+            "max_num_seqs": engine.max_num_seqs, "num_blocks": engine.num_blocks,
+            "backends": engine.runner.backends()}
 
 
 # -- parity bookkeeping ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ def _graph_mode(settings: dict) -> str:
 
 
 def model_lines(result: dict) -> list[str]:
-    """The model, the machine and the graph settings, in three lines."""
+    """The model, the graph settings, the backends and the machine."""
     m, s = result["model"], result["settings"]
     experts = f"{m['routed_experts']} routed experts" if m["routed_experts"] else "dense"
     q = f"q_lora_rank {m['q_lora_rank']}, " if m["q_lora_rank"] else ""
@@ -33,6 +33,11 @@ def model_lines(result: dict) -> list[str]:
              f"{m['kv_lora_rank']}, {experts}, {m['parameters'] / 1e6:.2f} M parameters, {m['dtype']}",
              f"{_graph_mode(s)}; cache {s['num_blocks']} blocks of {s['block_size']}; "
              f"max_num_seqs {s['max_num_seqs']}"]
+    b = s.get("backends")
+    if b:
+        rewrites = b["compiled_only_rewrites"]
+        lines.append(f"backends: attention {b.get('attention', '?')}, moe {b.get('moe', '?')} (eager and graph alike)"
+                     + "".join(f"\n  compiled-only rewrite: {r}" for r in rewrites))
     c = result.get("conditions")
     if c:
         lines.append(f"machine: {c['cpu']} ({c['cores']} cores; torch threads {c['torch_threads']}), "

@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import kernels  # noqa: F401  (registers ascend_graph::expert_rows_mm)
 
 if TYPE_CHECKING:  # the models package builds these layers from its config
     from ..models.deepseek_config import DeepseekConfig

@@ -172,6 +172,22 @@ class GraphRunner:
             return self._run_with_parity(step)
         return self.run_prepared(step, "graph")
 
+    def backends(self) -> dict:
+        """What computes a step: the model's attention and MoE backends (the same in eager and
+        graph steps) and the compiled-only rewrites of its graphs, which parity covers (none with
+        graph mode off or a caller's own compile backend)."""
+        named = getattr(self.model, "backends", None)
+        out = dict(named()) if callable(named) else {}
+        out["compiled_only_rewrites"] = []
+        if self.config.enabled and self._backend is None:
+            from ..compile import backend_name, detect_platform
+            from ..compile.inductor import compiled_only_rewrites
+
+            platform = detect_platform(self.device)
+            if backend_name(self.config, platform) == "inductor":
+                out["compiled_only_rewrites"] = compiled_only_rewrites(platform)
+        return out
+
     def run_prepared(self, step: "PreparedStep", mode: str) -> Tensor:
         """Run a prepared step as ``"graph"`` or ``"eager"``, uncounted (parity uses this)."""
         self._addresses.check()

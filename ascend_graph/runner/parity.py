@@ -81,6 +81,9 @@ class ParityReport:
     # tokens beyond tolerance that eager with one router's near-tie swapped reproduced (module doc):
     # {"token", "router", "experts": [eager's, graph's], "margin"}
     routing_flips: list = field(default_factory=list)
+    # ``GraphRunner.backends()``: the attention and MoE backends both modes ran, and the graph's
+    # compiled-only rewrites (what the comparison covers beyond the shared algorithm)
+    backends: dict = field(default_factory=dict)
 
     def summary(self) -> str:
         """One line for logs."""
@@ -93,7 +96,8 @@ class ParityReport:
     def to_dict(self) -> dict:
         """A JSON-safe copy (without the logits tensor)."""
         return {"ok": self.ok, "batch_size": self.batch_size, "logits": self.logits,
-                "caches": self.caches, "untouched_ok": self.untouched_ok, "routing_flips": self.routing_flips}
+                "caches": self.caches, "untouched_ok": self.untouched_ok, "routing_flips": self.routing_flips,
+                "backends": self.backends}
 
 
 def compare_step(runner: "GraphRunner", seqs: Sequence["SequenceStep"], **kwargs) -> ParityReport:
@@ -145,7 +149,8 @@ def compare_prepared(runner: "GraphRunner", step: "PreparedStep", *, atol: Optio
     untouched_ok = None if full is None else _untouched(caches, full, written)
     return ParityReport(ok=ok and untouched_ok is not False, batch_size=len(step.order),
                         logits=_diff(graph_logits, eager_logits), caches=layer_diffs,
-                        untouched_ok=untouched_ok, graph_logits=graph_logits, routing_flips=flips)
+                        untouched_ok=untouched_ok, graph_logits=graph_logits, routing_flips=flips,
+                        backends=runner.backends())
 
 
 def _close_tokens(graph_logits: Tensor, graph_blocks: list, eager_logits: Tensor, eager_blocks: list,
