@@ -8,8 +8,6 @@ import statistics
 import time
 from typing import Callable
 
-import torch
-
 from ascend_graph.runtime import machine
 
 

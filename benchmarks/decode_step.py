@@ -4,6 +4,9 @@ Both modes run through the same runner on the same caches (``execute(mode="graph
 interleaved, after the graphs were captured. Host preparation (metadata, padding, copies into
 the static buffers) is part of each step, as in serving.
 
+``compare`` is what the suite's ``decode_small`` and ``decode_v2`` parts run; the command line runs
+``measure`` alone (the CUDA checks, ``.ci/cuda_check``, use it with ``--device cuda``).
+
     TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.decode_step --model small --json out.json
 """
 
@@ -13,6 +16,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 if __package__ in (None, ""):
@@ -24,7 +28,8 @@ from ascend_graph.engine.block_manager import BlockManager  # noqa: E402
 from ascend_graph.config import GraphConfig  # noqa: E402
 from benchmarks.common import conditions, interleaved_samples, write_json  # noqa: E402
 from benchmarks.compute import StepMatmuls  # noqa: E402
-from benchmarks.models import ModelCase, build, cases, decode_batch, make_runner  # noqa: E402
+from benchmarks.models import HFDecoder, ModelCase, build, cases, decode_batch, make_runner  # noqa: E402
+from benchmarks.roofline import CopyProbe, ReadProbe, step_bytes  # noqa: E402
 
 
 # What a user would run instead of this project (``extra`` variants compared with the graph step,
@@ -110,7 +115,6 @@ def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, ba
         row["round_ratios"] = {k: [a / g for a, g in zip(samples[k], samples["graph"])]
                                for k in ("eager", *ALTERNATIVES) if k in samples}
         if roofline:
-            from benchmarks.roofline import step_bytes
             row["bytes"] = step_bytes(runner.model, n, case.context, lambda: runner.execute(entries, mode="eager"))
         rows.append(row)
         print(f"  {case.name} batch {n:>3}: " + "  ".join(f"{k} {v * 1e3:8.2f} ms" for k, v in t.items())
@@ -119,6 +123,48 @@ def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, ba
             "device": str(dev),
             "capture": runner.stats.to_dict()["capture"], "rows": rows, "rounds": rounds,
             "calls_per_round": calls, **_one_row_products(dev, backend)}
+
+
+def compare(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: bool, frozen_sizes=(),
+           aot_sizes=()) -> dict:
+    """The suite's decode part: graph vs eager vs transformers for one model case, and for the
+    V2-Lite slice the copy and read probes and the step's matmuls alone in the same rounds; ``frozen_sizes`` also get a graph
+    compiled with Inductor's freezing (``inductor_freezing_min_batch``), and ``aot_sizes`` one
+    from AOTInductor packages (``aot_inductor``), each its own runner over the same weights,
+    timed in the same rounds."""
+    case = cases(quick)[case_name]
+    model = build(case)
+    hf = HFDecoder(case.config, case.dtype, case.context)
+    extra = {"transformers": lambda n: hf.step_fn(n) if n in hf_sizes else None}
+    frozen = None
+    if frozen_sizes:
+        frozen = RunnerVariant(model, case, tuple(frozen_sizes),
+                                           inductor_freezing_min_batch=min(frozen_sizes))
+        extra["graph_frozen"] = lambda n: frozen.step_fn(n) if n in frozen_sizes else None
+    packages = tempfile.TemporaryDirectory(prefix="ag-decode-aoti-") if aot_sizes else None
+    if packages is not None:
+        aot = RunnerVariant(model, case, tuple(aot_sizes), aot_inductor=True,
+                                        compile_cache_dir=packages.name)
+        extra["graph_aot"] = lambda n: aot.step_fn(n) if n in aot_sizes else None
+    probe = read = None
+    if case_name != "small":  # copy bandwidth timed in the same rounds as the steps it bounds
+        probe = CopyProbe()
+        extra["copy"] = lambda n: probe
+        read = ReadProbe()  # and one core's read ceiling, which bounds the batch-1 step
+        extra["read"] = lambda n: read if n == 1 else None
+    res = measure(case, sizes, rounds[0], rounds[1], model=model, extra=extra, roofline=probe is not None,
+                              matmul_floor=probe is not None)
+    if frozen is not None:
+        res["frozen"] = {"inductor_freezing_min_batch": min(frozen_sizes),
+                         "capture": frozen.runner.stats.to_dict()["capture"]}
+    if packages is not None:
+        packages.cleanup()
+    for row in res["rows"]:
+        if probe is not None:
+            row["copy_bytes_per_s"] = probe.bytes / row.pop("copy_s")
+        if "read_s" in row:
+            row["read_bytes_per_s"], row["read_how"] = read.bytes / row.pop("read_s"), read.how
+    return res
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -23,21 +23,34 @@ context:
 
     TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.levers --batches 1 --context 2048 \
         --names default "attention over gathered KV"
+
+``--toy`` runs the first lever study instead, not part of the suite: stock Inductor's option sets
+(``OPTION_SETS``: the Python wrapper, ``cpp_wrapper``, ``freezing`` under ``torch.no_grad``, both)
+on a small decode-like step (``ToyStep``: per layer a QKV projection, the in-place cache write,
+paged decode attention over a static tuple cache, an output projection; a small LM head), each
+checked against eager first, timed round robin; written to ``benchmarks/results/inductor_options.json``.
+
+    TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.levers --toy [--toy-dims hidden=64,vocab=128]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
+import time
 from dataclasses import replace
 from typing import NamedTuple
 
 import torch
+from torch import nn
 
+from ascend_graph.attention import DecodeMetadata, paged_decode
 from ascend_graph.compile.inductor import InductorBackend, DecodeMatmulPass, config_patches
 from ascend_graph.engine.block_manager import BlockManager
 from ascend_graph.config import GraphConfig
-from benchmarks.common import interleaved_medians, set_malloc_keeps_freed_memory
+from ascend_graph.kv_cache import KVCache, KVCacheSpec, allocate_kv_caches, write_slots
+from benchmarks.common import conditions, interleaved_medians, set_malloc_keeps_freed_memory, write_json
 from benchmarks.models import (build, cases, decode_batch, make_runner, with_one_token_experts,
                                with_row_major_long_rows)
 
@@ -134,16 +147,106 @@ def measure(batches=(1, 8), rounds: int = 5, quick: bool = False, names=None, co
             "one_row_products": "kernel" if one_row_in_kernel() else "reductions", "rows": rows}
 
 
+OPTION_SETS = {"eager": None, "default": {}, "cpp_wrapper": {"cpp_wrapper": True}, "freezing": {"freezing": True},
+               "cpp_wrapper+freezing": {"cpp_wrapper": True, "freezing": True}}
+TOY_DIMS = {"layers": 2, "hidden": 256, "heads": 4, "head_dim": 32, "vocab": 1024, "context": 64, "block_size": 16}
+
+
+class ToyStep(nn.Module):
+    """A few small linears, the cache write, paged attention, an LM head and a softmax."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, head_dim: int, vocab: int, **_) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.qkv = nn.ModuleList(nn.Linear(hidden, 3 * heads * head_dim) for _ in range(layers))
+        self.out = nn.ModuleList(nn.Linear(heads * head_dim, hidden) for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, x, kv_caches: tuple[KVCache, ...], slot_mapping, decode: DecodeMetadata):
+        b = x.shape[0]
+        for qkv, out, cache in zip(self.qkv, self.out, kv_caches):
+            q, k, v = qkv(x).view(b, 3, self.heads, self.head_dim).unbind(1)  # [B, H, D] each
+            write_slots(cache.k, cache.v, k, v, slot_mapping)
+            x = x + out(paged_decode(q, cache, decode, self.head_dim ** -0.5).reshape(b, -1))
+        return self.head(x).softmax(-1)
+
+
+def _toy_inputs(batch: int, d: dict, seed: int) -> tuple:
+    """Hidden states, fresh static caches and decode metadata for ``batch`` rows of ``d["context"]`` tokens."""
+    gen, per_row = torch.Generator().manual_seed(seed), -(-d["context"] // d["block_size"])
+    caches = allocate_kv_caches([KVCacheSpec(d["heads"], d["head_dim"])] * d["layers"], 1 + batch * per_row,
+                                d["block_size"])
+    for cache in caches:
+        for t in cache:
+            t.normal_(generator=gen)
+            torch._dynamo.mark_static_address(t)
+    tables = torch.arange(1, 1 + batch * per_row, dtype=torch.int32).view(batch, per_row)
+    pos = d["context"] - 1
+    slots = tables[:, pos // d["block_size"]].long() * d["block_size"] + pos % d["block_size"]
+    decode = DecodeMetadata(tables, torch.full((batch,), d["context"], dtype=torch.int32))
+    return torch.randn(batch, d["hidden"], generator=gen), caches, slots, decode
+
+
+def _max_diff(model, fn, batch: int, d: dict) -> float:
+    """Largest difference of output and caches between eager and ``fn`` on the same inputs."""
+    ref, got = _toy_inputs(batch, d, batch), _toy_inputs(batch, d, batch)
+    diffs = [(model(*ref) - fn(*got)).abs().max().item()]
+    diffs += [(a - b).abs().max().item() for c_ref, c_got in zip(ref[1], got[1]) for a, b in zip(c_ref, c_got)]
+    return max(diffs)
+
+
+def toy_options(batches=(1, 4, 8), rounds: int = 15, calls: int = 100, dims: dict | None = None) -> dict:
+    """Microseconds per call of ``ToyStep`` under each of ``OPTION_SETS``, timed round robin."""
+    d = {**TOY_DIMS, **(dims or {})}
+    torch._dynamo.config.cache_size_limit = 256
+    model = ToyStep(**d).eval()
+    res = {"conditions": {**conditions(), **d, "rounds": rounds, "calls_per_round": calls},
+           "per_call_us": {}, "compile_s": {}, "max_abs_diff": {}}
+    with torch.no_grad():
+        for batch in batches:
+            fns = {}
+            for name, options in OPTION_SETS.items():
+                start = time.perf_counter()
+                fns[name] = model if options is None else torch.compile(
+                    model, backend="inductor", options=options or None, fullgraph=True, dynamic=False)
+                res["max_abs_diff"][f"{name}/b{batch}"] = _max_diff(model, fns[name], batch, d)
+                res["compile_s"][f"{name}/b{batch}"] = round(time.perf_counter() - start, 2)
+            inputs = _toy_inputs(batch, d, 0)
+            times = {name: [] for name in fns}
+            for _ in range(rounds):
+                for name, fn in fns.items():
+                    for _ in range(3):  # re-warm after the other variants ran
+                        fn(*inputs)
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        fn(*inputs)
+                    times[name].append((time.perf_counter() - start) / calls)
+            for name, ts in times.items():
+                res["per_call_us"][f"{name}/b{batch}"] = round(statistics.median(ts) * 1e6, 1)
+                print(f"  toy step batch {batch:3d} {name:22s} {res['per_call_us'][f'{name}/b{batch}']:9.1f} us/call",
+                      flush=True)
+    return res
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 8 (--toy: 1 4 8)")
     p.add_argument("--context", type=int, default=None)
     p.add_argument("--names", nargs="+", default=None, help="variants to run (default: all)")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--toy", action="store_true", help="stock Inductor options on a toy step (OPTION_SETS)")
+    p.add_argument("--toy-dims", default="", help="--toy: dims other than TOY_DIMS, e.g. hidden=64,vocab=128")
+    p.add_argument("--json", default=None, help="--toy: default benchmarks/results/inductor_options.json")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     set_malloc_keeps_freed_memory(True)
-    measure(tuple(args.batches), rounds=args.rounds, names=args.names, context=args.context)
+    if args.toy:
+        dims = {k: int(v) for k, v in (kv.split("=") for kv in args.toy_dims.split(",") if kv)}
+        res = toy_options(tuple(args.batches or (1, 4, 8)), dims=dims)
+        write_json(args.json or "benchmarks/results/inductor_options.json", res)
+        return
+    res = measure(tuple(args.batches or (1, 8)), rounds=args.rounds, names=args.names, context=args.context)
+    write_json(args.json, res)
 
 
 if __name__ == "__main__":

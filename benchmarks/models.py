@@ -4,13 +4,15 @@ The slice has V2-Lite's real dimensions (hidden 2048, 16 heads, kv_lora_rank 512
 v 128, 64 routed + 2 shared experts, top-6, moe_intermediate 1408, intermediate 10944, vocabulary
 102400) but only 2 layers: the first dense, the second MoE. bfloat16, seeded random weights.
 Also here: the same configuration as transformers builds it (what a user runs without this
-project), and the decode batches both are timed on.
+project, ``HFDecoder``), and the decode batches both are timed on.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
+from typing import Callable
 from dataclasses import dataclass
 
 import torch
@@ -151,3 +153,37 @@ def hf_model(config: DeepseekConfig, dtype: torch.dtype):
     model = model.to(dtype)
     weights_on_huge_pages(model)  # the same pages as ours: the comparison is about the code, not the allocator
     return model
+
+
+class HFDecoder:
+    """transformers' ``DeepseekV2ForCausalLM`` (``hf_model``) with one prefilled ``DynamicCache``
+    per batch size: one call decodes one token of ``batch`` rows after ``context - 1`` prefilled
+    tokens, logits of the last token only, and crops the cache back so every call decodes at the
+    same length."""
+
+    def __init__(self, config: DeepseekConfig, dtype: torch.dtype, context: int) -> None:
+        self.model, self.context = hf_model(config, dtype), context
+        self.vocab = config.vocab_size
+        # transformers 5.2x renamed ``past_key_values`` to ``cache`` (the old name warns, then goes)
+        params = inspect.signature(self.model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    def step_fn(self, batch: int) -> Callable[[], object]:
+        """Prefill ``batch`` rows of ``context - 1`` tokens; return a function that decodes one token."""
+        from transformers import DynamicCache
+
+        ids = (torch.arange(self.context - 1)[None, :] * 7 + torch.arange(batch)[:, None]) % self.vocab
+        cache = DynamicCache(config=self.model.config)
+        with torch.inference_mode():
+            self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self.cache_arg: cache})
+        nxt = torch.ones(batch, 1, dtype=torch.long)
+        pos = torch.full((batch, 1), self.context - 1, dtype=torch.long)
+
+        def step() -> torch.Tensor:
+            with torch.inference_mode():
+                out = self.model(input_ids=nxt, position_ids=pos, use_cache=True, logits_to_keep=1,
+                                 **{self.cache_arg: cache})
+            cache.crop(-1)  # drop the token just decoded
+            return out.logits
+
+        return step

@@ -11,10 +11,18 @@ second runner. Host preparation is ``execute`` minus the compiled call.
 ``host_metadata`` times the part of host preparation that grows with context:
 ``build_attention_metadata`` for a decode batch, with the block tables as ``BlockManager`` keeps
 them (int32 arrays, copied with a memcpy each) and as plain Python lists (converted id by id).
+
+``python -m benchmarks.overhead --profile`` is a tool, not a part of the suite: where a V2-Lite-slice
+graph (or eager) step's time goes, kernel by kernel. The step is compiled with Inductor's
+``cpp.enable_kernel_profile`` (every generated C++ kernel records itself to ``torch.profiler``)
+and profiled over a few calls; profiling adds overhead to small ops, so read the large kernels.
+
+    TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.overhead --profile --batch 1 [--frozen] [--eager]
 """
 
 from __future__ import annotations
 
+import argparse
 import tempfile
 from array import array
 from dataclasses import replace
@@ -24,10 +32,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from ascend_graph.attention import build_attention_metadata
 from ascend_graph.attention.metadata import INT32_TYPECODE
-from ascend_graph.compile.inductor import InductorBackend, config_patches
+from ascend_graph.compile.inductor import INLINE_CACHE_WRITES, InductorBackend, config_patches
 from ascend_graph.engine.block_manager import BlockManager
 from ascend_graph.config import GraphConfig
-from benchmarks.common import interleaved_medians
+from benchmarks.common import interleaved_medians, set_malloc_keeps_freed_memory
 from benchmarks.models import build, cases, decode_batch, make_runner
 
 
@@ -78,9 +86,9 @@ def host_metadata(shapes=((8, 256), (64, 256), (64, 4096), (64, 16384)), block_s
         lists = [list(t) for t in arrays]
         kw = dict(block_size=block_size, num_blocks=1 + batch * per, max_model_len=context, block_table_width=per)
 
-        def build(tables):
+        def metadata(tables):
             return lambda: build_attention_metadata(tables, [context - 1] * batch, [1] * batch, **kw)
-        t = interleaved_medians({"arrays": build(arrays), "lists": build(lists)}, rounds=15, calls_per_round=5)
+        t = interleaved_medians({"arrays": metadata(arrays), "lists": metadata(lists)}, rounds=15, calls_per_round=5)
         rows.append({"batch": batch, "context": context, "block_ids": batch * per,
                      "arrays_us": t["arrays"] * 1e6, "lists_us": t["lists"] * 1e6})
         print(f"  host metadata batch {batch}, context {context}: {t['arrays'] * 1e6:.0f} us (BlockManager arrays), "
@@ -104,3 +112,49 @@ def _self_us(fn, calls: int) -> dict:
         for _ in range(calls):
             fn()
     return {e.key: e.self_cpu_time_total / calls for e in prof.key_averages()}
+
+
+def profile_step(batch: int = 1, frozen: bool = False, eager: bool = False, steps: int = 3,
+                 rows: int = 20) -> None:
+    """Print the kernels and ops of a V2-Lite-slice step by self time per step (``eager``: the
+    eager runner's step, aten op by op; ``frozen``: with ``inductor_freezing_min_batch``)."""
+    case = cases(False)["v2_lite_slice"]
+    config = GraphConfig(enabled=True, backend="inductor", capture_sizes=(batch,), max_batch_size=batch,
+                         inductor_freezing_min_batch=batch if frozen else None)
+    backend = InductorBackend({**config_patches(config, "cpu"), "cpp.enable_kernel_profile": True},
+                              inline_writes=INLINE_CACHE_WRITES["cpu"])
+    runner = make_runner(build(case), config, (batch,), case.context, backend=backend)
+    mode = "eager" if eager else "graph"
+    if not eager:
+        runner.capture(show_progress=False)
+    entries = decode_batch(runner, BlockManager(runner.num_blocks, runner.block_size), batch, case.context)
+    for _ in range(3):
+        runner.execute(entries, mode=mode)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            runner.execute(entries, mode=mode)
+    top = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]
+    print(f"V2-Lite slice {mode} step, batch {batch}{', frozen' if frozen else ''}: self time per step")
+    for e in top:
+        print(f"  {e.self_cpu_time_total / steps / 1e3:9.3f} ms  {e.count // steps:4d} calls  {e.key[:110]}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--profile", action="store_true", help="profile a V2-Lite-slice step kernel by kernel")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--frozen", action="store_true", help="with inductor_freezing_min_batch (CPU)")
+    p.add_argument("--eager", action="store_true", help="profile the eager runner's step instead")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rows", type=int, default=20, help="table rows")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    set_malloc_keeps_freed_memory(True)
+    if args.profile:
+        profile_step(args.batch, args.frozen, args.eager, args.steps, args.rows)
+    else:
+        print(measure())
+
+
+if __name__ == "__main__":
+    main()

@@ -48,9 +48,8 @@ class ReadProbe:
     """One pass over ``mib`` MiB of float32, bytes read only: the most a read-only stream gets on
     one core. A hand-written loop (``peak.c``'s ``read_f32``: four AVX-512 or eight AVX2 vector
     sums, nothing stored) over memory on 2 MiB pages, as the weights lie; where that does not build,
-    torch's ``sum`` over ordinary memory (``self.how`` says which). The loop reads faster than
-    ``sum``: on the suite's Zen 4 machine 23-32 GB/s over a day's runs (it moves with the machine's
-    load), where ``sum`` had given 19 GB/s; 18.5 GB/s on a Zen 3 (AVX2) machine."""
+    torch's ``sum`` over ordinary memory (``self.how`` says which); the loop reads faster than ``sum``
+    (``read_bandwidth`` in the suite's results)."""
 
     def __init__(self, mib: int = 256) -> None:
         from ascend_graph.runtime import huge_page_buffer
