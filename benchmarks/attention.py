@@ -20,7 +20,6 @@ N num_blocks, S block_size, T block-table token slots.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -33,7 +32,8 @@ import torch  # noqa: E402
 
 from ascend_graph.attention import DecodeMetadata, build_attention_metadata, mla_decode, paged_decode  # noqa: E402
 from ascend_graph.attention.mla import product_rows  # noqa: E402
-from ascend_graph.attention.paged import _gathered_decode  # noqa: E402
+from ascend_graph.attention.cpu import CpuMLA, CpuPaged  # noqa: E402
+from ascend_graph.attention.reference import ReferenceMLA  # noqa: E402
 from ascend_graph.attention.paging import by_rows, gather_rows, masked_softmax, valid_slots  # noqa: E402
 from ascend_graph.kv_cache import KVCache, MLACacheSpec, allocate_kv_caches, write_slots  # noqa: E402
 from benchmarks.common import conditions as machine_conditions  # noqa: E402
@@ -43,9 +43,22 @@ from benchmarks.roofline import CopyProbe  # noqa: E402
 LLC_FLUSH_BYTES = 128 << 20  # read before a call: four times this machine's 32 MiB last-level cache
 
 def tuple_step(q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale):
-    """This project's step: in-place write, attention over the two cache tensors separately."""
+    """This project's step: in-place write, attention over the two cache tensors separately, by
+    the backend a model chooses for the cache (the CPU kernel reading the blocks in place where
+    it runs, else the reference over gathered rows)."""
+    in_place = CpuMLA.supports(cache.kv_c.device, cache.kv_c.dtype)
+    backend = _BACKENDS["in_place" if in_place else "gathered"]
+    backend.write(cache, kv_c, k_pe, meta.slot_mapping)
+    return backend.decode(q_nope, q_pe, cache, meta.decode, w_uk, w_uv, scale)
+
+
+def gathered_step(q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale):
+    """The same step through the reference backend: the products over gathered cache rows."""
     write_slots(cache.kv_c, cache.k_pe, kv_c, k_pe, meta.slot_mapping)
     return mla_decode(q_nope, q_pe, cache, meta.decode, w_uk, w_uv, scale)
+
+
+_BACKENDS = {"in_place": CpuMLA(), "gathered": ReferenceMLA()}
 
 
 def fused_step(q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale):
@@ -90,19 +103,13 @@ def make_inputs(args: argparse.Namespace, num_blocks: int) -> tuple:
             (args.qk_nope + r) ** -0.5)
 
 
-def compiled(fn: Callable, paged: bool = True) -> Callable:
+def compiled(fn: Callable) -> Callable:
     """``fn`` compiled as the runner compiles a CPU decode step: the project's Inductor backend
-    (C++ wrapper, the decode-matmul pass with its kernels, the generated cache write); ``paged``
-    False: the pass's kernel multiplies a gathered copy of the cache rows instead of reading them
-    in place (at batch 1, aten's ``mm`` does)."""
-    from ascend_graph.compile.inductor import DecodeMatmulPass, make_backend
+    (C++ wrapper, the decode-matmul pass with its kernels, the generated cache write)."""
+    from ascend_graph.compile.inductor import make_backend
     from ascend_graph.config import GraphConfig
 
     backend = make_backend("inductor", GraphConfig(enabled=True, backend="inductor"), "cpu", None)
-    if not paged:
-        backend = dataclasses.replace(backend, config_patches={**backend.config_patches,
-                                                               "post_grad_custom_post_pass": DecodeMatmulPass(
-                                                                   paged_attention=False)})
     return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
 
 
@@ -113,7 +120,7 @@ def variants(compile_too: bool, gathered: bool = False) -> list[tuple[str, str, 
     if compile_too:
         rows += [(step, "compiled", compiled(fn)) for step, _, fn in rows]
         if gathered:
-            rows.append(("tuple, over gathered KV", "compiled", compiled(tuple_step, paged=False)))
+            rows.append(("tuple, over gathered KV", "compiled", compiled(gathered_step)))
     return rows
 
 
@@ -194,7 +201,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-compile", action="store_true", help="eager rows only")
     p.add_argument("--gathered", action="store_true",
                    help="also the compiled tuple step with the kernel over a gathered copy of the cache rows "
-                        "(DecodeMatmulPass(paged_attention=False)), as before the paged forms")
+                        "(the reference attention backend), as before the paged forms")
     p.add_argument("--no-huge-pages", action="store_true",
                    help="caches on 4 KiB pages (default: huge pages, as the GraphRunner allocates them on CPU)")
     p.add_argument("--json", help="write conditions and results here")
@@ -278,14 +285,14 @@ def measure(batch: int = 32, context: int = 2048, num_blocks=(256, 32768), reps:
 
 def batch_one(context: int = 16384, reps: int = 9, dtype: str = "bfloat16") -> dict:
     """One sequence at a long context: the compiled step reading the cache blocks in place against
-    the same step over a gathered copy of its rows (``DecodeMatmulPass(paged_attention=False)``:
+    the same step over a gathered copy of its rows (``gathered_step``, the reference backend:
     at batch 1 aten's ``mm`` of the copy, as before the paged forms took batch 1), timed
     interleaved over the same inputs; and whether the two outputs are equal."""
     args = parse_args(["--batch", "1", "--context", str(context), "--dtype", dtype, "--threads", "0"])
     num_blocks = blocks_needed(args) + 64  # the sequence's blocks, and some it does not name
     args.num_blocks = [num_blocks]
     inputs = make_inputs(args, num_blocks)
-    fns = {"in_place": compiled(tuple_step), "gathered": compiled(tuple_step, paged=False)}
+    fns = {"in_place": compiled(tuple_step), "gathered": compiled(gathered_step)}
     outs = {name: fn(*inputs) for name, fn in fns.items()}  # compiles each
     t = interleaved_medians({name: (lambda f: lambda: f(*inputs))(fn) for name, fn in fns.items()}, rounds=reps,
                             calls_per_round=1, warmup=2)
@@ -313,8 +320,8 @@ def gqa_decode(batch: int = 8, context: int = 1024, heads: int = 32, kv_heads: i
                block_size: int = 16, reps: int = 7, dtype: str = "bfloat16") -> dict:
     """Standard attention's decode (``paged_decode`` over a ``(k, v)`` tuple cache, Llama-3-8B's
     heads) eager and compiled, against its two earlier forms: over gathered rows heads first
-    (``paged._gathered_decode``, its second form and still where the kernel does
-    not take the products) and before that over the gathered ``[B, T, Hk, D]`` rows
+    (``paged.paged_decode``, the reference backend: its second form and still where the kernel
+    does not take the products) and before that over the gathered ``[B, T, Hk, D]`` rows
     (``_former_gqa_decode``); all six timed interleaved over the same inputs; each output's
     largest difference from a float64 oracle."""
     gen = torch.Generator().manual_seed(0)
@@ -327,7 +334,8 @@ def gqa_decode(batch: int = 8, context: int = 1024, heads: int = 32, kv_heads: i
     q = torch.randn(batch, heads, head_dim, generator=gen).to(kc.dtype)
     inputs = (q, KVCache(kc, vc), DecodeMetadata(tables, lens), head_dim ** -0.5)
     exact = _former_gqa_decode(q.double(), KVCache(kc.double(), vc.double()), inputs[2], inputs[3])
-    fns = {"eager": paged_decode, "gathered_eager": _gathered_decode, "former_eager": _former_gqa_decode}
+    chosen = CpuPaged().decode if CpuPaged.supports(kc.device, kc.dtype) else paged_decode  # a model's choice
+    fns = {"eager": chosen, "gathered_eager": paged_decode, "former_eager": _former_gqa_decode}
     fns.update({name.replace("eager", "compiled"): compiled(fn) for name, fn in list(fns.items())})
     errors = {name: (fn(*inputs).double() - exact).abs().max().item() for name, fn in fns.items()}
     t = interleaved_medians({name: (lambda f: lambda: f(*inputs))(fn) for name, fn in fns.items()}, rounds=reps,

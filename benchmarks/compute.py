@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ascend_graph.attention import paging
-from ascend_graph.moe.layer import RoutedExperts
+from ascend_graph.moe import RoutedExperts
 from benchmarks import peak
 from benchmarks.common import interleaved_medians
 from benchmarks.models import v2_lite_slice

@@ -51,7 +51,7 @@ from ascend_graph.engine.block_manager import BlockManager
 from ascend_graph.config import GraphConfig
 from ascend_graph.kv_cache import KVCache, KVCacheSpec, allocate_kv_caches, write_slots
 from benchmarks.common import conditions, interleaved_medians, set_malloc_keeps_freed_memory, write_json
-from benchmarks.models import (build, cases, decode_batch, make_runner, with_one_token_experts,
+from benchmarks.models import (build, cases, decode_batch, make_runner, with_backends,
                                with_row_major_long_rows)
 
 ROW_MAJOR = "row-major long rows"
@@ -59,15 +59,15 @@ AOT = "AOTInductor package"
 OP_WRITE = "cache write as the op's call"
 FEW_ROWS = "few-row matmuls in aten"
 BATCHED = "attention products in aten"
-GATHERED = "attention over gathered KV"
+GATHERED = "attention over gathered KV"  # the reference attention backend
+MOE_GATHERED = "MoE experts gathered"  # the gathered MoE backend (one token: a fused reduction)
 NO_PASS = "without decode-matmul pass"
 ONE_ROW = {True: "one-row products in the kernel", False: "one-row products as reductions"}
 
 
 def one_row_in_kernel() -> bool:
-    """The default here: one-row bf16 products as ``rows_mm`` and one token's experts as
-    ``expert_rows_mm`` (True), or both as generated reductions; the levers measure the other
-    choice (``ONE_ROW``)."""
+    """The default here: the compiled step's one-row bf16 products as ``rows_mm`` (True), or as
+    generated reductions; the levers measure the other choice (``ONE_ROW``)."""
     return DecodeMatmulPass().one_row_kernel
 
 
@@ -77,7 +77,7 @@ class Variant(NamedTuple):
     config: GraphConfig
     patches: dict
     row_major: bool = False  # on ``with_row_major_long_rows(model)``
-    other_one_row: bool = False  # on ``with_one_token_experts(model, not one_row_in_kernel())``
+    backends: tuple = ()  # (attention, moe) names: on ``with_backends(model, *backends)``
     mode: str = "graph"
     inline_writes: bool = True  # the cache write generated (the default on CPU), or the op called
 
@@ -90,13 +90,13 @@ def variants(config: GraphConfig, package_dir: str) -> dict[str, Variant]:
     no_split = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(split_long_reductions=False)}
     few_rows_aten = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(few_rows_kernel=False)}
     batched_aten = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(batched_rows_kernel=False)}
-    gathered = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(paged_attention=False)}
     one_row = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(one_row_kernel=not one_row_in_kernel())}
     return {"default": Variant(config, default), NO_PASS: Variant(config, no_pass),
             "without long-reduction split": Variant(config, no_split),
             FEW_ROWS: Variant(config, few_rows_aten), BATCHED: Variant(config, batched_aten),
-            GATHERED: Variant(config, gathered),
-            ONE_ROW[not one_row_in_kernel()]: Variant(config, one_row, other_one_row=True),
+            GATHERED: Variant(config, default, backends=("reference", None)),
+            MOE_GATHERED: Variant(config, default, backends=(None, "gathered")),
+            ONE_ROW[not one_row_in_kernel()]: Variant(config, one_row),
             "without C++ wrapper": Variant(config, {**default, "cpp_wrapper": False}),
             OP_WRITE: Variant(config, default, inline_writes=False),
             ROW_MAJOR: Variant(config, default, row_major=True), "with freezing": Variant(frozen, default),
@@ -124,7 +124,8 @@ def measure(batches=(1, 8), rounds: int = 5, quick: bool = False, names=None, co
         case = replace(case, context=context)
     model, rows = build(case), []
     row_major = with_row_major_long_rows(model)
-    other_one_row = with_one_token_experts(model, not one_row_in_kernel())
+    copies = {v.backends: with_backends(model, *v.backends)
+              for v in variants(GraphConfig(enabled=True, backend="inductor"), "unused").values() if v.backends}
     for n in batches:
         config = GraphConfig(enabled=True, backend="inductor", capture_sizes=(n,), max_batch_size=n)
         fns, packages = {}, tempfile.TemporaryDirectory(prefix="ag-levers-aoti-")
@@ -133,7 +134,7 @@ def measure(batches=(1, 8), rounds: int = 5, quick: bool = False, names=None, co
                 continue
             # the AOTInductor variant compiles its own way
             backend = None if v.config.aot_inductor else InductorBackend(v.patches, inline_writes=v.inline_writes)
-            on = row_major if v.row_major else other_one_row if v.other_one_row else model
+            on = row_major if v.row_major else copies[v.backends] if v.backends else model
             runner = make_runner(on, v.config, (n,), case.context, backend=backend)
             if v.mode == "graph":
                 runner.capture(show_progress=False)

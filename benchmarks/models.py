@@ -21,7 +21,6 @@ from ascend_graph.engine.block_manager import BlockManager
 from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
 from ascend_graph.models.deepseek_config import RopeScaling
 from ascend_graph.layers import ChunkedLinear
-from ascend_graph.moe.layer import RoutedExperts
 from ascend_graph.runner import GraphRunner, SequenceStep
 from ascend_graph.runtime import on_huge_pages, weights_on_huge_pages
 
@@ -76,14 +75,11 @@ def sharing_copy(model: DeepseekForCausalLM) -> DeepseekForCausalLM:
     return copy.deepcopy(model, shared)
 
 
-def with_one_token_experts(model: DeepseekForCausalLM, in_kernel: bool) -> DeepseekForCausalLM:
-    """A copy of ``model`` sharing every tensor whose compiled MoE layers multiply one token's
-    experts in the kernel (``in_kernel``) or as the gathered reduction
-    (``RoutedExperts.one_token_kernel``), for measuring that choice."""
+def with_backends(model: DeepseekForCausalLM, attention: str | None = None, moe: str | None = None) -> DeepseekForCausalLM:
+    """A copy of ``model`` sharing every tensor whose layers run the named attention / MoE
+    backends (``select_backends``; None: the default here), for measuring that choice."""
     out = sharing_copy(model)
-    for module in out.modules():
-        if isinstance(module, RoutedExperts):
-            module.one_token_kernel = in_kernel
+    out.select_backends(attention=attention, moe=moe)
     return out
 
 

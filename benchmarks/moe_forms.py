@@ -25,7 +25,8 @@ from torch import Tensor, nn
 
 from ascend_graph.compile import resolve_backend
 from ascend_graph.config import GraphConfig
-from ascend_graph.moe.layer import RoutedExperts
+from ascend_graph import kernels
+from ascend_graph.moe import RoutedExperts, select_moe_backend
 from benchmarks.common import interleaved_medians
 from benchmarks.compute import onednn_linear, onednn_packs, pack_for_onednn
 from benchmarks.models import v2_lite_slice
@@ -71,13 +72,15 @@ def measure(tokens=(1, 8, 32), rounds: int = 5, calls: int = 2) -> dict:
         w = torch.rand(t, k, generator=gen)
         ex = torch.stack([torch.randperm(x_, generator=gen)[:k] for _ in range(t)])
         grouped_mm = functools.partial(experts.sorted_by_expert, kernel=False)
+        chosen = functools.partial(select_moe_backend("cpu", torch.bfloat16).decode, experts)  # a model's choice
         fns = {"eager gathered (before)": lambda: experts.gathered(x, w, ex),
                "eager sorted_by_expert, _grouped_mm (before)": lambda: grouped_mm(x, w, ex),
-               "eager sorted_by_expert (now)": lambda: experts.decode(x, w, ex)}
+               "eager sorted_by_expert (now)": lambda: chosen(x, w, ex)}
         for name, form in (("compiled gathered (before)", experts.gathered),
-                           ("compiled decode, _grouped_mm (before)", functools.partial(experts.decode, kernel=False)),
-                           ("compiled sorted_by_expert", experts.sorted_by_expert),
-                           ("compiled decode (now)", experts.decode)):
+                           ("compiled decode, _grouped_mm (before)", grouped_mm),
+                           ("compiled sorted_by_expert",
+                            functools.partial(experts.sorted_by_expert, kernel=kernels.available())),
+                           ("compiled decode (now)", chosen)):
             fns[name] = (lambda f: lambda: f(x, w, ex))(torch.compile(form, backend=backend, fullgraph=True,
                                                                       dynamic=False))
         if prepacked is not None:

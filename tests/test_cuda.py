@@ -135,10 +135,10 @@ def test_cuda_engine_greedy_tokens_equal_eager():
 def test_compiled_moe_reads_each_expert_once_without_gathering_their_weights():
     """One V2-Lite MoE layer's routed experts (64 of 17.3 MB, 6 per token) at 64 tokens, compiled:
     the same sum as the eager form, and no temporary near the 6.6 GB of gathered weights that
-    the gathered forms would need (``grouped_mm_on_gpu``: ``torch._grouped_mm``)."""
+    the gathered forms would need (the ``grouped_mm`` MoE backend: ``torch._grouped_mm``)."""
     from benchmarks.models import v2_lite_slice
 
-    from ascend_graph.moe.layer import RoutedExperts, grouped_mm_on_gpu
+    from ascend_graph.moe import RoutedExperts, select_moe_backend
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     experts = RoutedExperts(v2_lite_slice(), torch.bfloat16, DEVICE)
@@ -148,8 +148,10 @@ def test_compiled_moe_reads_each_expert_once_without_gathering_their_weights():
     x = torch.randn(64, 2048, device=DEVICE, generator=gen).to(torch.bfloat16)
     weights = torch.rand(64, 6, device=DEVICE, generator=gen)
     ids = torch.rand(64, 64, device=DEVICE, generator=gen).argsort(dim=1)[:, :6]
-    assert grouped_mm_on_gpu(x), torch.cuda.get_device_capability()
-    compiled = torch.compile(experts.decode, backend="inductor", fullgraph=True, dynamic=False)
+    backend = select_moe_backend(x.device, torch.bfloat16)
+    assert backend.name == "grouped_mm", torch.cuda.get_device_capability()
+    decode = lambda x, w, ids: backend.decode(experts, x, w, ids)  # noqa: E731
+    compiled = torch.compile(decode, backend="inductor", fullgraph=True, dynamic=False)
     with torch.no_grad():
         compiled(x, weights, ids)  # compile
         torch.cuda.synchronize()

@@ -25,26 +25,25 @@ def test_the_suite_plans_name_only_existing_levers(quick):
         assert levers.NO_PASS in names and "default" in names
 
 
-def test_the_other_one_row_choice_also_flips_one_tokens_experts_on_a_copy_sharing_the_weights():
-    """The ``ONE_ROW`` lever times the other choice for the pass's one-row products and for the
-    MoE's one-token form together, the latter on a copy of the model whose tensors are the
-    model's own (no second set of weights), leaving the model itself on the build's default."""
+def test_backend_levers_run_on_a_copy_sharing_the_weights():
+    """The ``GATHERED`` and ``MOE_GATHERED`` levers time other attention / MoE backends on a copy
+    of the model whose tensors are the model's own (no second set of weights), leaving the model
+    itself on the default here; ``ONE_ROW`` flips the pass's one-row choice."""
     import torch
 
     from ascend_graph.config import GraphConfig
     from ascend_graph import kernels
     from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
-    from ascend_graph.moe.layer import RoutedExperts
-    from benchmarks.models import with_one_token_experts
+    from benchmarks.models import with_backends
 
     other = not levers.one_row_in_kernel()
-    variant = levers.variants(GraphConfig(enabled=True, backend="inductor"), "unused")[levers.ONE_ROW[other]]
-    assert variant.other_one_row
-    assert variant.patches["post_grad_custom_post_pass"].one_row_kernel == (other and kernels.available())
+    chosen = levers.variants(GraphConfig(enabled=True, backend="inductor"), "unused")
+    assert chosen[levers.ONE_ROW[other]].patches["post_grad_custom_post_pass"].one_row_kernel == (
+        other and kernels.available())
+    assert chosen[levers.GATHERED].backends == ("reference", None)
+    assert chosen[levers.MOE_GATHERED].backends == (None, "gathered")
     model = DeepseekForCausalLM(DeepseekConfig.small(), dtype=torch.float32, seed=0)
-    copy = with_one_token_experts(model, other)
-    experts = [m for m in copy.modules() if isinstance(m, RoutedExperts)]
-    assert experts and all(m.one_token_kernel is other for m in experts)
-    assert all(m.one_token_kernel is None for m in model.modules() if isinstance(m, RoutedExperts))
+    copy = with_backends(model, *chosen[levers.MOE_GATHERED].backends)
+    assert copy.backends()["moe"] == "gathered" and model.backends()["moe"] == "grouped_mm"
     own = {p.data_ptr() for p in model.parameters()}
     assert {p.data_ptr() for p in copy.parameters()} == own

@@ -160,7 +160,7 @@ def test_a_group_swap_is_tried_only_where_the_groups_are_near_tied():
     they do, naming the last chosen group and the next."""
     from ascend_graph.runner import parity
     from ascend_graph.models import DeepseekConfig
-    from ascend_graph.moe.layer import Router
+    from ascend_graph.moe import Router
 
     router = Router(DeepseekConfig.small_v3())
     with torch.no_grad():

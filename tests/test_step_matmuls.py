@@ -11,7 +11,7 @@ import torch
 
 from ascend_graph.engine.block_manager import BlockManager
 from ascend_graph.config import GraphConfig
-from ascend_graph.moe.layer import RoutedExperts
+from ascend_graph.moe import RoutedExperts
 from benchmarks.compute import StepMatmuls, _MatmulRecorder, onednn_linear, onednn_packs, pack_for_onednn
 from benchmarks.models import decode_batch, make_runner
 from runner_helpers import small_model

@@ -196,7 +196,7 @@ def _flips_for(runner, step, bad: list[int], owners: dict[int, int], blocks_ok: 
 
 def _routers(model) -> list:
     """``(name, module)`` of the model's mixture-of-experts routers, in call order."""
-    from ..moe.layer import Router
+    from ..moe import Router
     return [(n, m) for n, m in model.named_modules() if isinstance(m, Router)]
 
 
