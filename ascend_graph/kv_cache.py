@@ -161,9 +161,8 @@ def allocate_kv_caches(
 
 # Registered through torch.library.Library rather than the custom_op decorator: the schema's
 # alias annotations (a!)/(b!) declare the mutation just the same (torch.compile keeps the op in
-# the graph and writes in place), and a call costs less: 10.4 us against 27.7 us per call for
-# 8 tokens under inference mode on this project's 2-core CPU, measured side by side in one
-# process. It runs once per layer per step, inside the graphs too.
+# the graph and writes in place), and a call costs less (docs/cpu-kernels.md). It runs once per
+# layer per step, inside the graphs too.
 _LIB = torch.library.Library("ascend_graph", "DEF")
 _LIB.define("write_slots(Tensor(a!) cache_a, Tensor(b!) cache_b, Tensor a, Tensor b, Tensor slot_mapping) -> ()")
 

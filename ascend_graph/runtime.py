@@ -57,11 +57,7 @@ def progress(done: int, total: int, label: str, width: int = 24) -> None:
 
 
 # A one-row matmul on CPU streams its weight at the memory's rate only while its input row stays
-# in L1 beside the weight stream. ``python -m benchmarks.peak`` measures it with a hand-written
-# AVX-512 kernel (float32 row, bf16 weights on huge pages, 1 thread); on this Zen 4 (32 KiB L1),
-# three runs: rows of 2048 read 28-29 GB/s, of 3648 25-26, of 7168 13, of 10944 12.5-12.7; a
-# 10944-long row read in 3 chunks of a chunk-major weight ([C, N, K/C], ``ChunkedLinear``)
-# 25-26 GB/s, in the same chunks of a row-major weight (a stride jump per chunk) 11.
+# in L1 beside the weight stream (``python -m benchmarks.peak``; docs/cpu-kernels.md).
 # Inductor also accumulates CPU reductions over more than 4096 elements through its
 # cascade-summation helper (torch/_inductor/codegen/cpp.py, need_use_acc_helper), whose
 # accumulator lives in memory. ``DecodeMatmulPass`` splits such reductions; models store such

@@ -57,7 +57,7 @@ _ATEN_BF16_EMULATED = _probe_aten_bf16_emulated()  # asked once, at import: a co
 def aten_bf16_emulated() -> bool:
     """Whether aten multiplies bfloat16 CPU tensors without oneDNN's bfloat16 path (which needs
     AVX-512 or AMX): ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` False or missing. There
-    its bfloat16 matmuls run a generic loop, some layouts at about 1 GFLOP/s."""
+    its bfloat16 matmuls run a generic loop, slow for some layouts (docs/cpu-kernels.md)."""
     return _ATEN_BF16_EMULATED
 
 

@@ -9,10 +9,9 @@ As in the Inductor backend, the cache write is generated code (``inductor.inline
 on the exported program), not a call of the custom op through AOTInductor's proxy executor.
 Also as there, a step of 2 or more rows calls the project's CPU kernel for its few-row matmuls
 (``ascend_graph::rows_mm``, ``ascend_graph::expert_rows_mm``, ``kernels/ops.py``) where
-it runs: the loading process builds it at first use with the system C compiler (about 2 s here),
-and the key below includes whether it runs, so a package is never loaded where it cannot.
-Without it a package's batch-8 V2-Lite-slice step took 97.6 ms against the Inductor backend's
-52.3 ms (the suite's `levers` table); with it, 53.1 against 55.9 ms (one `levers` run).
+it runs: the loading process builds it at first use with the system C compiler, and the key
+below includes whether it runs, so a package is never loaded where it cannot (figures:
+docs/cpu-kernels.md).
 
 The package holds code only. The weights stay the model's own tensors: at load they are handed
 to the package as user-managed constants, so nothing is copied and an in-place weight update is

@@ -34,12 +34,8 @@ if TYPE_CHECKING:  # pragma: no cover
 # half types by a few units in the last place of the stored values. rtol is relative to the largest
 # |value| of each row (a token's logits, a cached token's vector), not to each element: rounding
 # errors of a product scale with its terms, so a logit near zero errs as much as the row's
-# largest. Measured (ascend-graph parity --model small-v3 --dtype bfloat16, 32 steps, logits up to
-# 3.2): against a float64 run of the same weights and caches, graph logits erred by up to 0.049
-# (median 0.024) and eager's by up to 0.045 (median 0.030), leaving out 2 steps where both picked
-# other experts than float64 (a routing near-tie); graph and eager, erring apart, differed by up
-# to 0.064, which the former per-element rule (0.05 + 0.02 |value|) failed at 2 steps, on CPU
-# and on CUDA alike. The row rule allows 0.10-0.11 there.
+# largest: graph and eager each err from float64 and apart from each other by more than a
+# per-element rule allows (the measurement: docs/architecture.md, "Parity").
 DEFAULT_TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (5e-2, 2e-2), torch.float16: (1e-2, 1e-2)}
 
 
