@@ -49,7 +49,8 @@ def step_flops(batch: int, context: int) -> float:
 
 _aten = torch.ops.aten
 MATMUL_OPS = frozenset({_aten.linear.default, _aten.einsum.default, _aten.matmul.default, _aten.mm.default,
-                        _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten._grouped_mm.default})
+                        _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten._grouped_mm.default,
+                        torch.ops.ascend_graph.grouped_mm.default, torch.ops.ascend_graph.expert_rows_mm.default})
 
 
 class _MatmulRecorder(TorchDispatchMode):
@@ -70,8 +71,8 @@ class _MatmulRecorder(TorchDispatchMode):
 class StepMatmuls:
     """The matmuls of one eager decode step except the routed experts', replayed as aten runs them.
 
-    Recorded once from ``run_step`` (an eager step) with their arguments: the model's own weights
-    and that step's activations and gathered KV, each product as the model writes it and the
+    Recorded once from ``run_step`` (an eager step, its attention through the reference backend)
+    with their arguments: the model's own weights and that step's activations and gathered KV, each product as the model writes it and the
     compiled step sees it (MLA's cache products in bfloat16, not eager's float32 form on a CPU
     without native bfloat16 matmuls: ``attention.mla.product_rows``). Attention's projections
     and absorbed products, the dense MLP, the shared experts, the router and the LM head. Called,
@@ -87,8 +88,13 @@ class StepMatmuls:
         experts = {p.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, RoutedExperts)
                    for p in m.parameters()}
         recorder = _MatmulRecorder()
-        with recorder, mock.patch.object(paging, "aten_bf16_emulated", lambda: False):
-            run_step()
+        request = model._backend_names  # recorded through the reference attention: its aten products
+        model.select_backends("reference", request[1])
+        try:
+            with recorder, mock.patch.object(paging, "aten_bf16_emulated", lambda: False):
+                run_step()
+        finally:
+            model.select_backends(*request)
 
         def reads_experts(call: tuple) -> bool:
             return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in experts
