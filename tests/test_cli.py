@@ -11,8 +11,7 @@ import json
 import pytest
 import torch
 
-from ascend_graph import commands
-from ascend_graph.cli import main
+from ascend_graph.cli import commands, main
 
 QUICK = ["--backend", "aot_eager", "--capture-sizes", "1,2", "--max-model-len", "64", "--no-progress", "--json"]
 
