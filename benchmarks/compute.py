@@ -5,7 +5,7 @@ A decode step of B rows multiplies every dense weight by B rows and each routed 
 by the rows that chose it (B * K row-expert pairs in all); absorbed MLA adds per row and layer
 ``2 H (Dn C + T (C + R) + T C + C Dv)``. The rate is the median of a ``[B, 2048] x [2048, 10944]``
 bfloat16 matmul (the dense MLP's shape) timed interleaved with the copy probe, with aten's
-weights, with weights pre-packed for oneDNN (what ``inductor_freezing_min_batch`` compiles to),
+weights, with weights pre-packed for oneDNN (what ``inductor.freezing_min_batch`` compiles to),
 and, at the batches where the compiled step runs it, with the project's kernel (``rows_mm``).
 Above every matmul rate: the core's peak multiply-add rate (``benchmarks/peak.py``).
 
@@ -141,7 +141,7 @@ class StepMatmuls:
 
     def packed(self):
         """The replay with every bias-free ``linear`` on a weight pre-packed for oneDNN, as Inductor's
-        freezing packs it (``inductor_freezing_min_batch``); None where this torch has no oneDNN
+        freezing packs it (``inductor.freezing_min_batch``); None where this torch has no oneDNN
         linear for these weights (no oneDNN, or bfloat16 weights on a CPU without AVX-512 or
         AVX-NE-CONVERT). The packed copies live as long as the returned function."""
         calls = []

@@ -25,7 +25,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from ascend_graph.engine.block_manager import BlockManager  # noqa: E402
-from ascend_graph.config import GraphConfig  # noqa: E402
+from ascend_graph.config import GraphConfig, InductorOptions  # noqa: E402
 from benchmarks.common import conditions, interleaved_samples, write_json  # noqa: E402
 from benchmarks.compute import StepMatmuls  # noqa: E402
 from benchmarks.models import HFDecoder, ModelCase, build, cases, decode_batch, make_runner  # noqa: E402
@@ -129,8 +129,8 @@ def compare(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: boo
            aot_sizes=()) -> dict:
     """The suite's decode part: graph vs eager vs transformers for one model case, and for the
     V2-Lite slice the copy and read probes and the step's matmuls alone in the same rounds; ``frozen_sizes`` also get a graph
-    compiled with Inductor's freezing (``inductor_freezing_min_batch``), and ``aot_sizes`` one
-    from AOTInductor packages (``aot_inductor``), each its own runner over the same weights,
+    compiled with Inductor's freezing (``inductor.freezing_min_batch``), and ``aot_sizes`` one
+    from AOTInductor packages (``inductor.aot``), each its own runner over the same weights,
     timed in the same rounds."""
     case = cases(quick)[case_name]
     model = build(case)
@@ -139,12 +139,12 @@ def compare(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: boo
     frozen = None
     if frozen_sizes:
         frozen = RunnerVariant(model, case, tuple(frozen_sizes),
-                                           inductor_freezing_min_batch=min(frozen_sizes))
+                               inductor=InductorOptions(freezing_min_batch=min(frozen_sizes)))
         extra["graph_frozen"] = lambda n: frozen.step_fn(n) if n in frozen_sizes else None
     packages = tempfile.TemporaryDirectory(prefix="ag-decode-aoti-") if aot_sizes else None
     if packages is not None:
-        aot = RunnerVariant(model, case, tuple(aot_sizes), aot_inductor=True,
-                                        compile_cache_dir=packages.name)
+        aot = RunnerVariant(model, case, tuple(aot_sizes), inductor=InductorOptions(aot=True),
+                            compile_cache_dir=packages.name)
         extra["graph_aot"] = lambda n: aot.step_fn(n) if n in aot_sizes else None
     probe = read = None
     if case_name != "small":  # copy bandwidth timed in the same rounds as the steps it bounds

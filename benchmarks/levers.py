@@ -9,11 +9,11 @@ those single-row matmuls and that token (``ONE_ROW``), without that pass, withou
 reductions, with the few-row
 matmuls left to aten, without the C++ wrapper, with the cache write called as the custom op (as before
 ``inline_cache_writes``), with the weights of long rows row-major instead of chunk-major (``ChunkedLinear``; in
-graph and in eager mode), and with Inductor's freezing (``GraphConfig.inductor_freezing_min_batch``: the weights
+graph and in eager mode), and with Inductor's freezing (``GraphConfig.inductor.freezing_min_batch``: the weights
 become graph constants, pre-packed for oneDNN). Freezing has to be on while dynamo traces, not only while Inductor compiles: passed as a
 compile option alone it finds no constant to fold (parameters are graph inputs) and changes
 nothing. Freezing's memory cost is measured in ``benchmarks/memory.py`` (fresh processes).
-``AOTInductor package``: ``GraphConfig.aot_inductor`` (torch.export + AOTInductor, compiled
+``AOTInductor package``: ``GraphConfig.inductor.aot`` (torch.export + AOTInductor, compiled
 into a temporary directory; the same Inductor options as the default). ``attention products in aten``: the pass without the kernel for MLA decode's batched
 attention products (``paged_rows_mm`` for the scores, ``paged_rows_bmm`` for the values).
 ``attention over gathered KV``: the kernel multiplies a gathered copy of the cache rows
@@ -86,7 +86,7 @@ def variants(config: GraphConfig, package_dir: str) -> dict[str, Variant]:
     """Name -> the lever's variant (``package_dir``: where the AOTInductor variant compiles to)."""
     default = config_patches(config, "cpu")
     no_pass = {k: v for k, v in default.items() if k != "post_grad_custom_post_pass"}
-    frozen = replace(config, inductor_freezing_min_batch=1)
+    frozen = replace(config, inductor=replace(config.inductor, freezing_min_batch=1))
     no_split = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(split_long_reductions=False)}
     few_rows_aten = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(few_rows_kernel=False)}
     batched_aten = {**default, "post_grad_custom_post_pass": DecodeMatmulPass(batched_rows_kernel=False)}
@@ -100,7 +100,8 @@ def variants(config: GraphConfig, package_dir: str) -> dict[str, Variant]:
             "without C++ wrapper": Variant(config, {**default, "cpp_wrapper": False}),
             OP_WRITE: Variant(config, default, inline_writes=False),
             ROW_MAJOR: Variant(config, default, row_major=True), "with freezing": Variant(frozen, default),
-            AOT: Variant(replace(config, aot_inductor=True, compile_cache_dir=package_dir), default),
+            AOT: Variant(replace(config, inductor=replace(config.inductor, aot=True), compile_cache_dir=package_dir),
+                         default),
             "eager": Variant(config, default, mode="eager"),
             f"eager, {ROW_MAJOR}": Variant(config, default, row_major=True, mode="eager")}
 
@@ -133,7 +134,7 @@ def measure(batches=(1, 8), rounds: int = 5, quick: bool = False, names=None, co
             if names is not None and name not in names:
                 continue
             # the AOTInductor variant compiles its own way
-            backend = None if v.config.aot_inductor else InductorBackend(v.patches, inline_writes=v.inline_writes)
+            backend = None if v.config.inductor.aot else InductorBackend(v.patches, inline_writes=v.inline_writes)
             on = row_major if v.row_major else copies[v.backends] if v.backends else model
             runner = make_runner(on, v.config, (n,), case.context, backend=backend)
             if v.mode == "graph":

@@ -4,8 +4,8 @@ per-step allocations at two cache capacities.
 Peak RSS is measured in fresh processes (``python -m benchmarks.memory --child graph|eager``),
 each building the model, allocating the runner's caches (once), prefilling the same prompts and
 decoding the same steps (``graph_frozen``: graph mode with sizes from 2 rows frozen,
-``GraphConfig.inductor_freezing_min_batch=2``; ``graph_aot``: graph mode from AOTInductor packages,
-``GraphConfig.aot_inductor``, compiled in that process into a temporary directory). The kernel's peak mark is reset after the model is built (its float32
+``GraphConfig.inductor.freezing_min_batch=2``; ``graph_aot``: graph mode from AOTInductor packages,
+``GraphConfig.inductor.aot``, compiled in that process into a temporary directory). The kernel's peak mark is reset after the model is built (its float32
 init temporaries would otherwise set the peak for both); ``VmHWM`` is read at the end. Per-step allocations are the bytes the
 CPU allocator hands out during one decode step (``torch.profiler`` memory events), graph and
 eager, with the cache at two capacities: they must not grow with the capacity.
@@ -26,7 +26,7 @@ import tempfile
 def child(mode: str, model_name: str, sizes: tuple[int, ...], steps: int, quick: bool) -> dict:
     """Run ``steps`` decode steps of each batch size in ``mode``; peak RSS and what it was before."""
     from ascend_graph.engine.block_manager import BlockManager
-    from ascend_graph.config import GraphConfig
+    from ascend_graph.config import GraphConfig, InductorOptions
     from benchmarks.models import build, cases, decode_batch, make_runner
 
     case = cases(quick)[model_name]
@@ -35,8 +35,9 @@ def child(mode: str, model_name: str, sizes: tuple[int, ...], steps: int, quick:
     rss_model = _reset_peak_rss()  # building the model (float32 temporaries) must not set the peak
     packages = tempfile.TemporaryDirectory(prefix="ag-memory-aoti-") if mode == "graph_aot" else None
     config = GraphConfig(enabled=mode != "eager", backend="inductor", capture_sizes=sizes, max_batch_size=max(sizes),
-                         inductor_freezing_min_batch=2 if mode == "graph_frozen" else None,
-                         aot_inductor=packages is not None, compile_cache_dir=packages and packages.name)
+                         inductor=InductorOptions(freezing_min_batch=2 if mode == "graph_frozen" else None,
+                                                  aot=packages is not None),
+                         compile_cache_dir=packages and packages.name)
     runner = make_runner(model, config, sizes, case.context)
     ptrs = [t.data_ptr() for c in runner.kv_caches for t in c]
     runner.capture(show_progress=False)

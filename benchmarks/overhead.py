@@ -4,7 +4,7 @@ The small model is overhead-bound. ``execute`` and the bare compiled call are ti
 rounds as two more: the compiled call of a second runner whose backend calls the cache write as
 the custom op (``ascend_graph::write_slots``, once per layer, into Python) instead of generating
 it (``inline_cache_writes``, the default on CPU), and the same step from an AOTInductor package
-(``GraphConfig.aot_inductor``: no dynamo guards). The compiled calls are profiled
+(``GraphConfig.inductor.aot``: no dynamo guards). The compiled calls are profiled
 (``torch.profiler``, 50 calls at batch 8): dynamo's guard check, and the op's own time in the
 second runner. Host preparation is ``execute`` minus the compiled call.
 
@@ -34,7 +34,7 @@ from ascend_graph.attention import build_attention_metadata
 from ascend_graph.attention.metadata import INT32_TYPECODE
 from ascend_graph.compile.inductor import INLINE_CACHE_WRITES, InductorBackend, config_patches
 from ascend_graph.engine.block_manager import BlockManager
-from ascend_graph.config import GraphConfig
+from ascend_graph.config import GraphConfig, InductorOptions
 from benchmarks.common import interleaved_medians, set_malloc_keeps_freed_memory
 from benchmarks.models import build, cases, decode_batch, make_runner
 
@@ -53,7 +53,7 @@ def measure(batch: int = 8, calls: int = 50) -> dict:
     call, op_call = _compiled_call(runner, batch), _compiled_call(op_runner, batch)
 
     with tempfile.TemporaryDirectory(prefix="ag-overhead-aoti-") as packages:
-        aot = make_runner(runner.model, replace(config, aot_inductor=True, compile_cache_dir=packages), (batch,),
+        aot = make_runner(runner.model, replace(config, inductor=replace(config.inductor, aot=True), compile_cache_dir=packages), (batch,),
                           case.context)
         aot.capture(show_progress=False)
         aot_entries = decode_batch(aot, BlockManager(aot.num_blocks, aot.block_size), batch, case.context)
@@ -117,10 +117,10 @@ def _self_us(fn, calls: int) -> dict:
 def profile_step(batch: int = 1, frozen: bool = False, eager: bool = False, steps: int = 3,
                  rows: int = 20) -> None:
     """Print the kernels and ops of a V2-Lite-slice step by self time per step (``eager``: the
-    eager runner's step, aten op by op; ``frozen``: with ``inductor_freezing_min_batch``)."""
+    eager runner's step, aten op by op; ``frozen``: with ``inductor.freezing_min_batch``)."""
     case = cases(False)["v2_lite_slice"]
     config = GraphConfig(enabled=True, backend="inductor", capture_sizes=(batch,), max_batch_size=batch,
-                         inductor_freezing_min_batch=batch if frozen else None)
+                         inductor=InductorOptions(freezing_min_batch=batch if frozen else None))
     backend = InductorBackend({**config_patches(config, "cpu"), "cpp.enable_kernel_profile": True},
                               inline_writes=INLINE_CACHE_WRITES["cpu"])
     runner = make_runner(build(case), config, (batch,), case.context, backend=backend)
@@ -143,7 +143,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--profile", action="store_true", help="profile a V2-Lite-slice step kernel by kernel")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--frozen", action="store_true", help="with inductor_freezing_min_batch (CPU)")
+    p.add_argument("--frozen", action="store_true", help="with inductor.freezing_min_batch (CPU)")
     p.add_argument("--eager", action="store_true", help="profile the eager runner's step instead")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rows", type=int, default=20, help="table rows")

@@ -11,7 +11,7 @@ Each child also counts the C++ compiler runs Inductor makes and their seconds: o
 portable artifacts hold the generated source, not the compiled kernels, so a run that loads
 them still rebuilds every kernel and the C++ wrapper with the compiler.
 
-``aot_cold`` / ``aot_warm``: the same with ``GraphConfig.aot_inductor`` (each size exported and
+``aot_cold`` / ``aot_warm``: the same with ``GraphConfig.inductor.aot`` (each size exported and
 compiled by AOTInductor into a package in the cache directory; warm, the packages are loaded).
 """
 
@@ -53,7 +53,7 @@ def child(args: argparse.Namespace) -> dict:
     cpp = count_cpp_compiles()
 
     from ascend_graph.compile.inductor import cache_dir_for_compile
-    from ascend_graph.config import GraphConfig
+    from ascend_graph.config import GraphConfig, InductorOptions
     from benchmarks.models import build, cases, make_runner
 
     t_import = time.perf_counter()
@@ -66,7 +66,7 @@ def child(args: argparse.Namespace) -> dict:
             torch.compiler.load_cache_artifacts(f.read())
     t_load = time.perf_counter()
     config = GraphConfig(enabled=True, backend="inductor", capture_sizes=sizes, max_batch_size=max(sizes),
-                         compile_cache_dir=args.cache_dir, aot_inductor=args.aot)
+                         compile_cache_dir=args.cache_dir, inductor=InductorOptions(aot=args.aot))
     runner = make_runner(model, config, sizes, case.context)
     runner.capture(show_progress=False)
     t_capture = time.perf_counter()
@@ -124,7 +124,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--save-artifacts", default=None)
     p.add_argument("--load-artifacts", default=None)
-    p.add_argument("--aot", action="store_true", help="GraphConfig.aot_inductor")
+    p.add_argument("--aot", action="store_true", help="GraphConfig.inductor.aot")
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args)))

@@ -1,4 +1,4 @@
-"""AOTInductor packages of the decode step (``GraphConfig.aot_inductor``, CPU).
+"""AOTInductor packages of the decode step (``GraphConfig.inductor.aot``, CPU).
 
 Oracle: the eager path of the same runner on the same caches (``compare_step``): logits, the
 written cache slots, and every block the step must not touch.
@@ -17,7 +17,7 @@ from runner_helpers import (BLOCK_SIZE, MAX_MODEL_LEN, Schedule, assert_graph_ou
                             small_model)
 
 from ascend_graph.compile.aot_inductor import PACKAGE_SUBDIR, inductor_options, package_key
-from ascend_graph.config import GraphConfig
+from ascend_graph.config import GraphConfig, InductorOptions
 from ascend_graph.runner.parity import compare_step
 from ascend_graph.runner import GraphRunner
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.xdist_group("aot_inductor")
 
 def aot_config(cache_dir, **kw) -> GraphConfig:
     base = dict(enabled=True, backend="inductor", capture_sizes=SIZES, max_batch_size=max(SIZES),
-                aot_inductor=True, compile_cache_dir=str(cache_dir))
+                inductor=InductorOptions(aot=True), compile_cache_dir=str(cache_dir))
     return GraphConfig(**{**base, **kw})
 
 
@@ -161,12 +161,12 @@ def test_a_different_cache_geometry_gets_a_different_package(tmp_path):
 
 
 def test_bad_aot_inductor_settings_are_refused_by_name(tmp_path):
-    with pytest.raises(ValueError, match="aot_inductor=True cannot be combined with inductor_freezing_min_batch"):
-        aot_config(tmp_path, inductor_freezing_min_batch=2)
-    with pytest.raises(TypeError, match="aot_inductor must be a bool"):
-        GraphConfig.from_dict({"aot_inductor": "yes"})
+    with pytest.raises(ValueError, match="inductor.aot=True cannot be combined with inductor.freezing_min_batch"):
+        aot_config(tmp_path, inductor=InductorOptions(aot=True, freezing_min_batch=2))
+    with pytest.raises(TypeError, match="inductor.aot must be a bool"):
+        GraphConfig.from_dict({"inductor": {"aot": "yes"}})
     model = small_model("llama")
-    with pytest.raises(ValueError, match="aot_inductor=True is for CPU runners; this one runs on meta"):
+    with pytest.raises(ValueError, match="inductor.aot=True is for CPU runners; this one runs on meta"):
         make_runner(model, aot_config(tmp_path), device="meta")
-    with pytest.raises(ValueError, match="aot_inductor=True compiles with Inductor.*backend='aot_eager'"):
+    with pytest.raises(ValueError, match="inductor.aot=True compiles with Inductor.*backend='aot_eager'"):
         make_runner(model, aot_config(tmp_path, backend="aot_eager"))

@@ -17,7 +17,8 @@ import torch
 from ascend_graph.compile import detect_platform, input_device, resolve_backend
 from ascend_graph.compile.inductor import InductorBackend
 from ascend_graph.compile.passes.decode_matmul import DecodeMatmulPass
-from ascend_graph.config import GraphConfig, TorchairOptions
+from ascend_graph.config import GraphConfig, InductorOptions, TorchairOptions
+from ascend_graph.integrations.vllm_ascend import graph_config
 
 
 # --- the registered backend ------------------------------------------------------------------
@@ -85,7 +86,7 @@ def test_cpu_auto_is_inductor_with_the_measured_cpp_wrapper_default_and_no_cudag
 
 
 def test_cpu_inductor_takes_configured_options_and_torch_compile_mode():
-    cfg = GraphConfig(backend="inductor", inductor_cpp_wrapper=False, compile_cache_dir="/tmp/ag-cache")
+    cfg = GraphConfig(backend="inductor", inductor=InductorOptions(cpp_wrapper=False), compile_cache_dir="/tmp/ag-cache")
     backend = resolve_backend(cfg, "cpu", mode="max-autotune")
     assert backend.config_patches["cpp_wrapper"] is False and backend.cache_dir == "/tmp/ag-cache"
     assert backend.config_patches["max_autotune"] is True
@@ -100,7 +101,7 @@ def test_cuda_auto_is_inductor_with_cuda_graphs():
 
 def test_cuda_cpp_wrapper_request_warns_that_it_skips_cuda_graphs():
     with pytest.warns(UserWarning, match="skips CUDA graphs"):
-        resolve_backend(GraphConfig(inductor_cpp_wrapper=True), "cuda")
+        resolve_backend(GraphConfig(inductor=InductorOptions(cpp_wrapper=True)), "cuda")
 
 
 @pytest.mark.parametrize("name", ["aot_eager", "eager"])
@@ -123,7 +124,7 @@ def test_torchair_backend_is_refused_off_npu():
 
 def test_inductor_compile_cache_goes_to_the_configured_dir_and_env_is_restored(tmp_path):
     before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    cfg = GraphConfig(inductor_cpp_wrapper=False, compile_cache_dir=str(tmp_path / "cache"))
+    cfg = GraphConfig(inductor=InductorOptions(cpp_wrapper=False), compile_cache_dir=str(tmp_path / "cache"))
     fn = lambda x: torch.sin(x) * 3 + 0.25  # noqa: E731
     x = torch.randn(7)
     compiled = torch.compile(fn, backend=resolve_backend(cfg, "cpu"), fullgraph=True)
@@ -197,7 +198,7 @@ def test_torchair_contract_options_are_handed_over_as_configured(fake_npu):
 
 
 def test_torchair_contract_vllm_ascend_section_reaches_the_compiler_config(fake_npu):
-    cfg = GraphConfig.from_dict({"torchair_graph_config": {
+    cfg = graph_config({"torchair_graph_config": {
         "enabled": True, "mode": "reduce-overhead", "enable_frozen_parameter": False}})
     resolve_backend(cfg, "npu")
     (config,) = fake_npu.calls["backend"]

@@ -1,14 +1,20 @@
-"""GraphConfig: defaults, capture sizes, validation, vllm-ascend's schema, environment override.
+"""GraphConfig: defaults, capture sizes, validation, old keys, vllm-ascend's schema, environment, CLI.
 
 Oracles: capture sizes written out by hand; the vllm-ascend dict is the example from their
-additional-config documentation (v0.11), with the mapping stated in ascend_graph/_vllm_ascend.py.
+additional-config documentation (v0.11), with the mapping stated in
+ascend_graph/integrations/vllm_ascend.py.
 """
 
+import dataclasses
 import json
 
 import pytest
 
-from ascend_graph.config import GraphConfig, TorchairOptions
+from ascend_graph.cli import build_parser
+from ascend_graph.cli.commands import graph_config as cli_graph_config
+from ascend_graph.config import GraphConfig, InductorOptions, TorchairOptions
+from ascend_graph.config_sources import from_env
+from ascend_graph.integrations.vllm_ascend import graph_config
 
 # vllm-ascend docs, "Additional Configuration" example (their Python literal, as JSON).
 VLLM_ASCEND_EXAMPLE = {
@@ -31,8 +37,16 @@ VLLM_ASCEND_EXAMPLE = {
 def test_defaults_are_eager_with_auto_backend():
     cfg = GraphConfig()
     assert (cfg.enabled, cfg.backend, cfg.max_batch_size, cfg.on_recompile) == (False, "auto", 64, "error")
-    assert cfg.fallback_on_compile_error and cfg.parity_interval == 0 and cfg.inductor_cpp_wrapper is None
-    assert cfg.torchair == TorchairOptions()
+    assert cfg.fallback_on_compile_error and cfg.parity_interval == 0 and cfg.compile_cache_dir is None
+    assert cfg.torchair == TorchairOptions() and cfg.inductor == InductorOptions()
+    assert (cfg.inductor.cpp_wrapper, cfg.inductor.freezing_min_batch, cfg.inductor.aot) == (None, None, False)
+
+
+def test_graph_config_has_ten_top_level_fields_with_backend_options_nested():
+    names = [f.name for f in dataclasses.fields(GraphConfig)]
+    assert names == ["enabled", "backend", "max_batch_size", "capture_sizes", "fallback_on_compile_error",
+                     "on_recompile", "compile_cache_dir", "parity_interval", "inductor", "torchair"]
+    assert [f.name for f in dataclasses.fields(InductorOptions)] == ["cpp_wrapper", "freezing_min_batch", "aot"]
 
 
 @pytest.mark.parametrize("max_batch_size, sizes", [
@@ -71,10 +85,10 @@ def test_config_is_frozen():
     ({"on_recompile": "ignore"}, ValueError, "on_recompile must be one of"),
     ({"parity_interval": -1}, ValueError, "parity_interval must be >= 0"),
     ({"enabled": "yes"}, TypeError, "enabled must be a bool"),
-    ({"inductor_cpp_wrapper": 2}, TypeError, "inductor_cpp_wrapper must be a bool"),
     ({"compile_cache_dir": ""}, TypeError, "compile_cache_dir must be a non-empty path"),
-    ({"inductor_freezing_min_batch": 0}, ValueError, "inductor_freezing_min_batch must be >= 1"),
-    ({"inductor_freezing_min_batch": 2.0}, TypeError, "inductor_freezing_min_batch must be an int"),
+    ({"compile_cache_dir": 3}, TypeError, "compile_cache_dir must be a non-empty path"),
+    ({"torchair": {"mode": "max-autotune"}}, TypeError, "torchair must be a TorchairOptions, got dict"),
+    ({"inductor": None}, TypeError, "inductor must be an InductorOptions, got NoneType"),
 ])
 def test_bad_values_are_rejected_naming_the_key(kwargs, error, words):
     with pytest.raises(error) as info:
@@ -82,9 +96,47 @@ def test_bad_values_are_rejected_naming_the_key(kwargs, error, words):
     assert words in str(info.value)
 
 
-def test_bad_torchair_mode_is_rejected_naming_the_key():
-    with pytest.raises(ValueError, match="torchair.mode must be one of"):
-        TorchairOptions(mode="fast")
+@pytest.mark.parametrize("options, kwargs, error, words", [
+    (TorchairOptions, {"mode": "fast"}, ValueError, "torchair.mode must be one of 'max-autotune', 'reduce-overhead'"),
+    (TorchairOptions, {"use_cached_graph": "no"}, TypeError, "torchair.use_cached_graph must be a bool"),
+    (InductorOptions, {"cpp_wrapper": 2}, TypeError, "inductor.cpp_wrapper must be a bool"),
+    (InductorOptions, {"freezing_min_batch": 0}, ValueError, "inductor.freezing_min_batch must be >= 1"),
+    (InductorOptions, {"freezing_min_batch": 2.0}, TypeError, "inductor.freezing_min_batch must be an int"),
+    (InductorOptions, {"aot": None}, TypeError, "inductor.aot must be a bool"),
+    (InductorOptions, {"aot": True, "freezing_min_batch": 2}, ValueError,
+     "inductor.aot=True cannot be combined with inductor.freezing_min_batch"),
+])
+def test_bad_backend_options_are_rejected_naming_the_dotted_key(options, kwargs, error, words):
+    with pytest.raises(error) as info:
+        options(**kwargs)
+    assert words in str(info.value)
+
+
+def test_bool_fields_take_0_and_1_and_paths_take_pathlike(tmp_path):
+    cfg = GraphConfig(enabled=1, compile_cache_dir=tmp_path, inductor=InductorOptions(cpp_wrapper=0))
+    assert cfg.enabled is True and cfg.inductor.cpp_wrapper is False
+    assert cfg.compile_cache_dir == str(tmp_path)
+
+
+# --- old flat Inductor keys ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("old, new", [("inductor_cpp_wrapper", "inductor.cpp_wrapper"),
+                                      ("inductor_freezing_min_batch", "inductor.freezing_min_batch"),
+                                      ("aot_inductor", "inductor.aot")])
+def test_old_flat_inductor_keys_raise_naming_their_new_place(old, new):
+    value = 2 if old == "inductor_freezing_min_batch" else True
+    message = f"'{old}' moved to '{new}'"
+    with pytest.raises(TypeError, match=message):
+        GraphConfig(**{old: value})
+    with pytest.raises(TypeError, match=message):
+        dataclasses.replace(GraphConfig(), **{old: value})
+    with pytest.raises(ValueError, match=message):
+        GraphConfig.from_dict({old: value})
+    with pytest.raises(ValueError, match=message):
+        graph_config({old: value, "torchair_graph_config": {"enabled": True}})
+    with pytest.raises(ValueError, match=f"ASCEND_GRAPH_CONFIG: {message}"):
+        from_env(environ={"ASCEND_GRAPH_CONFIG": json.dumps({old: value})})
 
 
 def test_from_dict_rejects_unknown_keys_by_name():
@@ -103,8 +155,32 @@ def test_from_dict_type_errors_name_key_and_type():
 
 def test_to_dict_is_json_safe_and_round_trips():
     cfg = GraphConfig(enabled=True, backend="inductor", max_batch_size=8, capture_sizes=(1, 4),
-                      compile_cache_dir="/tmp/x", torchair=TorchairOptions(mode="reduce-overhead"))
-    assert GraphConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+                      compile_cache_dir="/tmp/x", torchair=TorchairOptions(mode="reduce-overhead"),
+                      inductor=InductorOptions(cpp_wrapper=False, freezing_min_batch=4))
+    d = cfg.to_dict()
+    assert d["inductor"] == {"cpp_wrapper": False, "freezing_min_batch": 4, "aot": False}
+    assert d["torchair"]["mode"] == "reduce-overhead" and d["capture_sizes"] == [1, 4]
+    assert GraphConfig.from_dict(json.loads(json.dumps(d))) == cfg
+
+
+def test_from_dict_nested_options_change_only_the_keys_given():
+    base = GraphConfig(inductor=InductorOptions(cpp_wrapper=False), torchair=TorchairOptions(use_cached_graph=True))
+    cfg = GraphConfig.from_dict({"inductor": {"aot": True}, "torchair": {"mode": "reduce-overhead"}}, base=base)
+    assert cfg.inductor == InductorOptions(cpp_wrapper=False, aot=True)
+    assert cfg.torchair == TorchairOptions(mode="reduce-overhead", use_cached_graph=True)
+    with pytest.raises(ValueError, match="unknown key 'cpp' in inductor; known keys: cpp_wrapper, freezing_min"):
+        GraphConfig.from_dict({"inductor": {"cpp": True}})
+    with pytest.raises(TypeError, match="inductor must be a dict of cpp_wrapper, freezing_min_batch, aot, got list"):
+        GraphConfig.from_dict({"inductor": [True]})
+    with pytest.raises(TypeError, match="inductor.freezing_min_batch must be an int"):
+        GraphConfig.from_dict({"inductor": {"freezing_min_batch": "8"}})
+
+
+@pytest.mark.parametrize("d", [{"torchair_graph_config": {"enabled": True}},
+                               {"additional_config": {"torchair_graph_config": {"enabled": True}}}])
+def test_from_dict_refuses_vllm_ascend_sections_naming_the_entry_point(d):
+    with pytest.raises(ValueError, match="vllm-ascend's schema.*ascend_graph.integrations.vllm_ascend.graph_config"):
+        GraphConfig.from_dict(d)
 
 
 # --- vllm-ascend's torchair_graph_config -----------------------------------------------------
@@ -112,7 +188,7 @@ def test_to_dict_is_json_safe_and_round_trips():
 
 def test_vllm_ascend_docs_example_maps_onto_graph_config():
     with pytest.warns(UserWarning, match="ignored: multistream_overlap_shared_expert, refresh, weight_prefetch"):
-        cfg = GraphConfig.from_dict({"additional_config": VLLM_ASCEND_EXAMPLE})
+        cfg = graph_config({"additional_config": VLLM_ASCEND_EXAMPLE})
     assert cfg.enabled and cfg.capture_sizes == (1, 2, 4, 8)
     assert cfg.torchair.use_cached_graph
     # keys the example leaves out keep vllm-ascend's defaults
@@ -122,7 +198,7 @@ def test_vllm_ascend_docs_example_maps_onto_graph_config():
 def test_vllm_ascend_section_maps_mode_and_torchair_switches():
     section = {"enabled": 1, "mode": "reduce-overhead", "enable_view_optimize": False,
                "enable_frozen_parameter": False, "graph_batch_sizes": [16, 4]}
-    cfg = GraphConfig.from_dict({"torchair_graph_config": section, "max_batch_size": 32})
+    cfg = graph_config({"torchair_graph_config": section, "max_batch_size": 32})
     assert cfg.enabled is True
     assert cfg.torchair == TorchairOptions(mode="reduce-overhead", enable_frozen_parameter=False,
                                            enable_view_optimize=False)
@@ -131,8 +207,8 @@ def test_vllm_ascend_section_maps_mode_and_torchair_switches():
 
 def test_vllm_ascend_batch_size_defaults():
     # no sizes: vllm-ascend captures [1, max_num_seqs]; graph_batch_sizes_init: our default sizes
-    plain = GraphConfig.from_dict({"torchair_graph_config": {"enabled": True}, "max_batch_size": 16})
-    init = GraphConfig.from_dict({"torchair_graph_config": {"enabled": True, "graph_batch_sizes_init": True},
+    plain = graph_config({"torchair_graph_config": {"enabled": True}, "max_batch_size": 16})
+    init = graph_config({"torchair_graph_config": {"enabled": True, "graph_batch_sizes_init": True},
                                   "max_batch_size": 16})
     assert plain.resolved_capture_sizes() == (1, 16)
     assert init.resolved_capture_sizes() == (1, 2, 4, 8, 16)
@@ -144,36 +220,51 @@ def test_vllm_ascend_batch_size_defaults():
 ])
 def test_vllm_ascend_graph_only_keys_are_rejected_when_disabled(key, value):
     with pytest.raises(ValueError, match=f"torchair_graph_config.{key} is valid only when graph mode is enabled"):
-        GraphConfig.from_dict({"torchair_graph_config": {"enabled": False, key: value}})
+        graph_config({"torchair_graph_config": {"enabled": False, key: value}})
 
 
 def test_vllm_ascend_non_graph_keys_are_accepted_when_disabled():
-    cfg = GraphConfig.from_dict({"torchair_graph_config": {"enable_view_optimize": False, "graph_batch_sizes": []}})
+    cfg = graph_config({"torchair_graph_config": {"enable_view_optimize": False, "graph_batch_sizes": []}})
     assert not cfg.enabled and cfg.torchair.enable_view_optimize is False
 
 
 @pytest.mark.parametrize("key", ["enable_multistream_mla", "enable_multistream_moe", "enable_super_kernel",
                                  "enable_kv_nz", "use_cached_kv_cache_bytes"])
 def test_vllm_ascend_unsupported_features_are_refused_when_requested(key):
-    assert GraphConfig.from_dict({"torchair_graph_config": {"enabled": True, key: False}}).enabled
+    assert graph_config({"torchair_graph_config": {"enabled": True, key: False}}).enabled
     with pytest.raises(ValueError, match=f"{key} is not supported by ascend_graph"):
-        GraphConfig.from_dict({"torchair_graph_config": {"enabled": True, key: True}})
+        graph_config({"torchair_graph_config": {"enabled": True, key: True}})
 
 
 def test_vllm_ascend_unknown_and_mistyped_keys_are_rejected_by_name():
     with pytest.raises(ValueError, match="unknown key 'foo' in torchair_graph_config; known keys: enabled, mode"):
-        GraphConfig.from_dict({"torchair_graph_config": {"enabled": True, "foo": 1}})
+        graph_config({"torchair_graph_config": {"enabled": True, "foo": 1}})
     with pytest.raises(TypeError, match="torchair_graph_config.graph_batch_sizes must be a list"):
-        GraphConfig.from_dict({"torchair_graph_config": {"enabled": True, "graph_batch_sizes": 8}})
+        graph_config({"torchair_graph_config": {"enabled": True, "graph_batch_sizes": 8}})
     with pytest.raises(ValueError, match="graph_batch_sizes_init is valid only when graph_batch_sizes is empty"):
-        GraphConfig.from_dict({"torchair_graph_config": {"enabled": True, "graph_batch_sizes": [2],
+        graph_config({"torchair_graph_config": {"enabled": True, "graph_batch_sizes": [2],
                                                          "graph_batch_sizes_init": True}})
 
 
 def test_same_setting_given_both_ways_must_agree():
-    assert GraphConfig.from_dict({"enabled": True, "torchair_graph_config": {"enabled": True}}).enabled
+    assert graph_config({"enabled": True, "torchair_graph_config": {"enabled": True}}).enabled
     with pytest.raises(ValueError, match="enabled is set twice with different values"):
-        GraphConfig.from_dict({"enabled": False, "torchair_graph_config": {"enabled": True}})
+        graph_config({"enabled": False, "torchair_graph_config": {"enabled": True}})
+    with pytest.raises(ValueError, match="torchair.use_cached_graph is set twice with different values"):
+        graph_config({"torchair": {"use_cached_graph": False},
+                      "torchair_graph_config": {"enabled": True, "use_cached_graph": True}})
+
+
+def test_vllm_ascend_entry_point_takes_our_own_keys_over_base():
+    base = GraphConfig(max_batch_size=16)
+    own = {"enabled": True, "capture_sizes": [2, 8], "inductor": {"cpp_wrapper": False}}
+    assert graph_config(own, base=base) == GraphConfig.from_dict(own, base=base)
+    cfg = graph_config({**own, "torchair_graph_config": {"enabled": True, "graph_batch_sizes": [8, 2]}}, base=base)
+    assert cfg.resolved_capture_sizes() == (2, 8, 16) and cfg.inductor.cpp_wrapper is False
+    with pytest.raises(ValueError, match="given both at the top level and inside additional_config"):
+        graph_config({"torchair_graph_config": {}, "additional_config": {"torchair_graph_config": {}}})
+    with pytest.raises(TypeError, match="the graph config must be a dict"):
+        graph_config([("enabled", True)])
 
 
 # --- environment -----------------------------------------------------------------------------
@@ -183,17 +274,17 @@ def test_env_overrides_base_with_json_then_flag():
     base = GraphConfig(max_batch_size=8)
     env = {"ASCEND_GRAPH_CONFIG": json.dumps({"enabled": True, "capture_sizes": [2]}),
            "ASCEND_GRAPH_BACKEND": "aot_eager"}
-    cfg = GraphConfig.from_env(base, environ=env)
+    cfg = from_env(base, environ=env)
     assert (cfg.enabled, cfg.backend, cfg.resolved_capture_sizes()) == (True, "aot_eager", (2, 8))
-    off = GraphConfig.from_env(base, environ={**env, "ASCEND_GRAPH_ENABLED": "0"})
+    off = from_env(base, environ={**env, "ASCEND_GRAPH_ENABLED": "0"})
     assert not off.enabled and off.capture_sizes == (2,)
 
 
 def test_env_accepts_the_vllm_ascend_schema_and_leaves_base_when_unset():
     env = {"ASCEND_GRAPH_CONFIG": json.dumps({"torchair_graph_config": {"enabled": True, "mode": "reduce-overhead"}})}
-    assert GraphConfig.from_env(environ=env).torchair.mode == "reduce-overhead"
+    assert from_env(environ=env).torchair.mode == "reduce-overhead"
     base = GraphConfig(enabled=True, max_batch_size=4)
-    assert GraphConfig.from_env(base, environ={"ASCEND_GRAPH_ENABLED": ""}) == base
+    assert from_env(base, environ={"ASCEND_GRAPH_ENABLED": ""}) == base
 
 
 @pytest.mark.parametrize("env, error, words", [
@@ -205,13 +296,56 @@ def test_env_accepts_the_vllm_ascend_schema_and_leaves_base_when_unset():
 ])
 def test_bad_env_values_are_rejected_naming_the_variable(env, error, words):
     with pytest.raises(error) as info:
-        GraphConfig.from_env(environ=env)
+        from_env(environ=env)
     assert words in str(info.value)
 
 
-def test_inductor_freezing_min_batch_reads_from_dict_and_round_trips():
-    cfg = GraphConfig.from_dict({"enabled": True, "inductor_freezing_min_batch": 8})
-    assert cfg.inductor_freezing_min_batch == 8 and GraphConfig().inductor_freezing_min_batch is None
-    assert GraphConfig.from_dict(cfg.to_dict()) == cfg
-    with pytest.raises(TypeError, match="inductor_freezing_min_batch must be an int"):
-        GraphConfig.from_dict({"inductor_freezing_min_batch": "8"})
+def test_env_json_reads_nested_inductor_options_and_additional_config():
+    env = {"ASCEND_GRAPH_CONFIG": json.dumps({"inductor": {"freezing_min_batch": 8}})}
+    assert from_env(environ=env).inductor == InductorOptions(freezing_min_batch=8)
+    env = {"ASCEND_GRAPH_CONFIG": json.dumps({"additional_config": {"torchair_graph_config": {
+        "enabled": True, "graph_batch_sizes": [4]}}}), "ASCEND_GRAPH_ENABLED": "off"}
+    cfg = from_env(GraphConfig(max_batch_size=8), environ=env)
+    assert not cfg.enabled and cfg.capture_sizes == (4,)
+
+
+# --- the CLI's --graph-config ----------------------------------------------------------------
+
+
+def cli_config(*flags: str, graph: bool = True) -> GraphConfig:
+    return cli_graph_config(build_parser().parse_args(["demo", *flags]), graph)
+
+
+def test_cli_graph_config_reads_both_schemas_over_the_flags(tmp_path):
+    cfg = cli_config("--capture-sizes", "1,8", "--graph-config", json.dumps({
+        "inductor": {"cpp_wrapper": False}, "torchair_graph_config": {"enabled": True, "mode": "reduce-overhead"}}))
+    assert cfg.enabled and cfg.resolved_capture_sizes() == (1, 8) and cfg.max_batch_size == 8
+    assert cfg.inductor.cpp_wrapper is False and cfg.torchair.mode == "reduce-overhead"
+    path = tmp_path / "graph.json"
+    path.write_text(json.dumps({"additional_config": {"torchair_graph_config": {"enabled": True,
+                                                                                "graph_batch_sizes": [2]}}}))
+    cfg = cli_config("--capture-sizes", "1,4", "--backend", "aot_eager", "--graph-config", str(path), graph=False)
+    assert not cfg.enabled and cfg.backend == "aot_eager" and cfg.resolved_capture_sizes() == (2, 4)
+    assert cli_config("--aot-inductor").inductor.aot
+
+
+def test_cli_graph_config_errors_are_bad_requests_naming_the_flag(tmp_path):
+    with pytest.raises(ValueError, match="--graph-config: 'aot_inductor' moved to 'inductor.aot'"):
+        cli_config("--graph-config", '{"aot_inductor": true}')
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="--graph-config must be a JSON object"):
+        cli_config("--graph-config", str(tmp_path / "list.json"))
+    with pytest.raises(FileNotFoundError):
+        cli_config("--graph-config", "/nonexistent/graph.json")
+
+
+def test_engine_without_a_graph_config_reads_the_environment(monkeypatch):
+    from ascend_graph.engine import Engine
+    from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
+
+    section = {"torchair_graph_config": {"enabled": True, "graph_batch_sizes": [2]}}
+    monkeypatch.setenv("ASCEND_GRAPH_CONFIG", json.dumps({**section, "max_batch_size": 4, "backend": "aot_eager"}))
+    monkeypatch.setenv("ASCEND_GRAPH_ENABLED", "0")
+    model = DeepseekForCausalLM(DeepseekConfig.small(), seed=0).eval()
+    engine = Engine(model, block_size=4, max_model_len=32)
+    assert engine.graph_config == GraphConfig(backend="aot_eager", max_batch_size=4, capture_sizes=(2,))

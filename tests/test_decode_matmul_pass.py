@@ -205,9 +205,9 @@ def test_aot_inductor_packages_take_the_same_pass_and_key_whether_the_kernel_run
     """A package calls the kernel as the Inductor backend's graphs do, and its key changes with
     whether the kernel runs here: a package is never loaded where it cannot run."""
     from ascend_graph.compile.aot_inductor import inductor_options
-    from ascend_graph.config import GraphConfig
+    from ascend_graph.config import GraphConfig, InductorOptions
 
-    config = GraphConfig(enabled=True, backend="inductor", aot_inductor=True)
+    config = GraphConfig(enabled=True, backend="inductor", inductor=InductorOptions(aot=True))
     aot_pass = inductor_options(config, "cpu")["post_grad_custom_post_pass"]
     key = aot_pass.uuid()
     assert aot_pass.few_rows_kernel is True and key == DecodeMatmulPass().uuid()

@@ -16,7 +16,7 @@ from torch._inductor.utils import run_and_get_code
 
 from ascend_graph.attention import build_attention_metadata, mla_decode, pad_decode, paged_decode
 from ascend_graph.compile.inductor import make_backend
-from ascend_graph.config import GraphConfig
+from ascend_graph.config import GraphConfig, InductorOptions
 from ascend_graph.kv_cache import KVCacheSpec, MLACacheSpec, allocate_kv_caches, write_slots
 
 N, S = 256, 4  # the cache (1024 slots) is much larger than anything a step of 3-4 rows touches
@@ -35,7 +35,8 @@ def _compile(fn, inlined: bool):
     if not inlined:
         return torch.compile(fn, fullgraph=True)
     # the Python wrapper, so that the code can be read like torch's
-    backend = make_backend("inductor", GraphConfig(enabled=True, inductor_cpp_wrapper=False), "cpu", None)
+    config = GraphConfig(enabled=True, inductor=InductorOptions(cpp_wrapper=False))
+    backend = make_backend("inductor", config, "cpu", None)
     assert backend.inline_writes
     return torch.compile(fn, fullgraph=True, backend=backend)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from runner_helpers import Schedule, assert_graph_outputs_are_fresh, make_runner, prefilled, small_model
 
-from ascend_graph.config import GraphConfig
+from ascend_graph.config import GraphConfig, InductorOptions
 from ascend_graph.runner.parity import compare_step
 from ascend_graph.runner import GraphCompileError, RecompileError, SequenceStep
 from ascend_graph.runtime import StaticAddressError
@@ -312,11 +312,11 @@ def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(m
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inductor_freezing_from_min_batch_folds_weights_and_equals_eager(dtype):
-    """Sizes >= inductor_freezing_min_batch compile with the weights as graph constants (not
+    """Sizes >= inductor.freezing_min_batch compile with the weights as graph constants (not
     inputs), smaller sizes with the weights as inputs; every size still equals eager."""
     from ascend_graph.compile import resolve_backend
 
-    config = inductor_config(inductor_freezing_min_batch=2)
+    config = inductor_config(inductor=InductorOptions(freezing_min_batch=2))
     weights_as_inputs = []  # per compile: how many of the model's weights are graph inputs
 
     def recording(gm, example_inputs):
@@ -337,8 +337,8 @@ def test_inductor_freezing_from_min_batch_folds_weights_and_equals_eager(dtype):
 
 def test_inductor_freezing_is_refused_off_cpu_before_anything_is_allocated():
     model = small_model("llama")
-    with pytest.raises(ValueError, match="inductor_freezing_min_batch is for CPU runners; this one runs on meta"):
-        make_runner(model, graph_config(inductor_freezing_min_batch=2), device="meta")
+    with pytest.raises(ValueError, match="inductor.freezing_min_batch is for CPU runners; this one runs on meta"):
+        make_runner(model, graph_config(inductor=InductorOptions(freezing_min_batch=2)), device="meta")
 
 
 def test_torchair_contract_use_cached_graph_compiles_each_size_through_cache_compile(monkeypatch):

@@ -76,7 +76,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="decode batch sizes captured as graphs (default: 1,2,4,8)")
     g.add_argument("--aot-inductor", action="store_true",
                    help="CPU: compile each capture size ahead of time into an AOTInductor package, loaded "
-                        "instead of compiled by later runs with the same --compile-cache-dir (GraphConfig.aot_inductor)")
+                        "instead of compiled by later runs with the same --compile-cache-dir (GraphConfig.inductor.aot)")
+    g.add_argument("--graph-config", default=None, metavar="JSON|FILE",
+                   help="graph settings over the flags above: a JSON object (or a file holding one) of GraphConfig "
+                        "keys and/or vllm-ascend's torchair_graph_config / additional_config; its 'enabled' "
+                        "yields to the command (docs/configuration.md)")
     g.add_argument("--compile-cache-dir", default=None, metavar="PATH",
                    help="persistent compile cache and AOTInductor packages (default: the backend's own)")
     g.add_argument("--block-size", type=positive_int, default=16, help="tokens per cache block (default: 16)")

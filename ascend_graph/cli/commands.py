@@ -12,13 +12,15 @@ import argparse
 import os
 import statistics
 import time
+from dataclasses import replace
 from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from .. import runtime
-from ..config import GraphConfig
+from ..config import GraphConfig, InductorOptions
+from ..config_sources import from_json
 from ..engine.engine import Engine
 from ..runner.parity import ParityReport, allowed_difference, tolerances
 from .report import format_bench, format_demo, format_generate, format_parity
@@ -59,12 +61,27 @@ def describe(model: nn.Module, source: str) -> dict:
 def make_engine(model: nn.Module, args: argparse.Namespace, graph: bool, max_num_seqs: Optional[int] = None,
                 **kwargs) -> Engine:
     """An engine with the flags' cache geometry; graph mode ``graph``."""
-    sizes = tuple(sorted(set(args.capture_sizes)))
-    config = GraphConfig(enabled=graph, backend=args.backend, capture_sizes=sizes, max_batch_size=max(sizes),
-                         aot_inductor=args.aot_inductor, compile_cache_dir=args.compile_cache_dir)
-    seats = max_num_seqs or getattr(args, "max_num_seqs", None) or max(sizes)
+    config = graph_config(args, graph)
+    seats = max_num_seqs or getattr(args, "max_num_seqs", None) or config.max_batch_size
     return Engine(model, graph_config=config, block_size=args.block_size, max_model_len=args.max_model_len,
                   max_num_seqs=seats, device=args.device, **kwargs)
+
+
+def graph_config(args: argparse.Namespace, graph: bool) -> GraphConfig:
+    """The flags' graph settings, ``--graph-config`` over them, graph mode ``graph`` whatever it says."""
+    sizes = tuple(sorted(set(args.capture_sizes)))
+    config = GraphConfig(enabled=True, backend=args.backend, capture_sizes=sizes, max_batch_size=max(sizes),
+                         inductor=InductorOptions(aot=args.aot_inductor), compile_cache_dir=args.compile_cache_dir)
+    text = getattr(args, "graph_config", None)
+    if text:
+        if not text.lstrip().startswith("{"):
+            with open(text, encoding="utf-8") as f:
+                text = f.read()
+        try:
+            config = from_json(text, base=config, source="--graph-config")
+        except TypeError as e:  # a bad request, reported as one (exit code 2)
+            raise ValueError(str(e)) from None
+    return replace(config, enabled=graph)
 
 
 def workload(vocab: int, num: int, max_new: int, max_model_len: int, seed: int = 0) -> tuple[list, list]:
@@ -100,7 +117,7 @@ def conditions(args: argparse.Namespace) -> dict:
 
 def settings(args: argparse.Namespace, engine: Engine) -> dict:
     """The graph and cache settings a run used."""
-    return {"backend": args.backend, "capture_sizes": list(engine.runner.capture_sizes),
+    return {"backend": engine.graph_config.backend, "capture_sizes": list(engine.runner.capture_sizes),
             "block_size": engine.block_size, "max_model_len": engine.max_model_len,
             "max_num_seqs": engine.max_num_seqs, "num_blocks": engine.num_blocks,
             "backends": engine.runner.backends()}

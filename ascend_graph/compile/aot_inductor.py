@@ -1,6 +1,6 @@
 """Ahead-of-time packages of the decode step: torch.export + AOTInductor, on CPU.
 
-Opt-in with ``GraphConfig.aot_inductor``. Each capture size's step is exported and compiled
+Opt-in with ``GraphConfig.inductor.aot``. Each capture size's step is exported and compiled
 into one ``.pt2`` package under the compile cache directory; a later process with the same
 model, shapes, options and code loads the package instead of compiling: no dynamo trace, no
 C++ compiler run, and no dynamo guard check on each replay.

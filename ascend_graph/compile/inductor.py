@@ -20,9 +20,9 @@ from ..config import GraphConfig
 from .passes.decode_matmul import SINGLE_ROW_MATMUL_AS_REDUCTION, DecodeMatmulPass
 from .passes.inline_writes import INLINE_CACHE_WRITES, inline_cache_writes
 
-# ``inductor_cpp_wrapper=None`` resolves to these (CPU: the wrapper cuts host time per step;
-# ``benchmarks``, levers part). CUDA graphs replay the whole step, so the wrapper's host cost is
-# off the per-step path there.
+# ``GraphConfig.inductor.cpp_wrapper=None`` resolves to these (CPU: the wrapper cuts host time
+# per step; ``benchmarks``, levers part). CUDA graphs replay the whole step, so the wrapper's host
+# cost is off the per-step path there.
 DEFAULT_CPP_WRAPPER = {"cpu": True, "cuda": False, "npu": False}
 
 
@@ -71,11 +71,11 @@ def config_patches(config: GraphConfig, platform: str, mode: Optional[str] = Non
         patches.update(list_mode_options(mode))
     # CUDA graphs on CUDA always (the point of graph mode), elsewhere never (nothing to capture).
     patches["triton.cudagraphs"] = platform == "cuda"
-    cpp_wrapper = config.inductor_cpp_wrapper
+    cpp_wrapper = config.inductor.cpp_wrapper
     if cpp_wrapper is None:
         cpp_wrapper = DEFAULT_CPP_WRAPPER[platform]
     elif cpp_wrapper and platform == "cuda":
-        warnings.warn("inductor_cpp_wrapper=True on CUDA: torch skips CUDA graphs for C++-wrapper code "
+        warnings.warn("inductor.cpp_wrapper=True on CUDA: torch skips CUDA graphs for C++-wrapper code "
                       "when graph partitioning is on (the default in torch 2.13), so steps replay no graph",
                       stacklevel=2)
     patches["cpp_wrapper"] = cpp_wrapper

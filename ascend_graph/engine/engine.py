@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from .block_manager import BlockManager
 from ..config import GraphConfig
+from ..config_sources import from_env
 from ..kv_cache import blocks_for_budget
 from ..runner.parity import ParityReport, compare_step
 from ..runner.graph_runner import GraphRunner, SequenceStep
@@ -64,8 +65,8 @@ class EngineStats:
 class Engine:
     """Serves batches of prompts on a DeepSeek (or any runner-compatible) model.
 
-    - ``graph_config``: graph mode settings; ``None`` = ``GraphConfig.from_env()`` (graph mode
-      off unless the environment turns it on).
+    - ``graph_config``: graph mode settings; ``None`` = ``config_sources.from_env()`` (graph
+      mode off unless the environment turns it on).
     - ``block_size``: tokens per cache block.
     - ``max_model_len``: longest prompt + generation; default ``min(max_position_embeddings, 4096)``.
     - ``max_num_seqs``: most requests running at once; default ``graph_config.max_batch_size``.
@@ -83,7 +84,7 @@ class Engine:
                  tokenizer: Union[Tokenizer, str, os.PathLike, None] = None,
                  backend: Optional[Callable] = None) -> None:
         self.model = model
-        self.graph_config = graph_config if graph_config is not None else GraphConfig.from_env()
+        self.graph_config = graph_config if graph_config is not None else from_env()
         _positive("block_size", block_size)
         self.block_size = block_size
         self.max_model_len = self._resolve_max_model_len(max_model_len)

@@ -1,4 +1,11 @@
-"""vllm-ascend's ``torchair_graph_config`` read onto ``GraphConfig`` (used by ``GraphConfig.from_dict``).
+"""vllm-ascend's configuration read onto ``GraphConfig``: the entry point ``graph_config``.
+
+``graph_config(d, base=None)`` takes a dict of our own ``GraphConfig`` keys, vllm-ascend's
+``{"torchair_graph_config": {...}}``, the same section inside ``{"additional_config": {...}}``
+(its other sections are ignored with a warning), or a mix; a setting given both ways must agree.
+``GraphConfig.from_dict`` takes our own keys only and names this function for the rest; the
+environment and the CLI read through it (``ascend_graph.config_sources``). This module depends
+on ``ascend_graph.config``, never the reverse.
 
 The keys and defaults are vllm-ascend's ``TorchairGraphConfig`` (``vllm_ascend/ascend_config.py``,
 v0.9 to v0.11; torchair graph mode was dropped in v0.13). How each maps:
@@ -16,15 +23,17 @@ v0.9 to v0.11; torchair graph mode was dropped in v0.13). How each maps:
 
 As in vllm-ascend, the graph-only keys (``mode``, ``use_cached_graph``, ``graph_batch_sizes``,
 ``graph_batch_sizes_init``, and the unsupported ones) are rejected when graph mode is off, and
-``graph_batch_sizes_init`` is rejected next to a non-empty ``graph_batch_sizes``.
+``graph_batch_sizes_init`` is rejected next to a non-empty ``graph_batch_sizes``. Whether graph
+mode is on: the section's ``enabled``, else the result of our own keys over ``base``.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping, Optional
+from dataclasses import fields, replace
+from typing import Any, Literal, Mapping, Optional
 
-from ..config import TORCHAIR_MODES, convert
+from ..config import TORCHAIR_MODES, GraphConfig, PositiveInt, TorchairOptions, check_value
 
 SECTION = "torchair_graph_config"
 
@@ -36,12 +45,25 @@ UNSUPPORTED = {
     "enable_kv_nz": "the KV caches keep the ND layout (one format for graph and eager)",
     "use_cached_kv_cache_bytes": "the KV cache size is not cached across runs",
 }
+# The section's keys and their types (checked by ``config.check_value``, as GraphConfig's fields).
 KINDS = {
-    "enabled": "bool", "mode": "str|None", "graph_batch_sizes": "sizes", "graph_batch_sizes_init": "bool",
-    "use_cached_graph": "bool", "enable_view_optimize": "bool", "enable_frozen_parameter": "bool",
-    **{key: "bool" for key in UNSUPPORTED},
+    "enabled": bool, "mode": Optional[Literal[("",) + TORCHAIR_MODES]],
+    "graph_batch_sizes": Optional[tuple[PositiveInt, ...]], "graph_batch_sizes_init": bool,
+    "use_cached_graph": bool, "enable_view_optimize": bool, "enable_frozen_parameter": bool,
+    **{key: bool for key in UNSUPPORTED},
 }
 GRAPH_ONLY = ("mode", "use_cached_graph", "graph_batch_sizes", "graph_batch_sizes_init", *UNSUPPORTED)
+
+
+def graph_config(d: Mapping[str, Any], base: Optional[GraphConfig] = None) -> GraphConfig:
+    """``base`` (default: all defaults) updated from ``d``: our own keys and/or vllm-ascend's section."""
+    own, section = split_vllm_ascend(d)
+    config = GraphConfig.from_dict(own, base=base)
+    if section is None:
+        return config
+    updates, torchair = map_torchair_graph_config(section, config.enabled)
+    _check_agreement(own, config, updates, torchair)
+    return replace(config, **updates, torchair=replace(config.torchair, **torchair))
 
 
 def split_vllm_ascend(d: Mapping[str, Any]) -> tuple[dict[str, Any], Optional[Mapping[str, Any]]]:
@@ -75,7 +97,7 @@ def map_torchair_graph_config(section: Optional[Mapping[str, Any]],
     for key, value in section.items():
         if key not in KINDS:
             raise ValueError(f"unknown key {key!r} in {SECTION}; known keys: {', '.join(KINDS)}")
-        values[key] = convert(f"{SECTION}.{key}", value, KINDS[key])
+        values[key] = check_value(f"{SECTION}.{key}", value, KINDS[key])
     enabled = values.get("enabled", enabled_default)
     _check_rules(values, enabled)
     updates = {"enabled": values["enabled"]} if "enabled" in values else {}
@@ -84,11 +106,22 @@ def map_torchair_graph_config(section: Optional[Mapping[str, Any]],
     torchair = {key: values[key] for key in ("use_cached_graph", "enable_view_optimize", "enable_frozen_parameter")
                 if key in values}
     if values.get("mode"):
-        if values["mode"] not in TORCHAIR_MODES:
-            raise ValueError(f"{SECTION}.mode must be one of {', '.join(map(repr, TORCHAIR_MODES))} "
-                             f"or empty, got {values['mode']!r}")
         torchair["mode"] = values["mode"]
     return updates, torchair
+
+
+def _check_agreement(own: Mapping[str, Any], config: GraphConfig, updates: Mapping[str, Any],
+                     torchair: Mapping[str, Any]) -> None:
+    """A setting given by our own keys and by the section must have one value."""
+    own_torchair = own.get("torchair", {})
+    given = own_torchair if isinstance(own_torchair, Mapping) else [f.name for f in fields(TorchairOptions)]
+    pairs = [(key, getattr(config, key), value) for key, value in updates.items() if key in own]
+    pairs += [(f"torchair.{key}", getattr(config.torchair, key), value) for key, value in torchair.items()
+              if key in given]
+    for key, mine, theirs in pairs:
+        if mine != theirs:
+            raise ValueError(f"{key} is set twice with different values: {mine!r} from our own keys and "
+                             f"{theirs!r} from vllm-ascend's {SECTION}")
 
 
 def _check_rules(values: dict[str, Any], enabled: bool) -> None:

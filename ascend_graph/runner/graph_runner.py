@@ -123,11 +123,11 @@ class GraphRunner:
         self.model = model
         self.config = config
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        if config.enabled and config.inductor_freezing_min_batch is not None and self.device.type != "cpu":
+        if config.enabled and config.inductor.freezing_min_batch is not None and self.device.type != "cpu":
             # Frozen graphs keep the caches as ordinary inputs (see _freezing): a CUDA graph
             # would then copy them in on every replay, or not be recorded at all.
-            raise ValueError(f"inductor_freezing_min_batch is for CPU runners; this one runs on {self.device}")
-        if config.enabled and config.aot_inductor:
+            raise ValueError(f"inductor.freezing_min_batch is for CPU runners; this one runs on {self.device}")
+        if config.enabled and config.inductor.aot:
             self._check_aot_inductor(backend)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -325,7 +325,7 @@ class GraphRunner:
                                     "memory_bytes": memory_in_use(self.device) - mem0}
 
     def _compile_for_size(self, size: int, backend: Optional[Callable]) -> Callable:
-        if self.config.aot_inductor:
+        if self.config.inductor.aot:
             from ..compile.aot_inductor import load_or_compile
 
             ids_v, pos_v, meta_v = self._views(size)
@@ -349,7 +349,7 @@ class GraphRunner:
         buffers (marked static for the device graphs) would be folded in with the values they
         held at capture. Their marks are lifted for the trace, so they stay graph inputs.
         """
-        threshold = self.config.inductor_freezing_min_batch
+        threshold = self.config.inductor.freezing_min_batch
         if threshold is None or size < threshold:
             yield
             return
@@ -396,13 +396,13 @@ class GraphRunner:
             log.warning(msg)
 
     def _check_aot_inductor(self, backend: Optional[Callable]) -> None:
-        """``aot_inductor`` needs a CPU runner on the Inductor backend (raises ValueError)."""
+        """``inductor.aot`` needs a CPU runner on the Inductor backend (raises ValueError)."""
         from ..compile import backend_name
 
         if self.device.type != "cpu":
-            raise ValueError(f"aot_inductor=True is for CPU runners; this one runs on {self.device}")
+            raise ValueError(f"inductor.aot=True is for CPU runners; this one runs on {self.device}")
         if backend is not None or backend_name(self.config, "cpu") != "inductor":
-            raise ValueError("aot_inductor=True compiles with Inductor: it needs backend 'auto' or 'inductor' "
+            raise ValueError("inductor.aot=True compiles with Inductor: it needs backend 'auto' or 'inductor' "
                              f"and no backend callable, got backend={self.config.backend!r}"
                              + (" and a backend callable" if backend is not None else ""))
 
