@@ -24,15 +24,20 @@ def linear(in_features: int, out_features: int, dtype: torch.dtype, device=None,
 
 
 class ChunkedLinear(nn.Module):
-    """A linear layer whose weight is stored chunk-major, for CPU decode.
+    """A linear layer for CPU decode whose long rows are read in ``C`` chunks, accumulated in float32.
 
-    ``weight`` is ``[N, C, K/C]``: the checkpoint's ``[N, K]`` with its rows cut into ``C`` equal
-    chunks (``weight.flatten(1)`` is the checkpoint tensor; ``view`` a checkpoint tensor to fill
-    it). Its storage is ``[C, N, K/C]`` contiguous, so each chunk is a contiguous ``[N, K/C]``
-    matrix and the output is the sum of ``C`` linears, accumulated in float32. A one-row product
-    then streams each chunk with its piece of the input row held in L1: rows of 10944 (the V2-Lite
-    dense MLP's down projection, C = 3) read 12.5-13 GB/s row-major and 25-33 GB/s chunk-major
-    over runs (``runtime.LONG_REDUCTION``). Eager computes the same sum.
+    ``weight`` is the checkpoint's ``[N, K]`` as built and as the loader fills it.
+    ``process_weights_after_loading()`` re-lays it out chunk-major: ``weight`` becomes the same
+    values seen as ``[N, C, K/C]`` (``weight.flatten(1)`` is the checkpoint tensor) over storage
+    ``[C, N, K/C]`` contiguous, so each chunk is a contiguous ``[N, K/C]`` matrix that a one-row
+    product streams with its piece of the input row held in L1 (why: ``runtime.LONG_REDUCTION``,
+    measured by ``python -m benchmarks.peak``). The re-laid-out weight replaces the parameter, so
+    the module holds one copy; re-laying out briefly needs a second copy of this one weight.
+
+    ``state_dict()`` always holds ``weight`` as the checkpoint's ``[N, K]`` (after processing, a
+    row-major copy made when the state dict is built), and ``load_state_dict`` takes that form
+    into either layout. The output is the sum of ``C`` linears, each rounded to ``x.dtype`` as
+    ``F.linear`` rounds it, summed in float32, in both layouts and in eager and compiled alike.
     """
 
     def __init__(self, in_features: int, out_features: int, chunks: int, dtype: torch.dtype,
@@ -41,16 +46,41 @@ class ChunkedLinear(nn.Module):
         if in_features % chunks:
             raise ValueError(f"in_features {in_features} does not split into {chunks} equal chunks")
         self.in_features, self.out_features, self.chunks = in_features, out_features, chunks
-        storage = torch.empty(chunks, out_features, in_features // chunks, dtype=dtype, device=device)
-        self.weight = nn.Parameter(storage.permute(1, 0, 2))  # [N, C, K/C]
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))  # [N, K]
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        self.register_state_dict_post_hook(_checkpoint_weight_hook)
+        self.register_load_state_dict_pre_hook(_chunk_loaded_weight_hook)
+
+    @property
+    def chunk_major(self) -> bool:
+        """Whether ``weight`` is in the chunk-major layout (``[N, C, K/C]`` over ``[C, N, K/C]``)."""
+        w = self.weight
+        return w.dim() == 3 and w.permute(1, 0, 2).is_contiguous()
+
+    def checkpoint_weight(self) -> Tensor:
+        """The weight as the checkpoint's ``[N, K]``: the parameter itself before processing,
+        a row-major copy after."""
+        return self.weight.flatten(1) if self.weight.dim() == 3 else self.weight
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        """Re-lay ``weight`` out chunk-major (no-op if it already is); call it after filling or
+        replacing ``weight`` (``load_state_dict`` writes into either layout and needs no call)."""
+        if self.chunk_major:
+            return
+        w = self.weight.detach().reshape(self.out_features, self.chunks, -1)  # [N, C, K/C]
+        storage = torch.empty(self.chunks, *w.shape[::2], dtype=w.dtype, device=w.device)  # [C, N, K/C]
+        storage.copy_(w.permute(1, 0, 2))
+        del w
+        self.weight = nn.Parameter(storage.permute(1, 0, 2), requires_grad=self.weight.requires_grad)
 
     def forward(self, x: Tensor) -> Tensor:
         """``[..., K]`` -> ``[..., N]``."""
         xs = x.unflatten(-1, (self.chunks, -1))  # [..., C, K/C]
-        out = F.linear(xs[..., 0, :], self.weight[:, 0]).float()
+        w = self.weight.view(self.out_features, self.chunks, -1)  # [N, C, K/C], a view in either layout
+        out = F.linear(xs[..., 0, :], w[:, 0]).float()
         for c in range(1, self.chunks):
-            out = out + F.linear(xs[..., c, :], self.weight[:, c]).float()
+            out = out + F.linear(xs[..., c, :], w[:, c]).float()
         if self.bias is not None:
             out = out + self.bias.float()
         return out.to(x.dtype)
@@ -58,6 +88,21 @@ class ChunkedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, chunks={self.chunks}, "
                 f"bias={self.bias is not None}")
+
+
+def _checkpoint_weight_hook(module: ChunkedLinear, state: dict, prefix: str, local_metadata) -> None:
+    """State-dict hook: ``weight`` in the checkpoint's ``[N, K]`` form whatever the layout."""
+    key = prefix + "weight"
+    if key in state and state[key].dim() == 3:
+        state[key] = state[key].flatten(1)
+
+
+def _chunk_loaded_weight_hook(module: ChunkedLinear, state: dict, prefix: str, *args) -> None:
+    """Load pre-hook: a checkpoint ``[N, K]`` weight viewed as the chunk-major parameter's ``[N, C, K/C]``."""
+    key = prefix + "weight"
+    w = state.get(key)
+    if module.weight.dim() == 3 and isinstance(w, Tensor) and w.dim() == 2 and w.shape[1] == module.in_features:
+        state[key] = w.view(w.shape[0], module.chunks, -1)
 
 
 class RMSNorm(nn.Module):

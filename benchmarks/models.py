@@ -93,7 +93,7 @@ def with_row_major_long_rows(model: DeepseekForCausalLM) -> DeepseekForCausalLM:
             if isinstance(child, ChunkedLinear):
                 row_major = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
                                             device="meta")
-                row_major.weight = torch.nn.Parameter(on_huge_pages(child.weight.detach().flatten(1)),
+                row_major.weight = torch.nn.Parameter(on_huge_pages(child.checkpoint_weight().detach()),
                                                       requires_grad=False)
                 row_major.bias = child.bias
                 setattr(parent, name, row_major)

@@ -23,13 +23,12 @@ pytest.importorskip("safetensors")
 from ascend_graph import allocate_kv_caches  # noqa: E402
 from ascend_graph.attention import build_attention_metadata  # noqa: E402
 from ascend_graph.models import DeepseekForCausalLM, load_deepseek  # noqa: E402
-from ascend_graph.models.deepseek import kv_b_from_checkpoint  # noqa: E402
 from ascend_graph.layers import ChunkedLinear  # noqa: E402
 from hf_models import random_prompts, tiny_hf_model  # noqa: E402
 
 NEW_TOKENS = 32
 BLOCK_SIZE = 4
-FLOAT32_LOGIT_ATOL = 1e-4  # measured max difference ~2e-5
+FLOAT32_LOGIT_ATOL = 1e-4  # float32 against float32: a few units of rounding in the logits' sums
 
 
 class Generation(NamedTuple):
@@ -102,10 +101,8 @@ def test_bfloat16_load_rounds_weights_and_stays_near_float32(tmp_path):
     hf.save_pretrained(tmp_path)
     ours = load_deepseek(tmp_path, dtype=torch.bfloat16)
     hf_state = hf.state_dict()
-    c = ours.config
-    assert torch.equal(ours.model.layers[0].self_attn.kv_b_proj.weight, kv_b_from_checkpoint(
-        hf_state["model.layers.0.self_attn.kv_b_proj.weight"].to(torch.bfloat16), c.num_attention_heads,
-        c.qk_nope_head_dim, c.v_head_dim))
+    assert torch.equal(ours.model.layers[0].self_attn.kv_b_proj.weight,
+                       hf_state["model.layers.0.self_attn.kv_b_proj.weight"].to(torch.bfloat16))
     assert torch.equal(ours.model.layers[1].mlp.experts.down_proj[5],
                        hf_state["model.layers.1.mlp.experts.down_proj"][5].to(torch.bfloat16))
     assert ours.model.layers[1].mlp.gate.weight.dtype == torch.float32  # routing stays float32

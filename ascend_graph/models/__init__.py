@@ -3,8 +3,8 @@
 from .deepseek import DeepseekForCausalLM
 from .deepseek_config import DeepseekConfig, QuantizationConfig, RopeScaling
 from .llama import LlamaConfig, LlamaForCausalLM
-from .loader import load_deepseek
+from .loader import checkpoint_tensors, load_deepseek
 from .rope import softmax_scale
 
-__all__ = ["DeepseekConfig", "DeepseekForCausalLM", "LlamaConfig", "LlamaForCausalLM", "QuantizationConfig", "RopeScaling", "load_deepseek",
-           "softmax_scale"]
+__all__ = ["DeepseekConfig", "DeepseekForCausalLM", "LlamaConfig", "LlamaForCausalLM", "QuantizationConfig", "RopeScaling",
+           "checkpoint_tensors", "load_deepseek", "softmax_scale"]

@@ -4,25 +4,24 @@ Shape legend: T tokens in the step (decode rows first, then prefill tokens), E h
 H heads, Dn qk_nope_head_dim, R qk_rope_head_dim, Dv v_head_dim, C kv_lora_rank,
 Q q_lora_rank, V vocabulary.
 
-Parameter names are the checkpoint's (``model.layers.N.self_attn.kv_b_proj.weight``, ...), except
-that routed experts are stacked per layer (``mlp.experts.gate_up_proj [X, 2I, E]``,
-``mlp.experts.down_proj [X, E, I]``); ``loader.py`` maps checkpoint tensors onto them.
-On CPU a linear with more than ``runtime.LONG_REDUCTION`` input features (V2-Lite's dense
-down projection, most of V3's) is a ``layers.ChunkedLinear``: its ``weight`` is ``[N, C, K/C]``,
-the checkpoint's ``[N, K]`` viewed, stored chunk-major.
-``kv_b_proj.weight`` keeps its name and shape (``[H*Dn + H*Dv, C]``) but not the checkpoint's
-order (``[H, Dn + Dv, C]``, each head's ``W_UK`` rows then its ``W_UV`` rows; see
-``kv_b_from_checkpoint``): it holds every head's ``W_UK`` transposed, ``[H, C, Dn]``, then every
-head's ``W_UV``, ``[H, Dv, C]``. Each part is then one contiguous batch of matrices, which the
-absorbed attention's batched matmuls read in place (sliced per head they were copied on every
-call: V2-Lite dims, batch 8, 1.1 ms per layer and step for ``W_UV`` alone), and both products
-reduce along contiguous memory: ``q_nope [H, B, Dn] @ W_UK`` runs over rows of ``Dn``, as
-``o_lat @ W_UV.T`` runs over rows of ``C``. With ``W_UK`` stored ``[H, Dn, C]`` instead (rows of
-``C`` summed down a column), the product was the slow one in both modes. Measured (torch 2.13, 1
-thread, Zen 3 with AVX2, V2-Lite dims, 16 heads, weights read from memory, one-off): eager's
-``bmm`` at batch 1 1.73 -> 0.40 ms, at batch 32 52 -> 12 ms; the compiled step's fused
-reduction at batch 1 0.29 -> 0.16 ms per layer (profiled); whole V2-Lite-slice step at batch 1,
-eager 86.3 -> 83.2 ms, graph within noise (40.7 / 41.4 ms, interleaved).
+Weights keep the checkpoint's names, shapes and order: ``state_dict()`` holds exactly the tensors
+transformers' own model holds (routed experts stacked per layer as transformers 5 holds them:
+``mlp.experts.gate_up_proj [X, 2I, E]``, ``mlp.experts.down_proj [X, E, I]``; ``loader.py`` maps
+the per-expert tensors of published checkpoints onto them). ``kv_b_proj.weight`` is the
+checkpoint's ``[H*(Dn + Dv), C]``, each head's ``W_UK`` rows then its ``W_UV`` rows.
+
+Derived forms are built once by ``process_weights_after_loading()`` (the loader and random init
+call it; call it again after changing weights in place or replacing them) and are never saved:
+- ``MLAttention.w_uk_t [H, C, Dn]`` and ``w_uv [H, Dv, C]``, contiguous non-persistent buffers
+  (``kv_b_parts``): the batched matmuls of absorbed attention read them in place and both
+  products reduce along contiguous memory (sliced per head from the checkpoint layout, bfloat16
+  ``bmm`` copies its operand on every call). They cost one more copy of ``kv_b_proj``: 4 MiB per
+  layer in bfloat16 at V2-Lite's dims, 32 MiB at V3's. ``.to()`` casts and moves them with the
+  weights.
+- On CPU a linear with more than ``runtime.LONG_REDUCTION`` input features (V2-Lite's dense down
+  projection, most of V3's linears and its ``lm_head``) is a ``layers.ChunkedLinear``, whose
+  weight is re-laid out chunk-major in place of itself (one copy; its state dict still shows the
+  checkpoint's ``[N, K]``).
 The model never chooses graph or eager: the runner compiles ``forward`` or not.
 """
 
@@ -67,6 +66,16 @@ class MLAttention(nn.Module):
                                 dtype, device)
         self.o_proj = linear(h * config.v_head_dim, e, dtype, device, bias)
         self.backend: MLABackend = select_attention_backend("mla", self.kv_a_proj_with_mqa.weight.device, dtype)
+        # derived from kv_b_proj.weight by process_weights_after_loading(); never in the state dict
+        self.register_buffer("w_uk_t", None, persistent=False)  # [H, C, Dn]
+        self.register_buffer("w_uv", None, persistent=False)  # [H, Dv, C]
+        self.register_load_state_dict_post_hook(_rebuild_after_load)
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        """Build ``w_uk_t`` and ``w_uv`` from ``kv_b_proj.weight`` (``kv_b_parts``)."""
+        self.w_uk_t, self.w_uv = kv_b_parts(self.kv_b_proj.weight.detach(), self.num_heads, self.qk_nope_head_dim,
+                                            self.v_head_dim)
 
     def _query(self, x: Tensor) -> Tensor:
         if not self.q_lora:
@@ -75,6 +84,8 @@ class MLAttention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: MLACache, meta: AttentionMetadata) -> Tensor:
         """``x [T, E]`` -> ``[T, E]``; writes the ``T`` new tokens into ``cache`` first."""
+        if self.w_uv is None:  # before the cache write: a failed step leaves the cache as it was
+            raise RuntimeError("MLAttention's W_UK / W_UV are not built: call process_weights_after_loading()")
         t, h = x.shape[0], self.num_heads
         dn, r, c = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
         q_nope, q_pe = self._query(x).view(t, h, dn + r).split([dn, r], dim=-1)  # [T, H, Dn], [T, H, R]
@@ -83,7 +94,7 @@ class MLAttention(nn.Module):
         q_pe = apply_rope(q_pe, cos, sin, self.rope_interleave)
         k_pe = apply_rope(k_pe[:, None, :], cos, sin, self.rope_interleave)  # [T, 1, R]
         self.backend.write(cache, kv_c[:, None, :], k_pe, meta.slot_mapping)
-        w_uk, w_uv = kv_b_parts(self.kv_b_proj.weight, h, dn, self.v_head_dim)
+        w_uk, w_uv = self.w_uk_t.transpose(1, 2), self.w_uv  # [H, Dn, C], [H, Dv, C]
         n_dec, outs = meta.num_decode_tokens, []
         if meta.decode is not None:
             outs.append(self.backend.decode(q_nope[:n_dec], q_pe[:n_dec], cache, meta.decode, w_uk, w_uv, self.scale))
@@ -95,25 +106,15 @@ class MLAttention(nn.Module):
 
 
 def kv_b_parts(weight: Tensor, h: int, dn: int, dv: int) -> tuple[Tensor, Tensor]:
-    """``W_UK [H, Dn, C]`` and ``W_UV [H, Dv, C]``, views of the model's ``kv_b_proj.weight``:
-    ``W_UV`` contiguous, ``W_UK`` the transpose of a contiguous ``[H, C, Dn]``."""
-    c = weight.shape[1]
-    return weight[:h * dn].view(h, c, dn).transpose(1, 2), weight[h * dn:].view(h, dv, c)
+    """A checkpoint's ``kv_b_proj.weight`` (``[H*(Dn + Dv), C]``, rows per head: ``W_UK`` then
+    ``W_UV``) -> ``(W_UK transposed [H, C, Dn], W_UV [H, Dv, C])``, new contiguous tensors."""
+    per_head = weight.view(h, dn + dv, weight.shape[1])  # [H, Dn + Dv, C]
+    return per_head[:, :dn].transpose(1, 2).contiguous(), per_head[:, dn:].contiguous()
 
 
-def kv_b_from_checkpoint(weight: Tensor, h: int, dn: int, dv: int) -> Tensor:
-    """A checkpoint's ``kv_b_proj.weight`` (rows per head: ``[H, Dn + Dv, C]``) in the model's
-    layout: every head's ``W_UK`` transposed (``[H, C, Dn]``), then every head's ``W_UV``, as
-    ``[H*Dn + H*Dv, C]``."""
-    c = weight.shape[1]
-    uk, uv = weight.view(h, dn + dv, c).split([dn, dv], dim=1)
-    return torch.cat([uk.transpose(1, 2).reshape(h * dn, c), uv.reshape(h * dv, c)])
-
-
-def kv_b_to_checkpoint(weight: Tensor, h: int, dn: int, dv: int) -> Tensor:
-    """The inverse of ``kv_b_from_checkpoint``: rows back per head, as checkpoints store them."""
-    uk, uv = kv_b_parts(weight, h, dn, dv)
-    return torch.cat([uk, uv], dim=1).reshape(h * (dn + dv), weight.shape[1])
+def _rebuild_after_load(module: MLAttention, incompatible_keys) -> None:
+    """``load_state_dict`` post-hook: the derived forms follow the loaded ``kv_b_proj.weight``."""
+    module.process_weights_after_loading()
 
 
 class DecoderLayer(nn.Module):
@@ -164,8 +165,9 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
 
     ``forward`` returns the final-normed hidden states; ``compute_logits`` applies ``lm_head``
     (so a runner can pick the rows it needs before the vocabulary projection). Weights are created
-    in ``dtype`` on ``device``; with ``init_weights`` they are seeded-random (normal with
-    ``config.initializer_range``, norms one), otherwise left for a loader to fill.
+    in ``dtype`` on ``device`` in the checkpoint's form; with ``init_weights`` they are
+    seeded-random (``init_random_weights_``), otherwise left for a loader to fill, which then calls
+    ``process_weights_after_loading()`` (the model does not run before it).
     """
 
     def __init__(self, config: DeepseekConfig, dtype: torch.dtype = torch.float32,
@@ -208,10 +210,18 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
         """``hidden [T, E]`` (from ``forward``) -> float32 logits ``[T, V]``."""
         return self.lm_head(hidden).float()
 
+    def process_weights_after_loading(self) -> None:
+        """Build every layer's derived weight forms from the checkpoint tensors (see the module
+        docstring); call it after filling or replacing weights (``load_state_dict`` calls it)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
+
     @torch.no_grad()
     def init_random_weights_(self, seed: int = 0, std: float | None = None) -> None:
-        """Seeded random weights (drawn on the CPU, so equal on every device): matrices
-        ``normal(0, std or config.initializer_range)``, biases zero, norm weights one."""
+        """Seeded random weights (drawn on the CPU, so equal on every device), then their derived
+        forms: matrices ``normal(0, std or config.initializer_range)`` drawn in the checkpoint's
+        element order, biases zero, norm weights one."""
         gen = torch.Generator().manual_seed(seed)
         std = self.config.initializer_range if std is None else std
         for name, p in self.named_parameters():
@@ -219,3 +229,4 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
                 p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
             else:
                 p.fill_(0.0 if name.endswith(".bias") else 1.0)
+        self.process_weights_after_loading()

@@ -1,13 +1,16 @@
 """Load a DeepSeek V2/V3 HF checkpoint directory (``config.json`` + safetensors) into the model.
 
 Tensors are found by their HF names, in ``model.safetensors`` or in the shards listed by
-``model.safetensors.index.json``. Routed experts come either per expert
-(``model.layers.N.mlp.experts.X.{gate,up,down}_proj.weight``, as published checkpoints and
-``save_pretrained`` write them) or already stacked (``mlp.experts.gate_up_proj [X, 2I, E]``,
-``mlp.experts.down_proj [X, E, I]``, transformers 5's in-memory form); both fill the model's
-stacked tensors. Block-scaled FP8 weights (``float8_e4m3fn`` plus ``weight_scale_inv`` of
+``model.safetensors.index.json``, and copied into the model's tensors of the same names, shapes
+and order. This module is the one place where names are mapped, for routed experts only: they
+come either per expert (``model.layers.N.mlp.experts.X.{gate,up,down}_proj.weight``, as published
+checkpoints and ``save_pretrained`` write them) or already stacked (``mlp.experts.gate_up_proj
+[X, 2I, E]``, ``mlp.experts.down_proj [X, E, I]``), and both fill the model's stacked tensors,
+whose names and shapes are transformers 5's own (``DeepseekV3Experts``); ``checkpoint_tensors``
+maps back. Block-scaled FP8 weights (``float8_e4m3fn`` plus ``weight_scale_inv`` of
 ``[ceil(out / 128), ceil(in / 128)]``, DeepSeek-V3's release format) are dequantized here.
-Multi-token-prediction layers (index >= ``num_hidden_layers``) are skipped.
+Multi-token-prediction layers (index >= ``num_hidden_layers``) are skipped. Once every tensor is
+filled, ``model.process_weights_after_loading()`` builds the derived forms.
 
 Everything is planned and checked (names, shapes, dtypes) from the file headers before any data
 is read, so a bad checkpoint fails fast with an error naming the tensor.
@@ -16,7 +19,6 @@ is read, so a bad checkpoint fails fast with an error naming the tensor.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from typing import NamedTuple, Optional
@@ -24,10 +26,9 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..runtime import weights_on_huge_pages
-from .deepseek import DeepseekForCausalLM, kv_b_from_checkpoint
+from ..runtime import HUGE_PAGE, huge_pages_supported, on_huge_pages, weights_on_huge_pages
+from .deepseek import DeepseekForCausalLM
 from .deepseek_config import DeepseekConfig
-from ..layers import ChunkedLinear
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -87,8 +88,7 @@ def _target(name: str, config: DeepseekConfig) -> Optional[_Target]:
 
 
 def _piece(model_tensor: Tensor, target: _Target) -> Tensor:
-    """The view of ``model_tensor`` that ``target`` writes (a ``ChunkedLinear``'s ``[N, C, K/C]``
-    weight is written from the checkpoint's ``[N, K]`` viewed, see ``_chunk_major_weights``)."""
+    """The view of ``model_tensor`` that ``target`` writes: all of it, or one expert's part."""
     if target.expert is None:
         return model_tensor
     w = model_tensor[target.expert]
@@ -110,11 +110,6 @@ def _expected_names(model: DeepseekForCausalLM) -> dict[str, list[str]]:
     return out
 
 
-def _chunk_major_weights(model: DeepseekForCausalLM) -> set[str]:
-    """Names of the ``ChunkedLinear`` weights: ``[N, C, K/C]`` in the model, ``[N, K]`` in a checkpoint."""
-    return {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, ChunkedLinear)}
-
-
 class _Plan(NamedTuple):
     """Checked assignments: checkpoint name -> (target, scale name or None)."""
 
@@ -124,7 +119,7 @@ class _Plan(NamedTuple):
 def _plan(model: DeepseekForCausalLM, files: dict[str, str]) -> _Plan:
     """Match checkpoint names to model tensors; check shapes and dtypes from the headers."""
     config, state = model.config, model.state_dict()
-    headers, chunk_major = _headers(files), _chunk_major_weights(model)
+    headers = _headers(files)
     entries, unexpected, filled = {}, [], set()
     for name in sorted(files):
         if name.endswith("_scale_inv"):
@@ -137,8 +132,6 @@ def _plan(model: DeepseekForCausalLM, files: dict[str, str]) -> _Plan:
             continue
         shape, dtype = headers[name]
         expected = tuple(_piece(state[target.name], target).shape)
-        if target.name in chunk_major:
-            expected = (expected[0], math.prod(expected[1:]))
         if shape != expected:
             raise CheckpointError(f"tensor {name} has shape {list(shape)}, the model expects {list(expected)}")
         entries[name] = (target, _scale_name(name, dtype, files, headers, config))
@@ -242,11 +235,7 @@ def _fill(model: DeepseekForCausalLM, files: dict[str, str], plan: _Plan) -> Non
                 tensor = f.get_tensor(name)
                 if scale is not None:
                     tensor = dequantize_fp8(tensor, _read(files[scale], scale, f, file), block)
-                if target.name.endswith("self_attn.kv_b_proj.weight"):
-                    c = model.config
-                    tensor = kv_b_from_checkpoint(tensor, c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim)
-                piece = _piece(state[target.name], target)
-                piece.copy_(tensor.view(piece.shape))
+                _piece(state[target.name], target).copy_(tensor)
 
 
 def _read(file: str, name: str, open_handle, open_file: str) -> Tensor:
@@ -256,13 +245,44 @@ def _read(file: str, name: str, open_handle, open_file: str) -> Tensor:
         return f.get_tensor(name)
 
 
+def checkpoint_tensors(model: DeepseekForCausalLM) -> dict[str, Tensor]:
+    """The model's weights under the names and shapes a published checkpoint (and
+    ``save_pretrained``) writes: ``model.state_dict()`` with each stacked expert tensor split into
+    per-expert ``{gate,up,down}_proj.weight`` views, and without a tied ``lm_head``. The inverse of
+    what ``load_deepseek`` reads; ``safetensors`` wants them ``.contiguous()``."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        prefix, _, leaf = name.rpartition(".")
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        if not (prefix.endswith(".mlp.experts") and leaf in ("gate_up_proj", "down_proj")):
+            out[name] = tensor
+            continue
+        for x, w in enumerate(tensor):
+            parts = {"down": w} if leaf == "down_proj" else dict(zip(("gate", "up"), w.chunk(2)))
+            out.update({f"{prefix}.{x}.{part}_proj.weight": t for part, t in parts.items()})
+    return out
+
+
+def _on_huge_pages(model: DeepseekForCausalLM) -> None:
+    """Weights, and the derived forms of 2 MiB or more (non-persistent buffers), onto huge pages."""
+    if not huge_pages_supported():
+        return
+    weights_on_huge_pages(model)
+    for module in model.modules():
+        for name in module._non_persistent_buffers_set:
+            b = module._buffers.get(name)
+            if b is not None and b.device.type == "cpu" and b.numel() * b.element_size() >= HUGE_PAGE:
+                module._buffers[name] = on_huge_pages(b)
+
+
 def load_deepseek(path: str | os.PathLike, dtype: Optional[torch.dtype] = None,
                   device: torch.device | str = "cpu", huge_pages: bool = True) -> DeepseekForCausalLM:
     """Build a ``DeepseekForCausalLM`` from the checkpoint directory ``path``.
 
     ``dtype`` defaults to the checkpoint's ``dtype``/``torch_dtype`` (bfloat16 for FP8 or unknown).
-    ``huge_pages``: on CPU, weights of 2 MiB or more go onto transparent huge pages
-    (``ascend_graph.runtime.weights_on_huge_pages``; decode streams them faster).
+    ``huge_pages``: on CPU, weights and derived forms of 2 MiB or more go onto transparent huge
+    pages (``ascend_graph.runtime.weights_on_huge_pages``; decode streams them faster).
     Raises ``CheckpointError`` naming the tensor on missing, unexpected or misshapen tensors.
     """
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
@@ -272,6 +292,7 @@ def load_deepseek(path: str | os.PathLike, dtype: Optional[torch.dtype] = None,
     files = checkpoint_files(path)
     model = DeepseekForCausalLM(config, dtype=dtype, device=device, init_weights=False)
     _fill(model, files, _plan(model, files))
+    model.process_weights_after_loading()
     if huge_pages:
-        weights_on_huge_pages(model)
+        _on_huge_pages(model)
     return model.eval()
