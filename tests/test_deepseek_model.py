@@ -57,12 +57,12 @@ def _moe_oracle(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return out + h @ f(shared.down_proj.weight).T
 
 
-@pytest.mark.parametrize("grouped", [False, True], ids=["gathered_decode", "grouped_prefill"])
-def test_moe_paths_match_per_token_loop(grouped):
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
+def test_moe_paths_match_per_token_loop(prefill):
     model = DeepseekForCausalLM(DeepseekConfig.small_v3(), seed=3)
     moe = model.model.layers[1].mlp
     x = torch.randn(7, 64, generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(moe(x, grouped=grouped).double(), _moe_oracle(moe, x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(moe(x, prefill=prefill).double(), _moe_oracle(moe, x), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["group_limited_greedy", "noaux_tc"])
