@@ -3,17 +3,17 @@
 from .kv_cache import (KVCache, KVCacheSpec, MLACache, MLACacheSpec, NULL_BLOCK, allocate_kv_caches,
                        blocks_for_budget, bytes_per_block, write_kv_cache)
 
-from .config import GraphConfig, TorchairOptions
+from .config import GraphConfig, InductorOptions, TorchairOptions
+from .config_sources import from_env
+from .attention import select_attention_backend
+from .moe import select_moe_backend
 from .compile import detect_platform, resolve_backend
-from .engine.block_manager import BlockManager
-from .engine.engine import Engine, EngineStats
-from .engine.sampling import SamplingParams
-from .runner.parity import ParityReport, compare_step
-from .runner.graph_runner import GraphRunner, RunnerStats, SequenceStep
+from .engine import BlockManager, Engine, EngineStats, SamplingParams
+from .runner import GraphRunner, ParityReport, RunnerStats, SequenceStep, compare_step
 
 __all__ = [
-    "GraphConfig", "TorchairOptions", "detect_platform", "resolve_backend", "BlockManager",
-    "Engine", "EngineStats", "SamplingParams",
+    "GraphConfig", "InductorOptions", "TorchairOptions", "from_env", "detect_platform", "resolve_backend",
+    "select_attention_backend", "select_moe_backend", "BlockManager", "Engine", "EngineStats", "SamplingParams",
     "ParityReport", "compare_step", "GraphRunner", "RunnerStats", "SequenceStep",
     "KVCache", "KVCacheSpec", "MLACache", "MLACacheSpec", "NULL_BLOCK", "allocate_kv_caches",
     "blocks_for_budget", "bytes_per_block", "write_kv_cache",

@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 from torch import Tensor
 
 from .block_manager import BlockManager
-from ..runner.graph_runner import SequenceStep
+from ..runner.step import SequenceStep
 
 
 @dataclass

@@ -1,0 +1,97 @@
+"""What a runner step is made of: the caller's sequences, the prepared batch, the captured
+module with one code object per capture size, the counters and the runner's errors.
+
+Shape legend: T tokens in the step, n sequences in it, s capture size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import types
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from torch import Tensor, nn
+
+from ..attention import AttentionMetadata
+
+
+class RecompileError(RuntimeError):
+    """A capture size compiled again after warm-up (``on_recompile="error"``)."""
+
+
+class GraphCompileError(RuntimeError):
+    """Compiling a capture size failed and ``fallback_on_compile_error`` is off."""
+
+
+@dataclass(frozen=True)
+class SequenceStep:
+    """One sequence's share of a step: its new tokens, how many it has cached, its blocks."""
+
+    token_ids: Sequence[int]
+    num_cached: int
+    block_table: Sequence[int]
+
+
+@dataclass
+class RunnerStats:
+    """Counters of a runner: what ran as a graph, what ran eagerly and why, compiles, capture."""
+
+    graph_steps: int = 0
+    eager_steps: Counter = field(default_factory=Counter)
+    compiles: int = 0
+    recompiles: int = 0
+    compile_failures: int = 0
+    packages_loaded: int = 0  # capture sizes loaded from AOTInductor packages without compiling
+    capture_seconds: float = 0.0
+    capture: dict = field(default_factory=dict)  # size -> {"seconds": .., "memory_bytes": ..}
+    parity_checks: int = 0
+    parity_failures: int = 0
+
+    def to_dict(self) -> dict:
+        """A JSON-safe copy."""
+        return {
+            "graph_steps": self.graph_steps, "eager_steps": dict(self.eager_steps),
+            "eager_steps_total": sum(self.eager_steps.values()), "compiles": self.compiles,
+            "recompiles": self.recompiles, "compile_failures": self.compile_failures,
+            "packages_loaded": self.packages_loaded,
+            "capture_seconds": round(self.capture_seconds, 3),
+            "capture": {str(k): v for k, v in sorted(self.capture.items())},
+            "parity_checks": self.parity_checks, "parity_failures": self.parity_failures,
+        }
+
+
+@dataclass
+class PreparedStep:
+    """A validated batch: flat inputs and metadata, rows reordered decodes first."""
+
+    input_ids: Tensor   # [T]
+    positions: Tensor   # [T]
+    meta: AttentionMetadata
+    order: list[int]    # batch row i is the caller's sequence order[i]
+    last: Tensor        # [n] index of each row's last token
+
+
+class DecodeStep(nn.Module):
+    """The captured unit: the model's forward and its logits, as one module method."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: tuple,
+                attn_metadata: AttentionMetadata) -> Tensor:
+        """``[s]`` ids and positions, the caches, decode metadata -> ``[s, V]`` logits."""
+        return self.model.compute_logits(self.model(input_ids, positions, kv_caches, attn_metadata))
+
+
+def step_for_size(step: DecodeStep, size: int) -> Callable:
+    """``step.forward`` bound again, with its own code object named ``decode_step_<size>``.
+
+    Dynamo keeps compiled entries (and counts its recompile limit) per code object, and
+    torchair's graph cache is per code object too: one copy per capture size gives each size
+    exactly one entry, so a second compile of a size is a real recompile.
+    """
+    code = DecodeStep.forward.__code__.replace(co_name=f"decode_step_{size}")
+    fn = types.FunctionType(code, DecodeStep.forward.__globals__, code.co_name)
+    return types.MethodType(fn, step)
