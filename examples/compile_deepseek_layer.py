@@ -47,6 +47,7 @@ def build_layer(config: DeepseekConfig, index: int, dtype: torch.dtype) -> Decod
                 p.copy_(torch.empty(p.shape).normal_(0.0, config.initializer_range, generator=gen))
             else:
                 p.fill_(1.0)
+    layer.self_attn.process_weights_after_loading()  # W_UK / W_UV from the kv_b_proj just drawn
     return layer.eval()
 
 

@@ -78,13 +78,14 @@ def test_parity_on_the_builtin_model_passes(capsys):
 def test_parity_in_bfloat16_on_inductor_passes_where_graph_and_eager_round_apart(capsys):
     """small-v3 in bfloat16, Inductor: fused kernels round otherwise than eager's op-by-op bfloat16,
     so logits differ by a few hundredths (each as close to a float64 run as the other; parity.py),
-    and a separate eager run may pick the other token at a near-tie. Under the former per-element
-    tolerance 2 of these 32 steps failed, and the differing tokens failed the run."""
+    and a separate eager run may pick the other token at a near-tie, or continue from other
+    experts after a router's near-tie that the checked graph run reproduced. Under the former
+    per-element tolerance 2 of these 32 steps failed, and the differing tokens failed the run."""
     code, r = run_json(capsys, ["parity", "--model", "small-v3", "--dtype", "bfloat16", "--backend", "inductor",
                                 "--capture-sizes", "1,4", "--no-progress", "--json"])
     assert code == 0 and r["ok"] and r["tokens_agree"]
     assert r["summary"]["checks"] == 32 and all(s["ok"] and s["untouched_ok"] for s in r["steps"])
-    assert all(f["near_tie"] for f in r["first_differences"])
+    assert all(f["near_tie"] or f["after_routing_near_tie"] for f in r["first_differences"])
 
 
 def test_parity_fails_with_exit_code_1_when_the_graph_is_wrong(capsys, monkeypatch):

@@ -57,6 +57,20 @@ def test_a_split_is_a_near_tie_only_within_twice_the_rows_tolerance():
     assert not logit_agreement([[0, 0, 0]], [[0, 1, 1]], graph, far, torch.bfloat16)["tokens_agree"]
 
 
+def test_a_split_after_a_reproduced_routing_near_tie_of_that_request_agrees():
+    """A split beyond tolerance agrees only where the graph run reproduced a router near-tie at or
+    before the split's step (``Engine.generate_checked`` gives each request's position there)."""
+    graph = [_logits([[2.0, 0.0], [3.0, 0.0], [9.0, 0.0]])]
+    eager = [_logits([[2.0, 0.0], [0.0, 3.0], [0.0, 9.0]])]  # position 1: 3.0 apart both ways
+    split = lambda flips: logit_agreement([[0, 0, 0]], [[0, 1, 1]], graph, eager, torch.bfloat16, flips)  # noqa: E731
+    assert not split([])["tokens_agree"]
+    for flips, agree in (([{"positions": {0: 1}}], True), ([{"positions": {0: 0, 1: 4}}], True),
+                         ([{"positions": {0: 2}}], False), ([{"positions": {1: 0}}], False)):
+        r = split(flips)
+        assert r["tokens_agree"] is agree and r["first_differences"][0]["after_routing_near_tie"] is agree, flips
+        assert not r["first_differences"][0]["near_tie"]
+
+
 # -- routing near-ties ------------------------------------------------------------------------
 
 
@@ -138,20 +152,21 @@ def test_a_flip_that_is_no_near_tie_or_leaves_a_difference_is_a_mismatch(monkeyp
 
 
 def test_a_graph_that_took_a_near_tied_group_passes_with_the_group_flip_reported(monkeypatch):
-    """V3's grouped routing: the stand-in graph gave token 2 its third-best group instead of its
+    """V3's grouped routing: the stand-in graph gave token 0 its third-best group instead of its
     second at the flattened router, so different experts ran; eager with that same group swap
     reproduces it, and no expert swap does. Without groups in the near-tie rule this step failed
     (the case behind it: ``ascend-graph parity --model small-v3 --dtype bfloat16 --backend inductor
     --capture-sizes 1,4``, step 15, a group margin of 8.6e-4 of the row's largest)."""
     plain, *_ = _flip_case(monkeypatch, grouped=True)
     assert plain.ok and plain.routing_flips == []
-    report, graph_caches, runner, _ = _flip_case(monkeypatch, swap=(0, 2, "groups"), grouped=True)
+    report, graph_caches, runner, _ = _flip_case(monkeypatch, swap=(0, 0, "groups"), grouped=True)
+    assert report.logits["max_abs"] > 0.5  # the swap ran other experts: far beyond tolerance
     assert report.ok, report.summary()  # flips are looked for only where a token is beyond tolerance
     assert [(f["token"], f["router"], "groups" in f) for f in report.routing_flips] == [
-        (2, "model.layers.1.mlp.gate", True)]
+        (0, "model.layers.1.mlp.gate", True)]
     assert all(torch.equal(t, g) for cache, saved in zip(runner.kv_caches, graph_caches) for t, g in zip(cache, saved))
     # the same swap with another token's logits off is a mismatch
-    report, *_ = _flip_case(monkeypatch, swap=(0, 2, "groups"), bump=(1, 0.5), grouped=True)
+    report, *_ = _flip_case(monkeypatch, swap=(0, 0, "groups"), bump=(1, 0.5), grouped=True)
     assert not report.ok and report.routing_flips == []
 
 

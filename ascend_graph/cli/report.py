@@ -106,8 +106,12 @@ def _first_differences(firsts: list) -> str:
     if not firsts:
         return ""
     ties = sum(f["near_tie"] for f in firsts)
-    return (f"; {len(firsts)} request(s) first differ at a near-tie within tolerance" if ties == len(firsts) else
-            f"; {len(firsts) - ties} of {len(firsts)} request(s) first differ beyond tolerance")
+    routed = sum(not f["near_tie"] and f.get("after_routing_near_tie", False) for f in firsts)
+    unexplained = len(firsts) - ties - routed
+    if unexplained:
+        return f"; {unexplained} of {len(firsts)} request(s) first differ beyond tolerance"
+    return (f"; {len(firsts)} request(s) first differ: {ties} at a near-tie of two tokens, {routed} after a "
+            "reproduced routing near-tie")
 
 
 def format_generate(r: dict) -> str:

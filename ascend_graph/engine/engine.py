@@ -176,7 +176,8 @@ class Engine:
         params = SamplingParams(temperature, top_k, top_p, seed)
         stops = self._stop_ids(stop_token_ids, ignore_eos)
         requests = self._make_requests(prompt_token_ids, max_new_tokens, keep_logits=return_logits)
-        self._serve(requests, Sampler(params), stops, self.runner.execute, show_progress)
+        self._serve(requests, Sampler(params), stops, lambda entries, batch: self.runner.execute(entries),
+                    show_progress)
         tokens = [r.output for r in requests]
         if return_logits:
             return tokens, [torch.stack(r.logits) for r in requests]
@@ -188,7 +189,10 @@ class Engine:
 
         Such a step runs through ``compare_step`` (eager from the cache state, restored, then the
         graph; logits and written blocks compared, and with ``check_untouched`` every other block
-        proven unchanged); the graph's logits continue the generation. Returns ``(tokens,
+        proven unchanged); the graph's logits continue the generation. Each reproduced routing
+        near-tie (``ParityReport.routing_flips``) also names its ``request`` (index in
+        ``prompt_token_ids``), its ``step`` and ``positions``: for every request, the position of
+        its first token made at or after that step (from there the batch runs on other experts). Returns ``(tokens,
         reports)``, one ``ParityReport`` per checked step; with ``return_logits``, ``tokens`` is
         ``(tokens, logits)`` as ``generate`` returns them. These steps are not in the runner's
         graph/eager counters. Needs graph mode on.
@@ -205,13 +209,23 @@ class Engine:
         requests = self._make_requests(prompt_token_ids, max_new_tokens, keep_logits=keep_logits)
         reports: list[ParityReport] = []
 
-        def step(entries: list[SequenceStep]) -> Tensor:
+        produced: list[dict[int, int]] = []  # per step: request index -> position of the token it makes
+
+        def step(entries: list[SequenceStep], batch: list[Request]) -> Tensor:
+            produced.append({r.index: len(r.output) for r in batch})
             if self.runner.graph_size(entries) is None:
                 return self.runner.execute(entries)
             reports.append(compare_step(self.runner, entries, check_untouched=check_untouched))
+            for flip in reports[-1].routing_flips:  # decode-only steps: row t is entries[t]
+                flip.update(request=batch[flip["token"]].index, step=len(produced) - 1)
             return reports[-1].graph_logits
 
         self._serve(requests, Sampler(params), stops, step, show)
+        for flip in (f for r in reports for f in r.routing_flips):
+            flip["positions"] = {}  # each request's first token from the flip's step on
+            for made in produced[flip["step"]:]:
+                for index, position in made.items():
+                    flip["positions"].setdefault(index, position)
         tokens = [r.output for r in requests]
         if keep_logits:
             return (tokens, [torch.stack(r.logits) for r in requests]), reports
@@ -220,7 +234,7 @@ class Engine:
     # -- the serving loop -------------------------------------------------------------------
 
     def _serve(self, requests: list[Request], sampler: Sampler, stops: frozenset[int],
-               step: Callable[[list[SequenceStep]], Tensor], show_progress: bool) -> None:
+               step: Callable[[list[SequenceStep], list[Request]], Tensor], show_progress: bool) -> None:
         scheduler = Scheduler(self.blocks, self.max_num_seqs)
         scheduler.add(requests)
         total, done = sum(r.max_new_tokens for r in requests), 0
@@ -247,7 +261,7 @@ class Engine:
         towards the progress total (a request stopped early counts its remaining budget)."""
         entries = scheduler.prefill_entries(batch) if prefill else scheduler.decode_entries(batch)
         start = time.perf_counter()
-        logits = step(entries)  # [n, V]
+        logits = step(entries, batch)  # [n, V]
         tokens = sampler.sample(logits, [r.index for r in batch])
         self._count(batch, prefill, time.perf_counter() - start)
         advanced = 0
