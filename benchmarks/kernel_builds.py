@@ -1,11 +1,13 @@
-"""Two builds of the few-row kernel (``ascend_graph/kernels/csrc/expert_rows.c``) side by side in one
-process: the source at a git revision against the working tree's, for measuring a change to the
-kernel before and after.
+"""Two builds of the native kernels (``ascend_graph/kernels/csrc/``) side by side in one process:
+the sources at a git revision (the split sources, or the single ``expert_rows.c`` of revisions
+before the split, under ``ascend_graph/kernels/csrc/`` or ``ascend_graph/models/``) against the
+working tree's, for measuring a change to the kernels before and after. ``--isa avx2`` builds both
+for AVX2 and FMA (``-march=native -mno-avx512f``: the AVX2 forms, tuned for this CPU), so a
+machine with AVX512-BF16 times the AVX2 forms too.
 
 Each call is timed in the thread's CPU time (``time.thread_time``), the builds' order swapped
-every run: on this shared machine a call descheduled for other jobs would otherwise count the
-wait (2026-12-01: the paged scores, unchanged between the builds, measured 0.80-1.09 of themselves
-in wall time, 0.95-1.11 in CPU time, medians); contention for caches and memory still counts.
+every run: on a shared machine a call descheduled for other jobs would otherwise count the wait
+(docs/cpu-kernels.md); contention for caches and memory still counts.
 
 - ``rows``: GFLOP/s of ``expert_rows`` (one weight, ``r`` rows, what ``rows_mm`` runs) over a
   [12288, 2048] bf16 weight streamed from memory (four weights on 2 MiB pages taken in turn), both builds
@@ -16,7 +18,7 @@ in wall time, 0.95-1.11 in CPU time, medians); contention for caches and memory 
 - ``--step``: the V2-Lite slice's graph step (context 256) at the given batches, one captured
   runner, the two builds swapped between calls (``kernels.build._library``), interleaved.
 
-    python -m benchmarks.kernel_builds --old 55a1e36 [--rows 1,2,4,8,16,32,64] [--paged] [--step 8,32]
+    python -m benchmarks.kernel_builds --old 09f01da [--isa avx2] [--rows 1,2,4,8,16,32,64] [--paged] [--step 8,32]
 """
 
 from __future__ import annotations
@@ -42,32 +44,64 @@ from benchmarks.common import interleaved_samples  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def build(source: str, out_dir: str, name: str) -> ctypes.CDLL:
-    """``source`` (C text of ``expert_rows.c``) built as ``expert_rows`` builds it here, and bound."""
-    src, lib = os.path.join(out_dir, f"{name}.c"), os.path.join(out_dir, f"{name}.so")
-    with open(src, "w") as f:
-        f.write(source)
+# Compiler flags per --isa: the native build, and the AVX2 forms on a CPU that has AVX-512 too.
+ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"]}
+OLD_PATHS = ("ascend_graph/kernels/csrc/expert_rows.c", "ascend_graph/models/expert_rows.c")
+
+
+def build(sources: dict[str, str], out_dir: str, name: str, isa: str = "native") -> ctypes.CDLL:
+    """``sources`` (file name -> C text: every ``.c`` and ``.h`` of one revision) built as
+    ``kernels.build`` builds them (with ``ISA_FLAGS[isa]``), and bound."""
+    d = os.path.join(out_dir, name)
+    os.makedirs(d, exist_ok=True)
+    for file, text in sources.items():
+        with open(os.path.join(d, file), "w") as f:
+            f.write(text)
     cc = kernels.compiler()
     if cc is None:
         raise RuntimeError("kernel_builds: no C compiler ($CC, cc or gcc)")
-    done = subprocess.run([cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", src, "-o", lib],
+    lib = os.path.join(out_dir, f"{name}.so")
+    units = [os.path.join(d, file) for file in sorted(sources) if file.endswith(".c")]
+    done = subprocess.run([cc, "-O3", *ISA_FLAGS[isa], "-fopenmp", "-shared", "-fPIC", *units, "-o", lib],
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"kernel_builds: {name} does not build:\n{done.stderr}")
     dll = kernels.build._bind(ctypes.CDLL(lib))
     if not dll.expert_rows_available():
         raise RuntimeError(f"kernel_builds: {name} has no kernel for this CPU")
-    dll.heads_arg = "long width, long heads" in source  # the paged forms' signature since 2026-12-01
+    dll.heads_arg = any("long width, long heads" in text for text in sources.values())  # paged forms' signature
     if not dll.heads_arg:
         for paged in (dll.paged_rows, dll.paged_kn):
             paged.argtypes = paged.argtypes[:-2] + paged.argtypes[-1:]
     return dll
 
 
-def source_at(rev: str) -> str:
-    """``expert_rows.c`` as git revision ``rev`` has it."""
-    return subprocess.run(["git", "-C", REPO, "show", f"{rev}:ascend_graph/kernels/csrc/expert_rows.c"],
-                          capture_output=True, text=True, check=True).stdout
+def sources_now() -> dict[str, str]:
+    """The working tree's sources and headers (``kernels.build.source_files()``)."""
+    found = {}
+    for path in kernels.build.source_files():
+        with open(path) as f:
+            found[os.path.basename(path)] = f.read()
+    return found
+
+
+def sources_at(rev: str) -> dict[str, str]:
+    """The sources and headers as git revision ``rev`` has them: every ``.c`` and ``.h`` under
+    ``ascend_graph/kernels/csrc/`` where it has more than ``expert_rows.c``, else that one file
+    where it lies (``OLD_PATHS``)."""
+    def show(path: str) -> str:
+        return subprocess.run(["git", "-C", REPO, "show", f"{rev}:{path}"], capture_output=True, text=True,
+                              check=True).stdout
+
+    listed = subprocess.run(["git", "-C", REPO, "ls-tree", "--name-only", rev, "ascend_graph/kernels/csrc/"],
+                            capture_output=True, text=True).stdout.split()
+    files = [p for p in listed if p.endswith((".c", ".h"))]
+    if files and files != [OLD_PATHS[0]]:
+        return {os.path.basename(p): show(p) for p in files}
+    for path in OLD_PATHS:
+        if subprocess.run(["git", "-C", REPO, "cat-file", "-e", f"{rev}:{path}"], capture_output=True).returncode == 0:
+            return {"expert_rows.c": show(path)}
+    raise RuntimeError(f"kernel_builds: no kernel sources at {rev}")
 
 
 def alternating(dlls: dict[str, ctypes.CDLL], run: int) -> list[tuple[str, ctypes.CDLL]]:
@@ -167,24 +201,28 @@ def step_times(dlls: dict[str, ctypes.CDLL], sizes: tuple[int, ...], rounds: int
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--old", required=True, help="git revision whose expert_rows.c is the 'before'")
+    parser.add_argument("--old", required=True, help="git revision whose kernel sources are the 'before'")
+    parser.add_argument("--isa", choices=sorted(ISA_FLAGS), default="native", help="build both for this ISA")
     parser.add_argument("--rows", default="1,2,4,8,16,32,64")
+    parser.add_argument("--weight", default="12288,2048", help="the rows' weight N,K (default: streamed from memory)")
+    parser.add_argument("--runs", type=int, default=7, help="interleaved runs per row count (medians)")
     parser.add_argument("--paged", action="store_true", help="time MLA decode's paged attention scores")
     parser.add_argument("--step", default="", help="batches of a V2-Lite-slice graph step to time, e.g. 8,32")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    with open(kernels.SOURCE) as f:
-        now = f.read()
     with tempfile.TemporaryDirectory() as d:
-        dlls = {"old": build(source_at(args.old), d, "old"), "now": build(now, d, "now")}
-    for row in rows_rates(dlls, tuple(int(r) for r in args.rows.split(","))):
+        dlls = {"old": build(sources_at(args.old), d, "old", args.isa),
+                "now": build(sources_now(), d, "now", args.isa)}
+    print(f"builds: {args.isa}, {dlls['now'].expert_rows_available()}-bit forms", flush=True)
+    n, k = (int(v) for v in args.weight.split(","))
+    for row in rows_rates(dlls, tuple(int(r) for r in args.rows.split(",")), n=n, k=k, runs=args.runs):
         print(f"{row['rows']:3d} rows: old {row['old']:6.1f} GFLOP/s, now {row['now']:6.1f}, "
               f"now/old {row['now'] / row['old']:.2f}", flush=True)
     if args.paged:
-        ms = paged_times(dlls)
+        ms = paged_times(dlls, runs=2 * args.runs + 1)
         print(f"paged scores (batch 32, context 2048, 16 heads x 576): old {ms['old']:.2f} ms, "
               f"now {ms['now']:.2f} ms, old/now {ms['old'] / ms['now']:.2f}", flush=True)
-        ms = paged_times(dlls, width=512, values=True)
+        ms = paged_times(dlls, width=512, values=True, runs=2 * args.runs + 1)
         print(f"paged values (batch 32, context 2048, 16 heads x 512): old {ms['old']:.2f} ms, "
               f"now {ms['now']:.2f} ms, old/now {ms['old'] / ms['now']:.2f}", flush=True)
     if args.step:

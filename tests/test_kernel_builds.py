@@ -1,42 +1,214 @@
-"""``benchmarks.kernel_builds``: two builds of the kernel side by side, each result checked."""
+"""The kernels' builds: each instruction set's build computes what the kernel computes (oracle:
+float64 over the same bfloat16 values, rounded once), whatever this CPU's native build; the built
+library is kept for later processes under a key over every source and header; and
+``benchmarks.kernel_builds`` times two builds side by side, each result checked."""
 
 from __future__ import annotations
 
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
+import torch
 
 from ascend_graph import kernels
 from benchmarks import kernel_builds
-
-pytestmark = pytest.mark.skipif(not kernels.available(),
-                                reason="needs the kernel (a C compiler and AVX512-BF16 or AVX2 and FMA)")
+from test_expert_rows import _assert_one_rounding, _oracle, needs_kernel
 
 
+def _edited(sources: dict[str, str], edits: list[tuple[str, str, str]]) -> dict[str, str]:
+    """``sources`` with, for each ``(file, head, line)``, ``line`` inserted after ``head``."""
+    out = dict(sources)
+    for file, head, line in edits:
+        assert head in out[file], (file, head)
+        out[file] = out[file].replace(head, f"{head}\n    {line}", 1)
+    return out
+
+
+@needs_kernel
 def test_two_builds_are_timed_side_by_side_and_a_wrong_one_is_refused(tmp_path):
-    with open(kernels.SOURCE) as f:
-        source = f.read()
-    dlls = {"old": kernel_builds.build(source, str(tmp_path), "old"),
-            "now": kernel_builds.build(source, str(tmp_path), "now")}
+    sources = kernel_builds.sources_now()
+    dlls = {"old": kernel_builds.build(sources, str(tmp_path), "old"),
+            "now": kernel_builds.build(sources, str(tmp_path), "now")}
     rows = kernel_builds.rows_rates(dlls, rows=(1, 5, 17), n=70, k=96, runs=1)
     assert [r["rows"] for r in rows] == [1, 5, 17]
     assert all(r["old"] > 0 and r["now"] > 0 for r in rows)
     assert set(kernel_builds.paged_times(dlls, seqs=2, context=64, runs=1)) == {"old", "now"}
     assert set(kernel_builds.paged_times(dlls, seqs=2, context=64, width=40, runs=1, values=True)) == {"old", "now"}
-    # every rounding to bf16 (one at a time; AVX2's 4 and 8 at a time) doubling its input
-    doubled = source
-    for head, double in [("to_bf16(float f) {", "f = 2 * f;"), ("to_bf16_4(__m128 v) {", "v = _mm_add_ps(v, v);"),
-                         ("to_bf16_8(__m256 v) {", "v = _mm256_add_ps(v, v);")]:
-        assert head in doubled
-        doubled = doubled.replace(head, f"{head}\n    {double}", 1)
+    # every rounding to bf16 (one at a time; 4, 8 and 16 at a time in the vector layers) doubling its input
+    doubled = _edited(sources, [("vec.h", "ag_to_bf16(float f) {", "f = 2 * f;"),
+                                ("vec_avx2.h", "ag_round4(__m128 v) {", "v = _mm_add_ps(v, v);"),
+                                ("vec_avx2.h", "ag_round_lanes8(__m256 v) {", "v = _mm256_add_ps(v, v);"),
+                                ("vec_avx512.h", "ag_round_lanes16(__m512 v) {", "v = _mm512_add_ps(v, v);")])
     dlls["now"] = kernel_builds.build(doubled, str(tmp_path), "doubled")
     with pytest.raises(ValueError, match="now at 1 rows is not within one rounding"):
         kernel_builds.rows_rates(dlls, rows=(1,), n=70, k=96, runs=1)
     with pytest.raises(ValueError, match="now's paged scores are not within one rounding"):
         kernel_builds.paged_times(dlls, seqs=2, context=64, runs=1)
     # the [K, N] form's sums starting off zero: its values are refused
-    offset = source.replace("memset(sums, 0, (size_t)(rows * 32 * blocks) * sizeof(float));",
-                            "memset(sums, 0x3f, (size_t)(rows * 32 * blocks) * sizeof(float));", 1)
-    assert offset != source
+    offset = dict(sources)
+    offset["matmul_kn.c"] = sources["matmul_kn.c"].replace(
+        "memset(sums, 0, (size_t)(rows * 32 * blocks) * sizeof(float));",
+        "memset(sums, 0x3f, (size_t)(rows * 32 * blocks) * sizeof(float));", 1)
+    assert offset != sources
     dlls["now"] = kernel_builds.build(offset, str(tmp_path), "offset")
     kernel_builds.paged_times(dlls, seqs=2, context=64, runs=1)  # the scores do not use those sums
     with pytest.raises(ValueError, match="now's paged values are not within one rounding"):
         kernel_builds.paged_times(dlls, seqs=2, context=64, width=40, runs=1, values=True)
+
+
+def test_the_single_source_before_the_split_is_found_at_its_revision():
+    """The 'before' of the split (09f01da): ``ascend_graph/models/expert_rows.c``, one file."""
+    try:
+        old = kernel_builds.sources_at("09f01da")
+    except Exception as e:  # a shallow clone without that commit
+        pytest.skip(f"revision 09f01da not in this checkout: {e}")
+    assert list(old) == ["expert_rows.c"] and "int expert_rows(" in old["expert_rows.c"]
+
+
+@pytest.mark.skipif(kernels.compiler() is None, reason="needs a C compiler")
+@pytest.mark.parametrize("name", ["vec_avx2.h", "matmul.h", "paged.c"])
+def test_the_cache_key_changes_with_every_source_and_header(tmp_path, monkeypatch, name):
+    """A later process must not load a build of other sources: editing any one file under
+    ``csrc/`` (a header too) changes the key the built library is kept under."""
+    csrc = tmp_path / "csrc"
+    shutil.copytree(kernels.build.CSRC, csrc)
+    monkeypatch.setattr(kernels.build, "CSRC", str(csrc))
+    cc, flags = kernels.compiler(), ["-O3", "-march=native"]
+    before = kernels.build._build_key(cc, flags)
+    with open(csrc / name, "a") as f:
+        f.write("\n/* edited */\n")
+    assert kernels.build._build_key(cc, flags) != before
+
+
+def _fresh_process(script: str, cache: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ASCEND_GRAPH_KERNEL_CACHE": cache}
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+
+
+@needs_kernel
+def test_a_later_process_loads_the_built_kernel_without_compiling(tmp_path):
+    """The first process builds the kernel into the cache directory; the next one loads it and
+    runs no compiler (a guard on subprocess.run refuses a build)."""
+    cache = str(tmp_path / "kernels")
+    first = _fresh_process("from ascend_graph import kernels; assert kernels.available()", cache)
+    assert first.returncode == 0, first.stderr[-2000:]
+    built = os.listdir(cache)
+    assert len(built) == 1 and built[0].startswith("expert_rows-") and built[0].endswith(".so")
+    second = _fresh_process("""
+import subprocess
+run = subprocess.run
+def guarded(cmd, *a, **k):
+    assert "-shared" not in cmd, "the kernel was built again"
+    return run(cmd, *a, **k)
+subprocess.run = guarded
+import torch
+from ascend_graph import kernels
+assert kernels.available()
+x, w = torch.ones(3, 40, dtype=torch.bfloat16), torch.ones(7, 40, dtype=torch.bfloat16)
+assert (torch.ops.ascend_graph.rows_mm(x, w) == 40).all()
+""", cache)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert os.listdir(cache) == built
+
+
+@needs_kernel
+def test_an_unwritable_cache_directory_still_builds_the_kernel(tmp_path):
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    done = _fresh_process("from ascend_graph import kernels; assert kernels.available()",
+                          str(blocker / "kernels"))  # cannot be created: its parent is a file
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+# The kernel's builds: compiler flags, what ``expert_rows_available`` reports, the CPU flags it runs on.
+BUILDS = {
+    "avx2": (["-mavx2", "-mfma"], 256, {"avx2", "fma"}),
+    "avx512-bf16": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx2", "-mfma"], 512,
+                    {"avx512f", "avx512_bf16"}),  # a CPU with avx512_bf16 has bw, vl and dq
+}
+
+
+def _build_for(name: str, tmp_path):
+    """The kernels' sources built with ``BUILDS[name]``'s flags and bound (skip without a C compiler
+    that takes them)."""
+    cc = kernels.compiler()
+    if cc is None:
+        pytest.skip("needs a C compiler")
+    path = kernels.build._compile(cc, ["-O3", *BUILDS[name][0], "-shared", "-fPIC"], str(tmp_path / f"{name}.so"))
+    if path is None:
+        pytest.skip(f"the C compiler does not build for {name} ({' '.join(BUILDS[name][0])})")
+    return kernels.build._bind(ctypes.CDLL(path))
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_each_build_runs_the_form_its_instructions_allow(name, tmp_path):
+    """A build for AVX512-BF16 has the AVX-512 kernel, one for AVX2 and FMA the AVX2 kernel. Runs on
+    any CPU: ``expert_rows_available`` returns a constant, no vector instruction. (A build whose
+    AVX-512 test read ``#ifdef KERNEL`` before anything defined it ran the AVX2 form on every CPU.)"""
+    assert _build_for(name, tmp_path).expert_rows_available() == BUILDS[name][1]
+
+
+def test_the_native_build_is_the_widest_form_this_cpu_runs():
+    from ascend_graph.runtime import machine
+
+    if kernels.compiler() is None:
+        pytest.skip("needs a C compiler")
+    flags = set(machine()["cpu_flags"])
+    widest = next((bits for _, bits, needs in sorted(BUILDS.values(), key=lambda b: -b[1]) if needs <= flags), 0)
+    lib = kernels.build._library()
+    assert (lib.expert_rows_available() if lib is not None else 0) == widest
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_each_build_computes_what_the_kernel_computes(name, tmp_path):
+    """Each build as it runs on a CPU that has its instructions, whatever the native build here:
+    ``expert_rows`` through the forms that build has (AVX-512: 1-4 rows tiles, 5-8 pairs, 9 and
+    more wide; AVX2: its tiles at every count, part tiles of rows and of weight rows), with K
+    tails, ``kn_rows`` (interleaved panels, a partial column block, an odd K), and the paged forms
+    (``paged_rows``, ``paged_kn``; one head and several per token row) within one rounding of
+    float64, as the tests above hold the native build. So a machine with AVX512-BF16 keeps the
+    AVX2 forms tested too."""
+    from ascend_graph.runtime import machine
+
+    if not BUILDS[name][2] <= set(machine()["cpu_flags"]):
+        pytest.skip(f"needs an x86 CPU with {', '.join(sorted(BUILDS[name][2]))}")
+    dll = _build_for(name, tmp_path)
+    gen = torch.Generator().manual_seed(3)
+    for n, k in [(300, 2048), (125, 80), (9, 33), (7, 47)]:
+        counts = torch.tensor([1, 3, 0, 5, 8, 12, 40])
+        ends = counts.cumsum(0).to(torch.int32)
+        w = torch.randn(len(counts), n, k, generator=gen).to(torch.bfloat16)
+        x = torch.randn(int(ends[-1]), k, generator=gen).to(torch.bfloat16)
+        out = torch.full((x.shape[0], n), float("nan"), dtype=torch.bfloat16)
+        assert dll.expert_rows(x.data_ptr(), w.data_ptr(), ends.data_ptr(), out.data_ptr(), len(counts), n, k, 1) == 0
+        _assert_one_rounding(out, _oracle(x, w, ends))
+    for e, rows, k, n in [(3, 5, 65, 80), (2, 16, 512, 512)]:
+        x = torch.randn(e, rows, k, generator=gen).to(torch.bfloat16)
+        w = torch.randn(e, k, n, generator=gen).to(torch.bfloat16)
+        out = torch.full((e, rows, n), float("nan"), dtype=torch.bfloat16)
+        assert dll.kn_rows(x.data_ptr(), w.data_ptr(), k * n, out.data_ptr(), e, rows, k, n, 1) == 0
+        _assert_one_rounding(out, x.double() @ w.double())
+    # the paged forms: MLA's rows (one head per token row) and kv heads' rows, blocks of 16 and odd
+    for heads, width, m, block in [(1, 64, 16, 16), (1, 40, 17, 5), (1, 33, 3, 16), (4, 64, 4, 16), (2, 33, 16, 3)]:
+        _check_paged_build(dll, gen, heads, width, m, block)
+
+
+def _check_paged_build(dll, gen, heads: int, width: int, m: int, block: int) -> None:
+    """``paged_rows`` and ``paged_kn`` of one build over a cache ``[NB, block, heads, width]`` and a
+    shuffled table (3 sequences of 4 blocks) against float64 products over the gathered rows."""
+    cache = torch.randn(9, block, heads, width, generator=gen).to(torch.bfloat16)
+    tables = torch.randint(0, 9, (3, 4), generator=gen, dtype=torch.int32)
+    rows = cache[tables.long()].flatten(1, 2).transpose(1, 2).double()  # [B, heads, T, width]
+    q = torch.randn(3, heads, m, width, generator=gen).to(torch.bfloat16)
+    probs = torch.randn(3, heads, m, 4 * block, generator=gen).to(torch.bfloat16)
+    scores = torch.full((3, heads, m, 4 * block), float("nan"), dtype=torch.bfloat16)
+    values = torch.full((3, heads, m, width), float("nan"), dtype=torch.bfloat16)
+    for kernel, x, out in [(dll.paged_rows, q, scores), (dll.paged_kn, probs, values)]:
+        assert kernel(x.data_ptr(), cache.data_ptr(), tables.data_ptr(), out.data_ptr(), 3 * heads, 4, block,
+                      cache.stride(0), m, width, heads, 1) == 0
+    _assert_one_rounding(scores, q.double() @ rows.transpose(2, 3))
+    _assert_one_rounding(values, probs.double() @ rows)
