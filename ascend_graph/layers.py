@@ -5,6 +5,8 @@ Shape legend: T tokens, D the normalised width, N output features, K input featu
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -130,3 +132,24 @@ class Float32Module(nn.Module):
             return super()._apply(fn, recurse)
         target = fn(torch.empty(0, dtype=torch.float32, device=tensors[0].device))  # where fn sends float32
         return super()._apply(lambda t: t.to(device=target.device), recurse)
+
+
+class ChosenBackend:
+    """Mixin for a module whose ``backend`` (how it computes) is chosen for its weights' dtype and
+    device: ``use_backend(name)`` chooses by name, or the first that runs there (None), and
+    ``.to()`` chooses again with the same request. Subclasses say how (``_choose_backend``)."""
+
+    _backend_request: Optional[str] = None
+
+    def _choose_backend(self, name: Optional[str]):
+        raise NotImplementedError
+
+    def use_backend(self, name: Optional[str] = None):
+        """Choose and keep ``self.backend``; ValueError where a named one cannot run here."""
+        self._backend_request, self.backend = name, self._choose_backend(name)
+        return self.backend
+
+    def _apply(self, fn, recurse: bool = True):
+        out = super()._apply(fn, recurse)
+        self.use_backend(self._backend_request)
+        return out

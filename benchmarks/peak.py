@@ -9,7 +9,7 @@ that oneDNN's bf16 matmuls use. The best of a few runs (noise only lowers a peak
 one-row product (a hand-written kernel, weights on huge pages) by row length and layout: the
 measurement behind ``runtime.LONG_REDUCTION`` and ``layers.ChunkedLinear``; and, for 1 to
 32 rows, aten's ``F.linear`` against the project's few-row kernel (``rows_mm``) on the same
-row-major weights (``few_rows_streams``): the measurement behind ``kernels/ops.py`` and
+row-major weights (``few_rows_streams``): the measurement behind ``ascend_graph/kernels/`` and
 ``compile.inductor.ROWS_MM_MAX``.
 
     python -m benchmarks.peak

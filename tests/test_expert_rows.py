@@ -59,17 +59,19 @@ def test_each_row_times_its_experts_weight(n, k, threads):
 @needs_kernel
 @pytest.mark.parametrize("tokens", [16, 1])
 def test_eager_and_compiled_moe_both_call_the_kernel_and_agree_with_grouped_mm(monkeypatch, tokens):
-    """From 2 tokens, and at 1 token with ``one_token_kernel`` (as on AVX2 by default), the
-    compiled MoE multiplies in the kernel as the eager one does: the same output, bit for bit."""
+    """The cpu_kernel MoE backend (bfloat16 where the kernel runs) multiplies in the kernel in eager
+    and compiled steps alike, one token included: the same output, bit for bit, and within
+    rounding of ``torch._grouped_mm``'s."""
     moe = _moe().to(torch.bfloat16)
-    moe.experts.one_token_kernel = True
+    assert moe.backend.name == "cpu_kernel"
+    decode = lambda x, w, e: moe.backend.decode(moe.experts, x, w, e)  # noqa: E731
     x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     op = torch.ops.ascend_graph.expert_rows_mm
     calls = []
     monkeypatch.setattr(torch.ops.ascend_graph, "expert_rows_mm", lambda *a: calls.append(a) or op(*a))
     with torch.no_grad():
         weights, experts = moe.gate(x)
-        eager = moe.experts.decode(x, weights, experts)
+        eager = decode(x, weights, experts)
         assert len(calls) == 2  # gate/up and down
         plain = moe.experts.sorted_by_expert(x, weights, experts, kernel=False)
         assert len(calls) == 2
@@ -83,71 +85,20 @@ def test_eager_and_compiled_moe_both_call_the_kernel_and_agree_with_grouped_mm(m
         return gm.forward
 
     with torch.no_grad():
-        compiled = torch.compile(moe.experts.decode, backend=recording, fullgraph=True, dynamic=False)
+        compiled = torch.compile(decode, backend=recording, fullgraph=True, dynamic=False)
         torch.testing.assert_close(compiled(x, weights, experts), eager, atol=0, rtol=0)
     targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert sum("expert_rows_mm" in t for t in targets) == 2, targets
 
 
-@needs_kernel
-def test_compiled_one_token_moe_as_the_gathered_reduction_agrees_with_the_kernel():
-    """``one_token_kernel`` False (the default on AVX512-BF16): one token's experts compiled as the
-    gathered form, no kernel call, within bf16 rounding of the kernel's (eager) output."""
-    moe = _moe().to(torch.bfloat16)
-    moe.experts.one_token_kernel = False
-    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    graphs = []
+def test_the_kernel_moe_backend_runs_only_for_bfloat16_on_cpu_and_not_when_switched_off(monkeypatch):
+    from ascend_graph.moe.backend import KernelMoE
 
-    def recording(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    with torch.no_grad():
-        weights, experts = moe.gate(x)
-        eager = moe.experts.decode(x, weights, experts)
-        compiled = torch.compile(moe.experts.decode, backend=recording, fullgraph=True, dynamic=False)
-        got = compiled(x, weights, experts)
-    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
-    assert not any("expert_rows_mm" in t for t in targets), targets
-    torch.testing.assert_close(got, eager, atol=3e-2, rtol=3e-2)
-
-
-@pytest.mark.parametrize("one_token", [True, False])
-def test_decode_picks_sorted_by_expert_when_compiled_from_two_tokens_where_the_kernel_runs(monkeypatch, one_token):
-    """From 2 tokens where the kernel runs; at 1 token too where ``one_token_kernel``."""
-    experts = _moe().to(torch.bfloat16).experts
-    experts.one_token_kernel = one_token
-    picked = []
-    for name in ("gathered", "gathered_by_expert", "sorted_by_expert"):
-        monkeypatch.setattr(experts, name, (lambda n: lambda *a: picked.append(n))(name))
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    for uses_kernel in (True, False):
-        monkeypatch.setattr(experts, "uses_kernel", lambda x, u=uses_kernel: u)
-        for tokens in (1, 2):
-            x = torch.zeros(tokens, 64, dtype=torch.bfloat16)
-            experts.decode(x, torch.ones(tokens, 2), torch.zeros(tokens, 2, dtype=torch.long))
-    # small experts (below SORT_PAIRS_MIN_EXPERT_BYTES) and few pairs: gathered without the kernel
-    assert picked == ["sorted_by_expert" if one_token else "gathered", "sorted_by_expert", "gathered", "gathered"]
-
-
-def test_one_token_kernel_defaults_to_the_builds_choice():
-    experts = _moe().to(torch.bfloat16).experts
-    assert experts.one_token_kernel is None
-    assert experts.one_token_in_kernel == kernels.ONE_ROW_KERNEL.get(kernels.isa(), False)
-    experts.one_token_kernel = not experts.one_token_in_kernel
-    assert experts.one_token_in_kernel == (not kernels.ONE_ROW_KERNEL.get(kernels.isa(), False))
-
-
-def test_uses_kernel_only_for_bfloat16_on_cpu_and_not_when_switched_off(monkeypatch):
-    experts = _moe().experts  # float32
-    assert not experts.uses_kernel(torch.zeros(2, 64))
-    experts = experts.to(torch.bfloat16)
-    assert experts.uses_kernel(torch.zeros(2, 64, dtype=torch.bfloat16)) == kernels.available()
-    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)  # AOTInductor packages run it too
-    assert experts.uses_kernel(torch.zeros(2, 64, dtype=torch.bfloat16)) == kernels.available()
-    monkeypatch.undo()
+    cpu = torch.device("cpu")
+    assert not KernelMoE.supports(cpu, torch.float32)
+    assert KernelMoE.supports(cpu, torch.bfloat16) == kernels.available()
     monkeypatch.setenv("ASCEND_GRAPH_EXPERT_KERNEL", "0")
-    assert not kernels.available()
+    assert not kernels.available() and not KernelMoE.supports(cpu, torch.bfloat16)
 
 
 @needs_kernel

@@ -231,7 +231,7 @@ def test_inductor_graph_equals_eager_for_every_size_and_between(kind, dtype):
 
 def test_inductor_graph_equals_eager_at_batches_that_run_the_wide_matmul_form(monkeypatch):
     """bfloat16 at 21 and 32 rows: the compiled step's dense products run ``rows_mm``'s wide form
-    (``kernels/csrc/expert_rows.c``; aten in eager), padded and full. A dense model: in the
+    (``ascend_graph/kernels/csrc/``; aten in eager), padded and full. A dense model: in the
     small MoE model, eager's own routing at 32 tokens has near-ties (0.0005 between the 2nd and
     3rd expert's score), and graph and eager differ past the bf16 tolerance there with aten too."""
     from ascend_graph import kernels

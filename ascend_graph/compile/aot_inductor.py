@@ -8,7 +8,7 @@ C++ compiler run, and no dynamo guard check on each replay.
 As in the Inductor backend, the cache write is generated code (``inductor.inline_cache_writes``
 on the exported program), not a call of the custom op through AOTInductor's proxy executor.
 Also as there, a step of 2 or more rows calls the project's CPU kernel for its few-row matmuls
-(``ascend_graph::rows_mm``, ``ascend_graph::expert_rows_mm``, ``kernels/ops.py``) where
+(``ascend_graph::rows_mm``, ``ascend_graph::expert_rows_mm``, ``ascend_graph/kernels/``) where
 it runs: the loading process builds it at first use with the system C compiler, and the key
 below includes whether it runs, so a package is never loaded where it cannot (figures:
 docs/cpu-kernels.md).

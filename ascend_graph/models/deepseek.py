@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from ..attention import AttentionMetadata, MLABackend, select_attention_backend
 from ..kv_cache import MLACache, MLACacheSpec
 from .deepseek_config import DeepseekConfig
-from ..layers import RMSNorm, linear
+from ..layers import ChosenBackend, RMSNorm, linear
 from ..moe import MLP, MoE
 from .selection import ChoosesBackends
 from .rope import RotaryEmbedding, apply_rope, softmax_scale
@@ -41,7 +41,7 @@ from .rope import RotaryEmbedding, apply_rope, softmax_scale
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
 
 
-class MLAttention(nn.Module):
+class MLAttention(ChosenBackend, nn.Module):
     """Multi-head latent attention of one layer: writes the new tokens' latent and rope key into
     the layer's cache, then runs absorbed MLA for decode rows and plain MLA for prefills."""
 
@@ -65,11 +65,15 @@ class MLAttention(nn.Module):
         self.kv_b_proj = linear(config.kv_lora_rank, h * (config.qk_nope_head_dim + config.v_head_dim),
                                 dtype, device)
         self.o_proj = linear(h * config.v_head_dim, e, dtype, device, bias)
-        self.backend: MLABackend = select_attention_backend("mla", self.kv_a_proj_with_mqa.weight.device, dtype)
+        self.backend: MLABackend = self.use_backend()
         # derived from kv_b_proj.weight by process_weights_after_loading(); never in the state dict
         self.register_buffer("w_uk_t", None, persistent=False)  # [H, C, Dn]
         self.register_buffer("w_uv", None, persistent=False)  # [H, Dv, C]
         self.register_load_state_dict_post_hook(_rebuild_after_load)
+
+    def _choose_backend(self, name: str | None) -> MLABackend:
+        weight = self.kv_a_proj_with_mqa.weight
+        return select_attention_backend("mla", weight.device, weight.dtype, name)
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
@@ -186,8 +190,6 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
     def dtype(self) -> torch.dtype:
         """The weights' dtype (routing and rope frequencies stay float32 regardless)."""
         return self.model.embed_tokens.weight.dtype
-
-    attention_kind = "mla"
 
     def attention_layers(self):
         return (layer.self_attn for layer in self.model.layers)

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ..attention import AttentionMetadata, PagedBackend, select_attention_backend
 from ..kv_cache import KVCache, KVCacheSpec
-from ..layers import RMSNorm
+from ..layers import ChosenBackend, RMSNorm
 from .selection import ChoosesBackends
 
 
@@ -46,7 +46,7 @@ def rotate_neox(x: Tensor, positions: Tensor, theta: float) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(ChosenBackend, nn.Module):
     """GQA self-attention: writes k/v into the tuple cache, then paged decode / prefill."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
@@ -56,8 +56,11 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.use_backend()
+
+    def _choose_backend(self, name: str | None) -> PagedBackend:
         weight = self.q_proj.weight
-        self.backend: PagedBackend = select_attention_backend("paged", weight.device, weight.dtype)
+        return select_attention_backend("paged", weight.device, weight.dtype, name)
 
     def forward(self, x: Tensor, positions: Tensor, cache: KVCache, meta: AttentionMetadata) -> Tensor:
         cfg, t = self.cfg, x.shape[0]
@@ -106,7 +109,6 @@ class LlamaLayer(nn.Module):
 class LlamaForCausalLM(ChoosesBackends, nn.Module):
     """Small Llama-style causal LM following the runner's step contract."""
 
-    attention_kind = "paged"
 
     def __init__(self, cfg: LlamaConfig = LlamaConfig()) -> None:
         super().__init__()

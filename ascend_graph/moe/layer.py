@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..layers import linear
+from ..layers import ChosenBackend, linear
 from .backend import MoEBackend, select_moe_backend
 from .experts import RoutedExperts
 from .router import Router
@@ -33,7 +33,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class MoE(nn.Module):
+class MoE(ChosenBackend, nn.Module):
     """Routed experts plus the always-on shared experts; ``backend`` computes the routed sum
     (``moe.backend``; None: chosen for ``dtype`` on ``device``)."""
 
@@ -46,7 +46,11 @@ class MoE(nn.Module):
         if config.n_shared_experts:
             self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
                                       dtype, device)
-        self.backend = backend or select_moe_backend(self.experts.gate_up_proj.device, dtype)
+        self.backend: MoEBackend = backend or self.use_backend()
+
+    def _choose_backend(self, name: Optional[str]) -> MoEBackend:
+        weight = self.experts.gate_up_proj
+        return select_moe_backend(weight.device, weight.dtype, name)
 
     def forward(self, x: Tensor, prefill: bool = False) -> Tensor:
         """``x [T, E]`` -> ``[T, E]``; ``prefill``: the step has prefill tokens (it runs eager)."""

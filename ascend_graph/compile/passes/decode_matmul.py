@@ -19,6 +19,9 @@ ROWS_MM_MAX = 64
 BATCHED_LIMITS = {"AVX512-BF16": (32, 1 << 17), "AVX2": (ROWS_MM_MAX, 1 << 13)}
 BATCHED_ROWS_MAX, BATCHED_MIN_ELEMENTS = BATCHED_LIMITS["AVX512-BF16"]
 
+# the kernel's Python side (its ops' schemas and checks): a change to any of it is a new pass
+KERNEL_FILES = tuple(m.__file__ for m in (kernels.build, kernels.ops, kernels.matmul, kernels.paged, kernels.moe))
+
 
 def batched_limits() -> tuple[int, int]:
     """``(rows max, min elements)`` of ``BATCHED_LIMITS`` for the kernel's build here (AVX512-BF16's
@@ -197,7 +200,7 @@ class DecodeMatmulPass(CustomGraphPass):
 
     def uuid(self) -> Optional[Any]:
         available = int(self.few_rows_kernel and kernels.available())
-        return (get_hash_for_files((__file__, runtime.__file__, kernels.ops.__file__, kernels.build.__file__)).hex()
+        return (get_hash_for_files((__file__, runtime.__file__, *KERNEL_FILES)).hex()
                 + f"-split{int(self.split_long_reductions)}-bmm1{int(self.batch_one_bmm_as_mm)}-rows{available}"
                 + f"-batched{int(self.batched_rows_kernel)}-{self.batched_rows_max}-{self.batched_min_elements}"
                 + f"-one{int(self.one_row_kernel)}")
