@@ -88,13 +88,16 @@ class StepMatmuls:
         experts = {p.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, RoutedExperts)
                    for p in m.parameters()}
         recorder = _MatmulRecorder()
-        request = model._backend_names  # recorded through the reference attention: its aten products
-        model.select_backends("reference", request[1])
+        layers = list(model.attention_layers())  # recorded through the reference attention: aten's products
+        requests = [layer._backend_request for layer in layers]
         try:
+            for layer in layers:
+                layer.use_backend("reference")
             with recorder, mock.patch.object(paging, "aten_bf16_emulated", lambda: False):
                 run_step()
         finally:
-            model.select_backends(*request)
+            for layer, request in zip(layers, requests):
+                layer.use_backend(request)
 
         def reads_experts(call: tuple) -> bool:
             return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in experts
