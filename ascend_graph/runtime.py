@@ -116,11 +116,9 @@ def on_huge_pages(t: Tensor) -> Tensor:
 
 
 def weights_on_huge_pages(model: torch.nn.Module, min_bytes: int = HUGE_PAGE) -> int:
-    """Move every CPU parameter of ``min_bytes`` or more onto transparent huge pages; the bytes moved.
-
-    A decode step streams the weights: with 2 MiB pages the V2-Lite slice's batch-1 steps ran
-    faster in both modes, graph 1.01-1.11x and eager 1.05-1.06x over five suite runs on this
-    shared machine (``python -m benchmarks --parts huge_pages``).
+    """Move every CPU parameter, and every derived weight form (a non-persistent buffer, such as
+    MLA's ``W_UK`` / ``W_UV``), of ``min_bytes`` or more onto transparent huge pages; the bytes
+    moved. A decode step streams the weights (``python -m benchmarks --parts huge_pages``).
     Call it before building a runner: the parameters are new tensors (same values), which
     graphs compiled before would see as a change. Needs Linux with transparent huge pages set
     to ``madvise`` or ``always``; elsewhere it moves nothing and returns 0.
@@ -135,6 +133,11 @@ def weights_on_huge_pages(model: torch.nn.Module, min_bytes: int = HUGE_PAGE) ->
                     continue
                 module._parameters[name] = torch.nn.Parameter(on_huge_pages(p.data), requires_grad=p.requires_grad)
                 moved += p.numel() * p.element_size()
+            for name in module._non_persistent_buffers_set:
+                b = module._buffers.get(name)
+                if b is not None and b.device.type == "cpu" and b.numel() * b.element_size() >= min_bytes:
+                    module._buffers[name] = on_huge_pages(b)
+                    moved += b.numel() * b.element_size()
     return moved
 
 

@@ -46,9 +46,11 @@ def test_model_weights_moved_keep_outputs_and_only_large_cpu_parameters_move():
     min_bytes = 64 * 1024
     large = {n for n, p in params.items() if p.numel() * p.element_size() >= min_bytes}
     assert large and len(large) < len(params)  # the test moves some parameters, not all
+    derived = sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+                  if n.endswith((".w_uk_t", ".w_uv")) and b.numel() * b.element_size() >= min_bytes)
     moved = weights_on_huge_pages(model, min_bytes=min_bytes)
     after = dict(model.named_parameters())
-    assert moved == sum(values[n].numel() * values[n].element_size() for n in large)
+    assert moved == sum(values[n].numel() * values[n].element_size() for n in large) + derived
     for n, p in after.items():
         assert torch.equal(p, values[n]) and isinstance(p, torch.nn.Parameter)
         assert (p is not params[n]) == (n in large)
@@ -65,3 +67,15 @@ def test_model_weights_moved_keep_outputs_and_only_large_cpu_parameters_move():
         sched = Schedule()
         logits.append(runner.execute([sched.add(0, [3, 5, 7, 11], new_tokens=1)]))
     assert torch.equal(logits[0], logits[1])
+
+
+@needs_madvise
+def test_derived_weight_forms_move_with_the_weights():
+    """MLA's W_UK / W_UV (non-persistent buffers built from kv_b_proj) are streamed like weights."""
+    model = DeepseekForCausalLM(DeepseekConfig.small(), seed=0).eval()
+    derived = {n: b.clone() for n, b in model.named_buffers() if n.endswith((".w_uk_t", ".w_uv"))}
+    assert derived
+    weights_on_huge_pages(model, min_bytes=0)
+    for n, b in model.named_buffers():
+        if n in derived:
+            assert torch.equal(b, derived[n]) and b.data_ptr() % HUGE_PAGE == 0, n

@@ -26,7 +26,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..runtime import HUGE_PAGE, huge_pages_supported, on_huge_pages, weights_on_huge_pages
+from ..runtime import weights_on_huge_pages
 from .deepseek import DeepseekForCausalLM
 from .deepseek_config import DeepseekConfig
 
@@ -264,18 +264,6 @@ def checkpoint_tensors(model: DeepseekForCausalLM) -> dict[str, Tensor]:
     return out
 
 
-def _on_huge_pages(model: DeepseekForCausalLM) -> None:
-    """Weights, and the derived forms of 2 MiB or more (non-persistent buffers), onto huge pages."""
-    if not huge_pages_supported():
-        return
-    weights_on_huge_pages(model)
-    for module in model.modules():
-        for name in module._non_persistent_buffers_set:
-            b = module._buffers.get(name)
-            if b is not None and b.device.type == "cpu" and b.numel() * b.element_size() >= HUGE_PAGE:
-                module._buffers[name] = on_huge_pages(b)
-
-
 def load_deepseek(path: str | os.PathLike, dtype: Optional[torch.dtype] = None,
                   device: torch.device | str = "cpu", huge_pages: bool = True) -> DeepseekForCausalLM:
     """Build a ``DeepseekForCausalLM`` from the checkpoint directory ``path``.
@@ -294,5 +282,5 @@ def load_deepseek(path: str | os.PathLike, dtype: Optional[torch.dtype] = None,
     _fill(model, files, _plan(model, files))
     model.process_weights_after_loading()
     if huge_pages:
-        _on_huge_pages(model)
+        weights_on_huge_pages(model)
     return model.eval()
