@@ -110,3 +110,14 @@ def test_a_model_never_processed_refuses_to_run_before_writing_its_cache():
     with torch.no_grad(), pytest.raises(RuntimeError, match="process_weights_after_loading"):
         model(torch.tensor([1, 2, 3]), positions, caches, meta)
     assert all(not c.kv_c.any() and not c.k_pe.any() for c in caches)
+
+
+def test_a_seed_draws_kv_b_as_earlier_versions_stored_it():
+    """The random draw for ``kv_b_proj`` is read in the layout earlier versions kept (every head's
+    W_UK transposed, then every W_UV), so seeded models stay the models recorded results used."""
+    from ascend_graph.models.deepseek import _earlier_kv_b_order, kv_b_parts
+
+    h, dn, dv, c = 3, 4, 5, 6
+    draw = torch.randn(h * (dn + dv), c, generator=torch.Generator().manual_seed(0))
+    uk_t, uv = kv_b_parts(_earlier_kv_b_order(draw, h, dn, dv), h, dn, dv)
+    assert torch.equal(uk_t, draw[:h * dn].reshape(h, c, dn)) and torch.equal(uv, draw[h * dn:].reshape(h, dv, c))

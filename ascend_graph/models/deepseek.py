@@ -116,6 +116,16 @@ def kv_b_parts(weight: Tensor, h: int, dn: int, dv: int) -> tuple[Tensor, Tensor
     return per_head[:, :dn].transpose(1, 2).contiguous(), per_head[:, dn:].contiguous()
 
 
+def _earlier_kv_b_order(draw: Tensor, h: int, dn: int, dv: int) -> Tensor:
+    """``draw [H*Dn + H*Dv, C]`` read as earlier versions laid ``kv_b_proj.weight`` out (every
+    head's ``W_UK`` transposed, ``[H, C, Dn]``, then every head's ``W_UV``, ``[H, Dv, C]``), in
+    the checkpoint's order (per head ``W_UK`` then ``W_UV``): the seeded models, and the results
+    recorded with them, stay the same."""
+    c = draw.shape[1]
+    uk_t, uv = draw[:h * dn].reshape(h, c, dn), draw[h * dn:].reshape(h, dv, c)
+    return torch.cat([uk_t.transpose(1, 2), uv], dim=1).reshape(h * (dn + dv), c)
+
+
 def _rebuild_after_load(module: MLAttention, incompatible_keys) -> None:
     """``load_state_dict`` post-hook: the derived forms follow the loaded ``kv_b_proj.weight``."""
     module.process_weights_after_loading()
@@ -222,13 +232,18 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
     @torch.no_grad()
     def init_random_weights_(self, seed: int = 0, std: float | None = None) -> None:
         """Seeded random weights (drawn on the CPU, so equal on every device), then their derived
-        forms: matrices ``normal(0, std or config.initializer_range)`` drawn in the checkpoint's
-        element order, biases zero, norm weights one."""
+        forms: matrices ``normal(0, std or config.initializer_range)``, biases zero, norm weights
+        one. Each matrix is drawn in its element order, ``kv_b_proj`` in the order earlier versions
+        stored it (``_earlier_kv_b_order``), so a seed gives the same model as it always did."""
         gen = torch.Generator().manual_seed(seed)
         std = self.config.initializer_range if std is None else std
+        c = self.config
         for name, p in self.named_parameters():
             if p.dim() >= 2:
-                p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+                draw = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+                if name.endswith("self_attn.kv_b_proj.weight"):
+                    draw = _earlier_kv_b_order(draw, c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim)
+                p.copy_(draw)
             else:
                 p.fill_(0.0 if name.endswith(".bias") else 1.0)
         self.process_weights_after_loading()
