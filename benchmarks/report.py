@@ -32,7 +32,7 @@ DEFAULT_SUITE = "benchmarks/results/suite.json"
 PERF_BEGIN, PERF_END = "<!-- perf:begin -->", "<!-- perf:end -->"
 # (JSON in results/cuda, title): ``benchmarks.decode_step --device cuda`` runs (``.ci/cuda_check``)
 CUDA_RUNS = (("decode_small.json", "small model, float32"), ("decode_v2_lite.json", "V2-Lite slice, bfloat16"),
-             ("decode_v2_lite_gathered_moe.json", "V2-Lite slice, bfloat16, MoE before `grouped_mm_on_gpu`"))
+             ("decode_v2_lite_gathered_moe.json", "V2-Lite slice, bfloat16, MoE before the grouped_mm backend"))
 
 
 def load(path: str) -> dict:
