@@ -1,6 +1,6 @@
 """Attention backends: chosen once for the cache dtype and device, and each runs the same algorithm
-in eager and compiled steps (the cpu_kernel backend reads the cache in place in both: the compiled
-code calls the kernel's paged ops on the cache and tables); against the float64 oracle
+in eager and compiled steps (the cpu_kernel backend reads each row's live blocks in place in both:
+the compiled code calls ``decode_attention`` once on the cache and tables); against the float64 oracle
 (``attention.oracle``) on the same bf16 values."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from ascend_graph.attention import ATTENTION_BACKENDS, select_attention_backend
 from ascend_graph.attention.cpu import CpuMLA, CpuPaged
 from ascend_graph.attention.metadata import DecodeMetadata
 from ascend_graph.attention.oracle import dense_attention, naive_mla
-from ascend_graph.attention.paging import aten_bf16_emulated, gather_sequence
+from ascend_graph.attention.paging import gather_sequence
 from ascend_graph.attention.reference import ReferenceMLA, ReferencePaged
 from ascend_graph.compile.inductor import InductorBackend
 from ascend_graph.kv_cache import KVCache, MLACache
@@ -25,30 +25,33 @@ needs_kernel = pytest.mark.skipif(not kernels.available(), reason="the CPU kerne
 def test_selection_takes_the_first_backend_that_runs_and_names_bad_requests():
     cpu = torch.device("cpu")
     kernel = kernels.available()
-    assert select_attention_backend("mla", cpu, torch.float32).name == "reference"
-    assert select_attention_backend("mla", cpu, torch.bfloat16).name == ("cpu_kernel" if kernel else "reference")
-    paged = "cpu_kernel" if kernel and aten_bf16_emulated() else "reference"
-    assert select_attention_backend("paged", cpu, torch.bfloat16).name == paged
+    first = "cpu_kernel" if kernel else "reference"
+    for kind in ("mla", "paged"):
+        for dtype in (torch.float32, torch.bfloat16):
+            assert select_attention_backend(kind, cpu, dtype).name == first
+        assert select_attention_backend(kind, cpu, torch.float16).name == "reference"
     assert isinstance(select_attention_backend("mla", cpu, torch.bfloat16, "reference"), ReferenceMLA)
     with pytest.raises(ValueError, match="kind must be one of"):
         select_attention_backend("flash", cpu, torch.float32)
     with pytest.raises(ValueError, match=r"attention backend must be one of \['cpu_kernel', 'reference'\]"):
         select_attention_backend("mla", cpu, torch.float32, "npu")
-    with pytest.raises(ValueError, match="does not run for torch.float32 caches on cpu"):
-        select_attention_backend("mla", cpu, torch.float32, "cpu_kernel")
+    with pytest.raises(ValueError, match="does not run for torch.float16 caches on cpu"):
+        select_attention_backend("mla", cpu, torch.float16, "cpu_kernel")
     assert [name for name, _ in ATTENTION_BACKENDS["paged"]][-1] == "reference"  # runs everywhere, last
 
 
 def test_models_report_and_reselect_their_backends_when_cast():
     from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
 
-    model = DeepseekForCausalLM(DeepseekConfig.small(), dtype=torch.float32)
+    kernel = "cpu_kernel" if kernels.available() else None
+    model = DeepseekForCausalLM(DeepseekConfig.small(), dtype=torch.float16)
     assert model.backends() == {"attention": "reference", "moe": "grouped_mm"}
     model.to(torch.bfloat16)
-    kernel = "cpu_kernel" if kernels.available() else None
     assert model.backends() == {"attention": kernel or "reference", "moe": kernel or "grouped_mm"}
+    model.to(torch.float32)
+    assert model.backends() == {"attention": kernel or "reference", "moe": "grouped_mm"}
     assert model.select_backends(attention="reference", moe="gathered") == {"attention": "reference", "moe": "gathered"}
-    model.to(torch.float32)  # a named request is kept across casts where it still runs
+    model.to(torch.bfloat16)  # a named request is kept across casts where it still runs
     assert model.backends() == {"attention": "reference", "moe": "gathered"}
 
 
@@ -79,9 +82,9 @@ def test_cpu_mla_reads_the_cache_in_place_and_compiled_equals_eager(b):
     eager = step(*args)
     graph, code = run_and_get_code(_compiled(step), *args)
     code = "".join(code)
-    assert code.count("ascend_graph.paged_rows_mm.default(") == 2  # latent and rope scores
-    assert code.count("ascend_graph.paged_rows_bmm.default(") == 1  # the values
-    torch.testing.assert_close(graph, eager, atol=2e-2, rtol=2e-2)  # Inductor fuses the softmax: bf16 roundings
+    assert code.count("ascend_graph.decode_attention.default(") == 1  # scores, softmax and values in one call
+    assert "paged_rows" not in code
+    assert torch.equal(graph, eager)  # the same op on the same bf16 query: nothing left for Inductor to fuse
     exact = torch.cat([naive_mla(q_nope[i:i + 1], q_pe[i:i + 1], gather_sequence(cache.kv_c, tables[i], n).squeeze(1),
                                  gather_sequence(cache.k_pe, tables[i], n).squeeze(1), w_uk, w_uv, 0.2)
                        for i, n in enumerate(lens.tolist())])
@@ -107,8 +110,8 @@ def test_cpu_paged_compiled_equals_eager_and_the_oracle(hq, hk):
 
     eager = step(q, *cache, tables, lens)
     graph, code = run_and_get_code(_compiled(step), q, *cache, tables, lens)
-    assert "".join(code).count("ascend_graph.paged_rows_mm.default(") == 1
-    torch.testing.assert_close(graph, eager, atol=2e-2, rtol=2e-2)  # Inductor fuses the softmax: bf16 roundings
+    assert "".join(code).count("ascend_graph.decode_attention.default(") == 1
+    assert torch.equal(graph, eager)
     exact = torch.cat([dense_attention(q[i:i + 1], gather_sequence(cache.k, tables[i], n),
                                        gather_sequence(cache.v, tables[i], n), d ** -0.5)
                        for i, n in enumerate(lens.tolist())])

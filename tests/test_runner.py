@@ -252,9 +252,9 @@ def test_inductor_graph_equals_eager_at_batches_that_run_the_wide_matmul_form(mo
 @pytest.mark.parametrize("attention", ["cpu_kernel", "reference"])
 def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(monkeypatch, attention):
     """bfloat16 MLA decode at 1-4 rows, with a pass that takes this small model's products. The
-    cpu_kernel attention backend computes the scores (latent and rope parts) with
-    ``paged_rows_mm`` and the probabilities by the latent rows with ``paged_rows_bmm`` over the
-    cache blocks where they lie, in eager and graph steps alike, at batch 1 too. The reference
+    cpu_kernel attention backend runs ``decode_attention`` (scores of the latent and rope parts,
+    softmax, values by the latent rows) over the cache blocks where they lie, in eager and graph
+    steps alike, at batch 1 too. The reference
     backend multiplies gathered rows: compiled, the pass runs those products as ``expert_rows_mm``
     (one "expert" per sequence) and ``rows_bmm``. Both: the output by ``W_UV`` and the queries by
     ``W_UK`` with ``expert_rows_mm`` (one "expert" per head) in the graph, aten's ``bmm`` in eager.
@@ -266,11 +266,12 @@ def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(m
         pytest.skip("the CPU kernel does not build here")
 
     weights, run, kn, run_kn = [], kernels.ops._run, [], kernels.ops._run_kn
-    pages, run_paged = [], kernels.ops._run_paged
+    pages, check_attention = [], kernels.attention._check
     monkeypatch.setattr(kernels.ops, "_run", lambda name, x, w, *a: weights.append(tuple(w.shape)) or run(name, x, w, *a))
     monkeypatch.setattr(kernels.ops, "_run_kn", lambda x, w: kn.append((tuple(x.shape), tuple(w.shape))) or run_kn(x, w))
-    monkeypatch.setattr(kernels.ops, "_run_paged",
-                        lambda name, x, cache, *a: pages.append((name, cache.shape[-1])) or run_paged(name, x, cache, *a))
+    monkeypatch.setattr(kernels.attention, "_check",  # each run of decode_attention (its fake never checks)
+                        lambda name, q, q_rope, k, *a: pages.append((name, k.shape[-1], q_rope.shape[-1]))
+                        or check_attention(name, q, q_rope, k, *a))
     from ascend_graph.compile.inductor import InductorBackend, config_patches
     from ascend_graph.compile.passes.decode_matmul import DecodeMatmulPass
     from ascend_graph.compile.passes.inline_writes import INLINE_CACHE_WRITES
@@ -291,7 +292,7 @@ def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(m
     pages.clear()
     report = compare_step(runner, sched.decode_entries()[:1])  # batch 1: in place too, or aten's mm
     assert report.ok and report.untouched_ok, report.summary()
-    assert {name for name, _ in pages} == ({"paged_rows_mm", "paged_rows_bmm"} if on and paged else set()), pages
+    assert len(pages) == (2 * model.config.num_hidden_layers if on and paged else 0), pages  # per layer, eager and graph
     for n in (2, 4):
         report = compare_step(runner, sched.decode_entries()[:n])
         assert report.ok and report.untouched_ok, report.summary()
@@ -300,8 +301,7 @@ def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(m
     tokens = runner.table_width * runner.block_size  # the gathered rows of a sequence
     gathered_scores = {w for w in weights if w[0] in (2, 4) and w[1:] in ((tokens, latent), (tokens, rope))}
     assert bool(gathered_scores) == (on and not paged), weights
-    assert set(pages) == ({("paged_rows_mm", latent), ("paged_rows_mm", rope), ("paged_rows_bmm", latent)}
-                          if on and paged else set()), pages
+    assert set(pages) == ({("decode_attention", latent, rope)} if on and paged else set()), pages
     by_w_uv = (heads, cfg.v_head_dim, latent) in weights  # the latent output by W_UV, one "expert" per head
     by_w_uk = (heads, latent, nope) in weights  # the queries by W_UK ([C, Dn] per head), likewise
     assert by_w_uv == on and by_w_uk == on, weights

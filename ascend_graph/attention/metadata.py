@@ -151,10 +151,11 @@ def build_attention_metadata(
 
 
 # What a padding row of a decode batch holds, per input: token 0 at position 0, written with
-# slot -1 (into the null block), reading only the null block (context length 1). It produces
-# finite values that the caller drops.
+# slot -1 (into the null block), context length 0: attention that reads live blocks only reads
+# nothing for it (the reference forms read the null block's first slot). It produces finite
+# values that the caller drops.
 DECODE_PADDING = {"input_ids": 0, "positions": 0, "slot_mapping": -1, "block_tables": NULL_BLOCK,
-                  "context_lens": 1}
+                  "context_lens": 0}
 
 
 def pad_decode(positions: Tensor, meta: AttentionMetadata, size: int) -> tuple[Tensor, AttentionMetadata]:

@@ -18,7 +18,7 @@ from torch import Tensor
 from ..kv_cache import MLACache
 from .metadata import DecodeMetadata, PrefillMetadata
 from .paging import (by_rows, causal_mask, float32_products, gather_rows, gather_sequence, masked_softmax,
-                     valid_slots)
+                     reads_one, valid_slots)
 
 
 def mla_decode(q_nope: Tensor, q_pe: Tensor, cache: MLACache, decode: DecodeMetadata,
@@ -33,7 +33,7 @@ def mla_decode(q_nope: Tensor, q_pe: Tensor, cache: MLACache, decode: DecodeMeta
     pe = gather_rows(cache.k_pe, decode.block_tables).squeeze(2)  # [B, T, R]
     kv_in, pe_in = product_rows(kv), product_rows(pe)  # as the products read them (float32 in some eager)
     scores = by_rows("bhc,btc->bht", q_lat, kv_in, kv.dtype) + by_rows("bhr,btr->bht", q_pe, pe_in, kv.dtype)
-    mask = valid_slots(decode.context_lens, kv.shape[1])[:, None, :]  # [B, 1, T]
+    mask = valid_slots(reads_one(decode.context_lens), kv.shape[1])[:, None, :]  # [B, 1, T]
     probs = masked_softmax(scores, mask, scale).to(kv.dtype)  # [B, H, T]
     o_lat = by_rows("bht,btc->bhc", probs, kv_in, kv.dtype)  # [B, H, C]
     return torch.einsum("bhc,hvc->bhv", o_lat, w_uv)

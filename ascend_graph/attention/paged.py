@@ -16,7 +16,7 @@ from torch import Tensor
 from ..kv_cache import KVCache
 from .metadata import DecodeMetadata, PrefillMetadata
 from .paging import (by_rows, causal_mask, float32_products, gather_rows, gather_sequence, masked_softmax,
-                     valid_slots)
+                     reads_one, valid_slots)
 
 
 def paged_decode(q: Tensor, cache: KVCache, decode: DecodeMetadata, scale: float) -> Tensor:
@@ -33,7 +33,7 @@ def paged_decode(q: Tensor, cache: KVCache, decode: DecodeMetadata, scale: float
     v = _heads_first(gather_rows(cache.v, decode.block_tables), dtype)  # [B, Hk, T, D]
     qg = q.view(b, hk, hq // hk, d)  # [B, Hk, G, D]
     scores = by_rows("bkgd,bktd->bkgt", qg, k, cache.k.dtype)
-    mask = valid_slots(decode.context_lens, k.shape[2])[:, None, None, :]  # [B, 1, 1, T]
+    mask = valid_slots(reads_one(decode.context_lens), k.shape[2])[:, None, None, :]  # [B, 1, 1, T]
     probs = masked_softmax(scores, mask, scale).to(cache.v.dtype)
     return by_rows("bkgt,bktd->bkgd", probs, v, cache.v.dtype).reshape(b, hq, d)
 

@@ -32,6 +32,12 @@ def valid_slots(context_lens: Tensor, num_slots: int) -> Tensor:
     return t[None, :] < context_lens[:, None]
 
 
+def reads_one(context_lens: Tensor) -> Tensor:
+    """``context_lens`` with each 0 (a padding row) read as 1: the gathered forms' softmax then
+    has a slot (the null block's first) and stays finite."""
+    return context_lens.clamp(min=1)
+
+
 def causal_mask(query_len: int, context_len: int, device: torch.device) -> Tensor:
     """``[Q, L]`` bool: the queries are the last ``Q`` of ``L`` tokens; each sees itself and before."""
     q_pos = torch.arange(context_len - query_len, context_len, device=device)

@@ -112,7 +112,7 @@ def _library() -> ctypes.CDLL | None:
 def _bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     """``dll`` (a build of the sources) with its entry points' argument types set: ``expert_rows``
     (``csrc/moe.c``), ``kn_rows`` (``csrc/matmul_kn.c``), ``paged_rows`` and ``paged_kn``
-    (``csrc/paged.c``)."""
+    (``csrc/paged.c``), ``decode_attention`` (``csrc/decode_attention.c``)."""
     dll.expert_rows.restype = ctypes.c_int
     dll.expert_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     dll.kn_rows.restype = ctypes.c_int
@@ -120,6 +120,9 @@ def _bind(dll: ctypes.CDLL) -> ctypes.CDLL:
     for paged in (dll.paged_rows, dll.paged_kn):
         paged.restype = ctypes.c_int
         paged.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 7 + [ctypes.c_int]
+    dll.decode_attention.restype = ctypes.c_int
+    dll.decode_attention.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_long] * 6 + [ctypes.c_void_p]
+                                     + [ctypes.c_long] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
     return dll
 
 
