@@ -25,15 +25,15 @@ needs_kernel = pytest.mark.skipif(not kernels.available(), reason="the CPU kerne
 def test_selection_takes_the_first_backend_that_runs_and_names_bad_requests():
     cpu = torch.device("cpu")
     kernel = kernels.available()
-    first = "cpu_kernel" if kernel else "reference"
+    first = "cpu_kernel" if kernel else "gathered_live"
     for kind in ("mla", "paged"):
         for dtype in (torch.float32, torch.bfloat16):
             assert select_attention_backend(kind, cpu, dtype).name == first
-        assert select_attention_backend(kind, cpu, torch.float16).name == "reference"
+        assert select_attention_backend(kind, cpu, torch.float16).name == "gathered_live"
     assert isinstance(select_attention_backend("mla", cpu, torch.bfloat16, "reference"), ReferenceMLA)
     with pytest.raises(ValueError, match="kind must be one of"):
         select_attention_backend("flash", cpu, torch.float32)
-    with pytest.raises(ValueError, match=r"attention backend must be one of \['cpu_kernel', 'reference'\]"):
+    with pytest.raises(ValueError, match=r"attention backend must be one of \['cpu_kernel', 'gathered_live', 'reference'\]"):
         select_attention_backend("mla", cpu, torch.float32, "npu")
     with pytest.raises(ValueError, match="does not run for torch.float16 caches on cpu"):
         select_attention_backend("mla", cpu, torch.float16, "cpu_kernel")
@@ -45,11 +45,11 @@ def test_models_report_and_reselect_their_backends_when_cast():
 
     kernel = "cpu_kernel" if kernels.available() else None
     model = DeepseekForCausalLM(DeepseekConfig.small(), dtype=torch.float16)
-    assert model.backends() == {"attention": "reference", "moe": "grouped_mm"}
+    assert model.backends() == {"attention": "gathered_live", "moe": "grouped_mm"}
     model.to(torch.bfloat16)
-    assert model.backends() == {"attention": kernel or "reference", "moe": kernel or "grouped_mm"}
+    assert model.backends() == {"attention": kernel or "gathered_live", "moe": kernel or "grouped_mm"}
     model.to(torch.float32)
-    assert model.backends() == {"attention": kernel or "reference", "moe": "grouped_mm"}
+    assert model.backends() == {"attention": kernel or "gathered_live", "moe": "grouped_mm"}
     assert model.select_backends(attention="reference", moe="gathered") == {"attention": "reference", "moe": "gathered"}
     model.to(torch.bfloat16)  # a named request is kept across casts where it still runs
     assert model.backends() == {"attention": "reference", "moe": "gathered"}

@@ -17,8 +17,10 @@ from .base import AttentionBackend
 
 ATTENTION_BACKENDS: dict[str, tuple[tuple[str, str], ...]] = {
     "mla": (("cpu_kernel", "ascend_graph.attention.cpu:CpuMLA"),
+            ("gathered_live", "ascend_graph.attention.live:LiveMLA"),
             ("reference", "ascend_graph.attention.reference:ReferenceMLA")),
     "paged": (("cpu_kernel", "ascend_graph.attention.cpu:CpuPaged"),
+              ("gathered_live", "ascend_graph.attention.live:LivePaged"),
               ("reference", "ascend_graph.attention.reference:ReferencePaged")),
 }
 

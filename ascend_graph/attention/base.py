@@ -9,7 +9,9 @@ the model calls it in every step. Contracts every implementation keeps:
 - ``write`` stores the step's new entries through ``kv_cache.write_slots`` (the one cache write,
   which sends padding slots to the null block and declares its mutation), before ``decode``/``prefill``.
 - ``decode`` reads each row's blocks through its block table, masked to ``context_lens``; padded
-  rows (null block, context 0..1) give finite values that the runner drops.
+  rows (null block, context 0) give finite values that the runner drops. An implementation with
+  ``reads_live_only`` reads only the first ``context_lens`` tokens of each row, so its cost follows
+  the live context whatever the table's width; the others read the full width, masked.
 - ``prefill`` reads each sequence's whole context (earlier tokens and the new ones).
 - No host sync in ``decode`` (it runs inside captured graphs).
 """
@@ -30,6 +32,7 @@ class AttentionBackend:
 
     name: ClassVar[str]
     kind: ClassVar[str]  # "mla" over MLACache(kv_c, k_pe), "paged" over KVCache(k, v)
+    reads_live_only: ClassVar[bool] = False  # decode reads each row's live blocks only
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:

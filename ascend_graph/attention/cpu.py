@@ -32,6 +32,7 @@ class CpuMLA(MLABackend):
     latent output."""
 
     name = "cpu_kernel"
+    reads_live_only = True
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
@@ -54,6 +55,7 @@ class CpuPaged(PagedBackend):
     bfloat16 caches on a CPU where the kernel builds."""
 
     name = "cpu_kernel"
+    reads_live_only = True
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
