@@ -51,7 +51,7 @@ OLD_PATHS = ("ascend_graph/kernels/csrc/expert_rows.c", "ascend_graph/models/exp
 
 def build(sources: dict[str, str], out_dir: str, name: str, isa: str = "native") -> ctypes.CDLL:
     """``sources`` (file name -> C text: every ``.c`` and ``.h`` of one revision) built as
-    ``kernels.build`` builds them (with ``ISA_FLAGS[isa]``), and bound."""
+    ``kernels.build`` builds them (with ``ISA_FLAGS[isa]``), and bound (the entry points it has)."""
     d = os.path.join(out_dir, name)
     os.makedirs(d, exist_ok=True)
     for file, text in sources.items():
@@ -66,7 +66,7 @@ def build(sources: dict[str, str], out_dir: str, name: str, isa: str = "native")
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"kernel_builds: {name} does not build:\n{done.stderr}")
-    dll = kernels.build._bind(ctypes.CDLL(lib))
+    dll = kernels.build._bind(ctypes.CDLL(lib), required=False)  # an older revision lacks later entry points
     if not dll.expert_rows_available():
         raise RuntimeError(f"kernel_builds: {name} has no kernel for this CPU")
     dll.heads_arg = any("long width, long heads" in text for text in sources.values())  # paged forms' signature

@@ -84,6 +84,23 @@ def test_the_cache_key_changes_with_every_source_and_header(tmp_path, monkeypatc
     assert kernels.build._build_key(cc, flags) != before
 
 
+@pytest.mark.skipif(kernels.compiler() is None, reason="needs a C compiler")
+def test_a_build_without_an_entry_point_is_refused_unless_bound_as_an_older_one(tmp_path):
+    """The package binds its build strictly: a build lacking an entry point (here the sources
+    without ``decode_attention.c``, as an older revision's) is an AttributeError. Bound as an
+    older build (``required=False``, what ``benchmarks.kernel_builds`` does) it keeps the entry
+    points it has, and only the missing one is the AttributeError."""
+    units = tuple(p for p in kernels.SOURCES if os.path.basename(p) != "decode_attention.c")
+    path = kernels.build._compile(kernels.compiler(), ["-O3", "-shared", "-fPIC"], str(tmp_path / "older.so"), units)
+    assert path is not None
+    with pytest.raises(AttributeError, match="decode_attention"):
+        kernels.build._bind(ctypes.CDLL(path))
+    older = kernels.build._bind(ctypes.CDLL(path), required=False)
+    assert older.expert_rows.restype is ctypes.c_int and len(older.kn_rows.argtypes) == 9
+    with pytest.raises(AttributeError, match="decode_attention"):
+        older.decode_attention
+
+
 def _fresh_process(script: str, cache: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "ASCEND_GRAPH_KERNEL_CACHE": cache}
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
