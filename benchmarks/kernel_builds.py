@@ -12,13 +12,10 @@ every run: on a shared machine a call descheduled for other jobs would otherwise
 - ``rows``: GFLOP/s of ``expert_rows`` (one weight, ``r`` rows, what ``rows_mm`` runs) over a
   [12288, 2048] bf16 weight streamed from memory (four weights on 2 MiB pages taken in turn), both builds
   interleaved, medians; each result checked against a float64 product.
-- ``--paged``: ms of MLA decode's attention scores over a paged cache (``paged_rows``: 16 heads,
-  rows of 576, blocks of 16, batch 32, context 2048) and of its values (``paged_kn``: the
-  probabilities by rows of 512), both builds interleaved, checked likewise.
 - ``--step``: the V2-Lite slice's graph step (context 256) at the given batches, one captured
   runner, the two builds swapped between calls (``kernels.build._library``), interleaved.
 
-    python -m benchmarks.kernel_builds --old 09f01da [--isa avx2] [--rows 1,2,4,8,16,32,64] [--paged] [--step 8,32]
+    python -m benchmarks.kernel_builds --old 09f01da [--isa avx2] [--rows 1,2,4,8,16,32,64] [--step 8,32]
 """
 
 from __future__ import annotations
@@ -69,10 +66,6 @@ def build(sources: dict[str, str], out_dir: str, name: str, isa: str = "native")
     dll = kernels.build._bind(ctypes.CDLL(lib), required=False)  # an older revision lacks later entry points
     if not dll.expert_rows_available():
         raise RuntimeError(f"kernel_builds: {name} has no kernel for this CPU")
-    dll.heads_arg = any("long width, long heads" in text for text in sources.values())  # paged forms' signature
-    if not dll.heads_arg:
-        for paged in (dll.paged_rows, dll.paged_kn):
-            paged.argtypes = paged.argtypes[:-2] + paged.argtypes[-1:]
     return dll
 
 
@@ -138,38 +131,6 @@ def rows_rates(dlls: dict[str, ctypes.CDLL], rows=(1, 2, 4, 8, 16, 32, 64), n: i
     return found
 
 
-def paged_times(dlls: dict[str, ctypes.CDLL], seqs: int = 32, heads: int = 16, width: int = 576,
-                block: int = 16, context: int = 2048, runs: int = 15, values: bool = False) -> dict[str, float]:
-    """Median ms of each build's ``paged_rows`` (one thread; ``values``: ``paged_kn``, the
-    probabilities by the rows) over blocks in a shuffled table; each output within one bf16
-    rounding of the float64 product over the gathered rows (else ValueError)."""
-    per = context // block
-    cache = torch.randn(seqs * per + 8, block, width).to(torch.bfloat16)
-    table = torch.randperm(cache.shape[0])[:seqs * per].view(seqs, per).to(torch.int32).contiguous()
-    rows = cache[table.long()].flatten(1, 2).double()  # [seqs, context, width]
-    if values:
-        x = torch.rand(seqs, heads, context).to(torch.bfloat16)
-        matrix, shape, call = rows, (seqs, heads, width), "paged_kn"
-    else:
-        x = torch.randn(seqs, heads, width).to(torch.bfloat16)
-        matrix, shape, call = rows.transpose(1, 2), (seqs, heads, context), "paged_rows"
-    exact = x.double() @ matrix
-    # one bf16 rounding, plus float32 sums' error over the reduced length
-    bound = exact.abs() * 2 ** -8 + (x.double().abs() @ matrix.abs()) * x.shape[-1] * 2 ** -24 + 1e-3
-    times: dict[str, list[float]] = {name: [] for name in dlls}
-    for run in range(runs):
-        for name, dll in alternating(dlls, run):
-            out = torch.empty(shape, dtype=torch.bfloat16)
-            start = time.thread_time()
-            getattr(dll, call)(x.data_ptr(), cache.data_ptr(), table.data_ptr(), out.data_ptr(), seqs, per, block,
-                               block * width, heads, width, *([1] if dll.heads_arg else []), 1)
-            times[name].append(time.thread_time() - start)
-            if not ((out.double() - exact).abs() <= bound).all():
-                raise ValueError(f"kernel_builds: {name}'s paged {'values' if values else 'scores'} are not within "
-                                 "one rounding")
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
-
-
 def step_times(dlls: dict[str, ctypes.CDLL], sizes: tuple[int, ...], rounds: int = 7) -> list[dict]:
     """Per batch, ms of a V2-Lite-slice graph step with each build, one runner, interleaved."""
     from ascend_graph.engine.block_manager import BlockManager
@@ -206,7 +167,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", default="1,2,4,8,16,32,64")
     parser.add_argument("--weight", default="12288,2048", help="the rows' weight N,K (default: streamed from memory)")
     parser.add_argument("--runs", type=int, default=7, help="interleaved runs per row count (medians)")
-    parser.add_argument("--paged", action="store_true", help="time MLA decode's paged attention scores")
     parser.add_argument("--step", default="", help="batches of a V2-Lite-slice graph step to time, e.g. 8,32")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -218,13 +178,6 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows_rates(dlls, tuple(int(r) for r in args.rows.split(",")), n=n, k=k, runs=args.runs):
         print(f"{row['rows']:3d} rows: old {row['old']:6.1f} GFLOP/s, now {row['now']:6.1f}, "
               f"now/old {row['now'] / row['old']:.2f}", flush=True)
-    if args.paged:
-        ms = paged_times(dlls, runs=2 * args.runs + 1)
-        print(f"paged scores (batch 32, context 2048, 16 heads x 576): old {ms['old']:.2f} ms, "
-              f"now {ms['now']:.2f} ms, old/now {ms['old'] / ms['now']:.2f}", flush=True)
-        ms = paged_times(dlls, width=512, values=True, runs=2 * args.runs + 1)
-        print(f"paged values (batch 32, context 2048, 16 heads x 512): old {ms['old']:.2f} ms, "
-              f"now {ms['now']:.2f} ms, old/now {ms['old'] / ms['now']:.2f}", flush=True)
     if args.step:
         for row in step_times(dlls, tuple(int(b) for b in args.step.split(","))):
             print(f"batch {row['batch']:3d}: old {row['old']:8.1f} ms, now {row['now']:8.1f} ms, "

@@ -110,13 +110,10 @@ def _library() -> ctypes.CDLL | None:
 
 
 # Each entry point's argument types (every one returns an int status): ``expert_rows``
-# (``csrc/moe.c``), ``kn_rows`` (``csrc/matmul_kn.c``), ``paged_rows`` and ``paged_kn`` (``csrc/paged.c``),
-# ``decode_attention`` (``csrc/decode_attention.c``).
+# (``csrc/moe.c``), ``kn_rows`` (``csrc/matmul_kn.c``), ``decode_attention`` (``csrc/decode_attention.c``).
 _ENTRIES = (
     ("expert_rows", (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 3 + (ctypes.c_int,)),
     ("kn_rows", (ctypes.c_void_p,) * 2 + (ctypes.c_long, ctypes.c_void_p) + (ctypes.c_long,) * 4 + (ctypes.c_int,)),
-    ("paged_rows", (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 7 + (ctypes.c_int,)),
-    ("paged_kn", (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 7 + (ctypes.c_int,)),
     ("decode_attention", (ctypes.c_void_p,) * 8 + (ctypes.c_long,) * 6 + (ctypes.c_void_p,) + (ctypes.c_long,) * 2
      + (ctypes.c_float, ctypes.c_int, ctypes.c_int)),
 )
