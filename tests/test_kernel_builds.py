@@ -36,6 +36,7 @@ def test_two_builds_are_timed_side_by_side_and_a_wrong_one_is_refused(tmp_path):
     rows = kernel_builds.rows_rates(dlls, rows=(1, 5, 17), n=70, k=96, runs=1)
     assert [r["rows"] for r in rows] == [1, 5, 17]
     assert all(r["old"] > 0 and r["now"] > 0 for r in rows)
+    assert set(kernel_builds.attention_times(dlls, batch=2, context=64, runs=1)) == {"old", "now"}
     # every rounding to bf16 (one at a time; 4, 8 and 16 at a time in the vector layers) doubling its input
     doubled = _edited(sources, [("vec.h", "ag_to_bf16(float f) {", "f = 2 * f;"),
                                 ("vec_avx2.h", "ag_round4(__m128 v) {", "v = _mm_add_ps(v, v);"),
@@ -44,6 +45,21 @@ def test_two_builds_are_timed_side_by_side_and_a_wrong_one_is_refused(tmp_path):
     dlls["now"] = kernel_builds.build(doubled, str(tmp_path), "doubled")
     with pytest.raises(ValueError, match="now at 1 rows is not within one rounding"):
         kernel_builds.rows_rates(dlls, rows=(1,), n=70, k=96, runs=1)
+    with pytest.raises(ValueError, match="now's decode_attention is not within its rounding"):
+        kernel_builds.attention_times(dlls, batch=2, context=64, runs=1)
+
+
+@needs_kernel
+def test_an_old_build_without_decode_attention_times_rows_but_refuses_attention(tmp_path):
+    """Sources from before ``decode_attention`` (here the tree's without it) still build and time
+    their rows; timing the attention names the build that lacks it, before anything runs."""
+    sources = kernel_builds.sources_now()
+    older = {name: text for name, text in sources.items() if name not in ("decode_attention.c", "attention_tiles.h")}
+    dlls = {"old": kernel_builds.build(older, str(tmp_path), "old"),
+            "now": kernel_builds.build(sources, str(tmp_path), "now")}
+    assert [r["rows"] for r in kernel_builds.rows_rates(dlls, rows=(3,), n=70, k=96, runs=1)] == [3]
+    with pytest.raises(ValueError, match="the old build has no decode_attention"):
+        kernel_builds.attention_times(dlls, batch=2, context=64, runs=1)
 
 
 def test_the_single_source_before_the_split_is_found_at_its_revision():
