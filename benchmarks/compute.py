@@ -116,8 +116,9 @@ class StepMatmuls:
         ``ROWS_MM_MAX`` rows, a row-major weight) run in it, and each ``bmm`` it runs in the
         kernel (``compile.inductor.batched_rows_form``: MLA decode's attention products) in
         ``expert_rows_mm`` or ``rows_bmm``, over the gathered copy of the cache rows that the
-        eager step made (the compiled step reads them in place: ``paged_rows_mm``,
-        ``paged_rows_bmm``); None where no call is. ``batched_in_kernel`` counts those ``bmm``.
+        eager step made, as the reference attention backend's compiled step runs them (the
+        ``cpu_kernel`` backend's step runs one ``decode_attention`` call instead, which this
+        replay does not time); None where no call is. ``batched_in_kernel`` counts those ``bmm``.
         ``batched_rows_max`` and ``batched_min_elements`` as the pass's (tests: smaller models)."""
         from ascend_graph.compile.passes.decode_matmul import batched_rows_form, runs_rows_mm
 

@@ -12,13 +12,15 @@ every run: on a shared machine a call descheduled for other jobs would otherwise
 - ``rows``: GFLOP/s of ``expert_rows`` (one weight, ``r`` rows, what ``rows_mm`` runs) over a
   [12288, 2048] bf16 weight streamed from memory (four weights on 2 MiB pages taken in turn), both builds
   interleaved, medians; each result checked against a float64 product.
-- ``--paged``: ms of MLA decode's attention scores over a paged cache (``paged_rows``: 16 heads,
-  rows of 576, blocks of 16, batch 32, context 2048) and of its values (``paged_kn``: the
-  probabilities by rows of 512), both builds interleaved, checked likewise.
+- ``--attention``: ms of each build's ``decode_attention`` (``kernels.attention.run``) for MLA
+  decode at V2-Lite's dimensions (batch 32, context 2048, 16 heads, latent 512 + rope 64, blocks of
+  16, bfloat16), both builds interleaved, each output checked against float64 attention. A
+  revision before ``decode_attention`` is refused for it (its ``rows`` and ``--step`` still run).
 - ``--step``: the V2-Lite slice's graph step (context 256) at the given batches, one captured
   runner, the two builds swapped between calls (``kernels.build._library``), interleaved.
 
-    python -m benchmarks.kernel_builds --old 09f01da [--isa avx2] [--rows 1,2,4,8,16,32,64] [--paged] [--step 8,32]
+    python -m benchmarks.kernel_builds --old 09f01da [--isa avx2] [--rows 1,2,4,8,16,32,64] [--attention] \
+        [--step 8,32]
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ OLD_PATHS = ("ascend_graph/kernels/csrc/expert_rows.c", "ascend_graph/models/exp
 
 def build(sources: dict[str, str], out_dir: str, name: str, isa: str = "native") -> ctypes.CDLL:
     """``sources`` (file name -> C text: every ``.c`` and ``.h`` of one revision) built as
-    ``kernels.build`` builds them (with ``ISA_FLAGS[isa]``), and bound."""
+    ``kernels.build`` builds them (with ``ISA_FLAGS[isa]``), and bound (the entry points it has)."""
     d = os.path.join(out_dir, name)
     os.makedirs(d, exist_ok=True)
     for file, text in sources.items():
@@ -66,13 +68,9 @@ def build(sources: dict[str, str], out_dir: str, name: str, isa: str = "native")
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"kernel_builds: {name} does not build:\n{done.stderr}")
-    dll = kernels.build._bind(ctypes.CDLL(lib))
+    dll = kernels.build._bind(ctypes.CDLL(lib), required=False)  # an older revision lacks later entry points
     if not dll.expert_rows_available():
         raise RuntimeError(f"kernel_builds: {name} has no kernel for this CPU")
-    dll.heads_arg = any("long width, long heads" in text for text in sources.values())  # paged forms' signature
-    if not dll.heads_arg:
-        for paged in (dll.paged_rows, dll.paged_kn):
-            paged.argtypes = paged.argtypes[:-2] + paged.argtypes[-1:]
     return dll
 
 
@@ -138,35 +136,55 @@ def rows_rates(dlls: dict[str, ctypes.CDLL], rows=(1, 2, 4, 8, 16, 32, 64), n: i
     return found
 
 
-def paged_times(dlls: dict[str, ctypes.CDLL], seqs: int = 32, heads: int = 16, width: int = 576,
-                block: int = 16, context: int = 2048, runs: int = 15, values: bool = False) -> dict[str, float]:
-    """Median ms of each build's ``paged_rows`` (one thread; ``values``: ``paged_kn``, the
-    probabilities by the rows) over blocks in a shuffled table; each output within one bf16
-    rounding of the float64 product over the gathered rows (else ValueError)."""
+def require_entry(dlls: dict[str, ctypes.CDLL], entry: str) -> None:
+    """ValueError naming the builds that lack ``entry`` (sources from before it), if any."""
+    missing = [name for name, dll in dlls.items() if not hasattr(dll, entry)]
+    if missing:
+        raise ValueError(f"kernel_builds: the {' and '.join(missing)} build has no {entry} (its sources predate it); "
+                         f"pick a later --old revision to time {entry}")
+
+
+def mla_attention_oracle(q: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                         tables: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA decode in float64 over each row's whole table (``q [B, H, C]``, ``q_pe [B, H,
+    R]``, ``kv_c [N, S, 1, C]``, ``k_pe [N, S, 1, R]``) -> the output ``[B, H, C]`` and the
+    probabilities times ``|kv_c|`` (the scale of the values' rounding error), row by row."""
+    out, spread = [], []
+    for b in range(q.shape[0]):
+        ids = tables[b].long()
+        c, r = kv_c[ids].flatten(0, 2).double(), k_pe[ids].flatten(0, 2).double()  # [T, C], [T, R]
+        p = torch.softmax((q[b].double() @ c.T + q_pe[b].double() @ r.T) * scale, -1)  # [H, T]
+        out.append(p @ c)
+        spread.append(p @ c.abs())
+    return torch.stack(out), torch.stack(spread)
+
+
+def attention_times(dlls: dict[str, ctypes.CDLL], batch: int = 32, context: int = 2048, heads: int = 16,
+                    latent: int = 512, rope: int = 64, block: int = 16, runs: int = 15) -> dict[str, float]:
+    """Median ms of each build's ``decode_attention`` (one thread), MLA absorbed over bf16 caches
+    in shuffled blocks, every row at ``context``; each output within 2^-7 (|out| + p . |kv_c|) of
+    float64 attention (its one rounding, the probabilities' rounding to bf16 for the values and
+    the float32 softmax stay well inside), else ValueError; so too for a build without it."""
+    from ascend_graph.kernels.attention import run
+
+    require_entry(dlls, "decode_attention")
     per = context // block
-    cache = torch.randn(seqs * per + 8, block, width).to(torch.bfloat16)
-    table = torch.randperm(cache.shape[0])[:seqs * per].view(seqs, per).to(torch.int32).contiguous()
-    rows = cache[table.long()].flatten(1, 2).double()  # [seqs, context, width]
-    if values:
-        x = torch.rand(seqs, heads, context).to(torch.bfloat16)
-        matrix, shape, call = rows, (seqs, heads, width), "paged_kn"
-    else:
-        x = torch.randn(seqs, heads, width).to(torch.bfloat16)
-        matrix, shape, call = rows.transpose(1, 2), (seqs, heads, context), "paged_rows"
-    exact = x.double() @ matrix
-    # one bf16 rounding, plus float32 sums' error over the reduced length
-    bound = exact.abs() * 2 ** -8 + (x.double().abs() @ matrix.abs()) * x.shape[-1] * 2 ** -24 + 1e-3
+    kv_c = torch.randn(batch * per + 8, block, 1, latent).to(torch.bfloat16)
+    k_pe = torch.randn(kv_c.shape[0], block, 1, rope).to(torch.bfloat16)
+    tables = torch.randperm(kv_c.shape[0])[:batch * per].view(batch, per).to(torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    q, q_pe = torch.randn(batch, heads, latent).to(torch.bfloat16), torch.randn(batch, heads, rope).to(torch.bfloat16)
+    scale = (128 + rope) ** -0.5  # V2-Lite's query head: 128 + rope
+    exact, spread = mla_attention_oracle(q, q_pe, kv_c, k_pe, tables, scale)
+    bound = (exact.abs() + spread) * 2 ** -7
     times: dict[str, list[float]] = {name: [] for name in dlls}
-    for run in range(runs):
-        for name, dll in alternating(dlls, run):
-            out = torch.empty(shape, dtype=torch.bfloat16)
+    for i in range(runs):
+        for name, dll in alternating(dlls, i):
             start = time.thread_time()
-            getattr(dll, call)(x.data_ptr(), cache.data_ptr(), table.data_ptr(), out.data_ptr(), seqs, per, block,
-                               block * width, heads, width, *([1] if dll.heads_arg else []), 1)
+            out = run(dll, q, q_pe, kv_c, k_pe, kv_c, tables, lens, scale, 1, heads, 1)
             times[name].append(time.thread_time() - start)
             if not ((out.double() - exact).abs() <= bound).all():
-                raise ValueError(f"kernel_builds: {name}'s paged {'values' if values else 'scores'} are not within "
-                                 "one rounding")
+                raise ValueError(f"kernel_builds: {name}'s decode_attention is not within its rounding of float64")
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
@@ -206,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", default="1,2,4,8,16,32,64")
     parser.add_argument("--weight", default="12288,2048", help="the rows' weight N,K (default: streamed from memory)")
     parser.add_argument("--runs", type=int, default=7, help="interleaved runs per row count (medians)")
-    parser.add_argument("--paged", action="store_true", help="time MLA decode's paged attention scores")
+    parser.add_argument("--attention", action="store_true",
+                        help="time decode_attention (MLA, batch 32, context 2048, bf16)")
     parser.add_argument("--step", default="", help="batches of a V2-Lite-slice graph step to time, e.g. 8,32")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -214,16 +233,18 @@ def main(argv: list[str] | None = None) -> None:
         dlls = {"old": build(sources_at(args.old), d, "old", args.isa),
                 "now": build(sources_now(), d, "now", args.isa)}
     print(f"builds: {args.isa}, {dlls['now'].expert_rows_available()}-bit forms", flush=True)
+    if args.attention:
+        try:
+            require_entry(dlls, "decode_attention")  # before the other parts run
+        except ValueError as e:
+            parser.error(str(e).removeprefix("kernel_builds: "))
     n, k = (int(v) for v in args.weight.split(","))
     for row in rows_rates(dlls, tuple(int(r) for r in args.rows.split(",")), n=n, k=k, runs=args.runs):
         print(f"{row['rows']:3d} rows: old {row['old']:6.1f} GFLOP/s, now {row['now']:6.1f}, "
               f"now/old {row['now'] / row['old']:.2f}", flush=True)
-    if args.paged:
-        ms = paged_times(dlls, runs=2 * args.runs + 1)
-        print(f"paged scores (batch 32, context 2048, 16 heads x 576): old {ms['old']:.2f} ms, "
-              f"now {ms['now']:.2f} ms, old/now {ms['old'] / ms['now']:.2f}", flush=True)
-        ms = paged_times(dlls, width=512, values=True, runs=2 * args.runs + 1)
-        print(f"paged values (batch 32, context 2048, 16 heads x 512): old {ms['old']:.2f} ms, "
+    if args.attention:
+        ms = attention_times(dlls, runs=2 * args.runs + 1)
+        print(f"decode_attention (MLA, batch 32, context 2048, 16 heads x 512 + 64, bf16): old {ms['old']:.2f} ms, "
               f"now {ms['now']:.2f} ms, old/now {ms['old'] / ms['now']:.2f}", flush=True)
     if args.step:
         for row in step_times(dlls, tuple(int(b) for b in args.step.split(","))):

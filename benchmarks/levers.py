@@ -14,12 +14,15 @@ become graph constants, pre-packed for oneDNN). Freezing has to be on while dyna
 compile option alone it finds no constant to fold (parameters are graph inputs) and changes
 nothing. Freezing's memory cost is measured in ``benchmarks/memory.py`` (fresh processes).
 ``AOTInductor package``: ``GraphConfig.inductor.aot`` (torch.export + AOTInductor, compiled
-into a temporary directory; the same Inductor options as the default). ``attention products in aten``: the pass without the kernel for MLA decode's batched
-attention products (``paged_rows_mm`` for the scores, ``paged_rows_bmm`` for the values).
-``attention over gathered KV``: the kernel multiplies a gathered copy of the cache rows
-(``expert_rows_mm``, ``rows_bmm``), as before its paged forms; at batch 1 those products then run
-as aten's ``mm`` of the gathered copy (the pass's batch-1 rewrite). Run alone, e.g. at a longer
-context:
+into a temporary directory; the same Inductor options as the default). ``attention products in
+aten``: the pass without the kernel for batched bf16 products (``batched_rows_kernel=False``).
+MLA decode's attention is one ``decode_attention`` call, which the pass leaves alone, so what this
+lever still moves to aten are the heads' products by ``W_UK`` and ``W_UV``, which take the kernel
+on AVX2 only (``BATCHED_LIMITS``): on AVX512-BF16 it is the default step under another name.
+``attention over gathered KV``: the reference attention backend, a gathered copy of the cache rows
+whose scores and values the pass gives to the kernel (``expert_rows_mm``, ``rows_bmm``), the form
+before the cache was read in place; at batch 1 those products then run as aten's ``mm`` of the
+gathered copy (the pass's batch-1 rewrite). Run alone, e.g. at a longer context:
 
     TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.levers --batches 1 --context 2048 \
         --names default "attention over gathered KV"

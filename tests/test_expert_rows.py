@@ -2,7 +2,7 @@
 it computes each row times its expert's weight (oracle: a float64 matmul of the same bfloat16
 values, rounded once), the MoE uses it in eager and compiled mode alike, bad input is refused
 before anything is written. Its other entries: ``rows_mm`` (one weight) and ``rows_bmm`` (a batch
-of ``[K, N]`` matrices). The paged forms: ``test_kernels_paged``; the builds and their cache:
+of ``[K, N]`` matrices). Decode attention: ``test_decode_attention``; the builds and their cache:
 ``test_kernel_builds``."""
 
 from __future__ import annotations

@@ -36,8 +36,7 @@ def test_two_builds_are_timed_side_by_side_and_a_wrong_one_is_refused(tmp_path):
     rows = kernel_builds.rows_rates(dlls, rows=(1, 5, 17), n=70, k=96, runs=1)
     assert [r["rows"] for r in rows] == [1, 5, 17]
     assert all(r["old"] > 0 and r["now"] > 0 for r in rows)
-    assert set(kernel_builds.paged_times(dlls, seqs=2, context=64, runs=1)) == {"old", "now"}
-    assert set(kernel_builds.paged_times(dlls, seqs=2, context=64, width=40, runs=1, values=True)) == {"old", "now"}
+    assert set(kernel_builds.attention_times(dlls, batch=2, context=64, runs=1)) == {"old", "now"}
     # every rounding to bf16 (one at a time; 4, 8 and 16 at a time in the vector layers) doubling its input
     doubled = _edited(sources, [("vec.h", "ag_to_bf16(float f) {", "f = 2 * f;"),
                                 ("vec_avx2.h", "ag_round4(__m128 v) {", "v = _mm_add_ps(v, v);"),
@@ -46,18 +45,21 @@ def test_two_builds_are_timed_side_by_side_and_a_wrong_one_is_refused(tmp_path):
     dlls["now"] = kernel_builds.build(doubled, str(tmp_path), "doubled")
     with pytest.raises(ValueError, match="now at 1 rows is not within one rounding"):
         kernel_builds.rows_rates(dlls, rows=(1,), n=70, k=96, runs=1)
-    with pytest.raises(ValueError, match="now's paged scores are not within one rounding"):
-        kernel_builds.paged_times(dlls, seqs=2, context=64, runs=1)
-    # the [K, N] form's sums starting off zero: its values are refused
-    offset = dict(sources)
-    offset["matmul_kn.c"] = sources["matmul_kn.c"].replace(
-        "memset(sums, 0, (size_t)(rows * 32 * blocks) * sizeof(float));",
-        "memset(sums, 0x3f, (size_t)(rows * 32 * blocks) * sizeof(float));", 1)
-    assert offset != sources
-    dlls["now"] = kernel_builds.build(offset, str(tmp_path), "offset")
-    kernel_builds.paged_times(dlls, seqs=2, context=64, runs=1)  # the scores do not use those sums
-    with pytest.raises(ValueError, match="now's paged values are not within one rounding"):
-        kernel_builds.paged_times(dlls, seqs=2, context=64, width=40, runs=1, values=True)
+    with pytest.raises(ValueError, match="now's decode_attention is not within its rounding"):
+        kernel_builds.attention_times(dlls, batch=2, context=64, runs=1)
+
+
+@needs_kernel
+def test_an_old_build_without_decode_attention_times_rows_but_refuses_attention(tmp_path):
+    """Sources from before ``decode_attention`` (here the tree's without it) still build and time
+    their rows; timing the attention names the build that lacks it, before anything runs."""
+    sources = kernel_builds.sources_now()
+    older = {name: text for name, text in sources.items() if name not in ("decode_attention.c", "attention_tiles.h")}
+    dlls = {"old": kernel_builds.build(older, str(tmp_path), "old"),
+            "now": kernel_builds.build(sources, str(tmp_path), "now")}
+    assert [r["rows"] for r in kernel_builds.rows_rates(dlls, rows=(3,), n=70, k=96, runs=1)] == [3]
+    with pytest.raises(ValueError, match="the old build has no decode_attention"):
+        kernel_builds.attention_times(dlls, batch=2, context=64, runs=1)
 
 
 def test_the_single_source_before_the_split_is_found_at_its_revision():
@@ -70,7 +72,7 @@ def test_the_single_source_before_the_split_is_found_at_its_revision():
 
 
 @pytest.mark.skipif(kernels.compiler() is None, reason="needs a C compiler")
-@pytest.mark.parametrize("name", ["vec_avx2.h", "matmul.h", "paged.c"])
+@pytest.mark.parametrize("name", ["vec_avx2.h", "matmul.h", "decode_attention.c"])
 def test_the_cache_key_changes_with_every_source_and_header(tmp_path, monkeypatch, name):
     """A later process must not load a build of other sources: editing any one file under
     ``csrc/`` (a header too) changes the key the built library is kept under."""
@@ -82,6 +84,23 @@ def test_the_cache_key_changes_with_every_source_and_header(tmp_path, monkeypatc
     with open(csrc / name, "a") as f:
         f.write("\n/* edited */\n")
     assert kernels.build._build_key(cc, flags) != before
+
+
+@pytest.mark.skipif(kernels.compiler() is None, reason="needs a C compiler")
+def test_a_build_without_an_entry_point_is_refused_unless_bound_as_an_older_one(tmp_path):
+    """The package binds its build strictly: a build lacking an entry point (here the sources
+    without ``decode_attention.c``, as an older revision's) is an AttributeError. Bound as an
+    older build (``required=False``, what ``benchmarks.kernel_builds`` does) it keeps the entry
+    points it has, and only the missing one is the AttributeError."""
+    units = tuple(p for p in kernels.SOURCES if os.path.basename(p) != "decode_attention.c")
+    path = kernels.build._compile(kernels.compiler(), ["-O3", "-shared", "-fPIC"], str(tmp_path / "older.so"), units)
+    assert path is not None
+    with pytest.raises(AttributeError, match="decode_attention"):
+        kernels.build._bind(ctypes.CDLL(path))
+    older = kernels.build._bind(ctypes.CDLL(path), required=False)
+    assert older.expert_rows.restype is ctypes.c_int and len(older.kn_rows.argtypes) == 9
+    with pytest.raises(AttributeError, match="decode_attention"):
+        older.decode_attention
 
 
 def _fresh_process(script: str, cache: str) -> subprocess.CompletedProcess:
@@ -168,10 +187,10 @@ def test_each_build_computes_what_the_kernel_computes(name, tmp_path):
     """Each build as it runs on a CPU that has its instructions, whatever the native build here:
     ``expert_rows`` through the forms that build has (AVX-512: 1-4 rows tiles, 5-8 pairs, 9 and
     more wide; AVX2: its tiles at every count, part tiles of rows and of weight rows), with K
-    tails, ``kn_rows`` (interleaved panels, a partial column block, an odd K), and the paged forms
-    (``paged_rows``, ``paged_kn``; one head and several per token row) within one rounding of
-    float64, as the tests above hold the native build. So a machine with AVX512-BF16 keeps the
-    AVX2 forms tested too."""
+    tails, and ``kn_rows`` (interleaved panels, a partial column block, an odd K) within one
+    rounding of float64, as the tests above hold the native build. So a machine with AVX512-BF16
+    keeps the AVX2 forms tested too (``decode_attention``'s builds:
+    ``test_decode_attention.test_each_instruction_set_build_computes_the_same_attention``)."""
     from ascend_graph.runtime import machine
 
     if not BUILDS[name][2] <= set(machine()["cpu_flags"]):
@@ -192,23 +211,3 @@ def test_each_build_computes_what_the_kernel_computes(name, tmp_path):
         out = torch.full((e, rows, n), float("nan"), dtype=torch.bfloat16)
         assert dll.kn_rows(x.data_ptr(), w.data_ptr(), k * n, out.data_ptr(), e, rows, k, n, 1) == 0
         _assert_one_rounding(out, x.double() @ w.double())
-    # the paged forms: MLA's rows (one head per token row) and kv heads' rows, blocks of 16 and odd
-    for heads, width, m, block in [(1, 64, 16, 16), (1, 40, 17, 5), (1, 33, 3, 16), (4, 64, 4, 16), (2, 33, 16, 3)]:
-        _check_paged_build(dll, gen, heads, width, m, block)
-
-
-def _check_paged_build(dll, gen, heads: int, width: int, m: int, block: int) -> None:
-    """``paged_rows`` and ``paged_kn`` of one build over a cache ``[NB, block, heads, width]`` and a
-    shuffled table (3 sequences of 4 blocks) against float64 products over the gathered rows."""
-    cache = torch.randn(9, block, heads, width, generator=gen).to(torch.bfloat16)
-    tables = torch.randint(0, 9, (3, 4), generator=gen, dtype=torch.int32)
-    rows = cache[tables.long()].flatten(1, 2).transpose(1, 2).double()  # [B, heads, T, width]
-    q = torch.randn(3, heads, m, width, generator=gen).to(torch.bfloat16)
-    probs = torch.randn(3, heads, m, 4 * block, generator=gen).to(torch.bfloat16)
-    scores = torch.full((3, heads, m, 4 * block), float("nan"), dtype=torch.bfloat16)
-    values = torch.full((3, heads, m, width), float("nan"), dtype=torch.bfloat16)
-    for kernel, x, out in [(dll.paged_rows, q, scores), (dll.paged_kn, probs, values)]:
-        assert kernel(x.data_ptr(), cache.data_ptr(), tables.data_ptr(), out.data_ptr(), 3 * heads, 4, block,
-                      cache.stride(0), m, width, heads, 1) == 0
-    _assert_one_rounding(scores, q.double() @ rows.transpose(2, 3))
-    _assert_one_rounding(values, probs.double() @ rows)

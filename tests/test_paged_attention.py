@@ -48,7 +48,7 @@ def test_paged_decode_matches_dense_attention_bfloat16(form, hq, hk, monkeypatch
     """The three forms of the bf16 products, whichever this CPU would pick: the reference
     backend's aten bf16 einsums over the gathered rows, the same in float32
     (``paging.float32_products``), and the cpu_kernel backend over the cache in place
-    (``paged_rows_mm``, ``paged_rows_bmm``); against the float64 oracle on the same bf16 values."""
+    (``decode_attention``); against the float64 oracle on the same bf16 values."""
     from ascend_graph import kernels
     from ascend_graph.attention.cpu import CpuPaged
 

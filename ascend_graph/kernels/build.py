@@ -109,20 +109,30 @@ def _library() -> ctypes.CDLL | None:
     return _bind(dll) if dll.expert_rows_available() else None
 
 
-def _bind(dll: ctypes.CDLL) -> ctypes.CDLL:
-    """``dll`` (a build of the sources) with its entry points' argument types set: ``expert_rows``
-    (``csrc/moe.c``), ``kn_rows`` (``csrc/matmul_kn.c``), ``paged_rows`` and ``paged_kn``
-    (``csrc/paged.c``), ``decode_attention`` (``csrc/decode_attention.c``)."""
-    dll.expert_rows.restype = ctypes.c_int
-    dll.expert_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    dll.kn_rows.restype = ctypes.c_int
-    dll.kn_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 4 + [ctypes.c_int]
-    for paged in (dll.paged_rows, dll.paged_kn):
-        paged.restype = ctypes.c_int
-        paged.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 7 + [ctypes.c_int]
-    dll.decode_attention.restype = ctypes.c_int
-    dll.decode_attention.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_long] * 6 + [ctypes.c_void_p]
-                                     + [ctypes.c_long] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
+# Each entry point's argument types (every one returns an int status): ``expert_rows``
+# (``csrc/moe.c``), ``kn_rows`` (``csrc/matmul_kn.c``), ``decode_attention`` (``csrc/decode_attention.c``).
+_ENTRIES = (
+    ("expert_rows", (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 3 + (ctypes.c_int,)),
+    ("kn_rows", (ctypes.c_void_p,) * 2 + (ctypes.c_long, ctypes.c_void_p) + (ctypes.c_long,) * 4 + (ctypes.c_int,)),
+    ("decode_attention", (ctypes.c_void_p,) * 8 + (ctypes.c_long,) * 6 + (ctypes.c_void_p,) + (ctypes.c_long,) * 2
+     + (ctypes.c_float, ctypes.c_int, ctypes.c_int)),
+)
+
+
+def _bind(dll: ctypes.CDLL, required: bool = True) -> ctypes.CDLL:
+    """``dll`` (a build of the sources) with its entry points' argument types set (``_ENTRIES``).
+    An entry point the build lacks is an AttributeError, unless ``required`` is False (a build of
+    an older revision's sources, ``benchmarks.kernel_builds``): then it is left unbound, and
+    calling it is the AttributeError."""
+    for name, argtypes in _ENTRIES:
+        try:
+            entry = getattr(dll, name)
+        except AttributeError:
+            if required:
+                raise
+            continue
+        entry.restype = ctypes.c_int
+        entry.argtypes = list(argtypes)
     return dll
 
 

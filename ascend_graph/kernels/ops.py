@@ -1,9 +1,9 @@
 """What the ``ascend_graph::*`` ops share: their argument checks (each error names the op, the
 argument and what was expected, raised before anything runs) and their calls into the native
 library (``build._library()``). The ops themselves: ``matmul`` (``rows_mm``, ``rows_bmm``),
-``paged`` (``paged_rows_mm``, ``paged_rows_bmm``), ``moe`` (``expert_rows_mm``).
+``moe`` (``expert_rows_mm``), ``attention`` (``decode_attention``).
 
-CPU, bfloat16; each op is called only where ``build.available()``.
+CPU, bfloat16 (``decode_attention`` float32 too); each op is called only where ``build.available()``.
 """
 
 from __future__ import annotations
@@ -57,18 +57,3 @@ def _run_kn(x: Tensor, w: Tensor) -> Tensor:
     _status("rows_bmm", status, "packed rows")
     return out
 
-
-def _run_paged(name: str, x: Tensor, cache: Tensor, tables: Tensor, bs: int, heads: int, n: int) -> Tensor:
-    """``paged_rows`` (``name`` "paged_rows_mm") or ``paged_kn`` (``csrc/paged.c``) on checked
-    arguments: ``tables`` contiguous int32, ``bs`` rows per block (per head), ``heads`` read one by
-    one, ``n`` the output's last dimension -> ``[*x.shape[:-1], n]``."""
-    x = x.contiguous()
-    rows = x.shape[-2]
-    out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-    lib = build._library()
-    kernel = lib.paged_rows if name == "paged_rows_mm" else lib.paged_kn
-    if out.numel():
-        status = kernel(x.data_ptr(), cache.data_ptr(), tables.data_ptr(), out.data_ptr(), x.shape[0] * heads,
-                        tables.shape[1], bs, cache.stride(0), rows, cache.shape[-1], heads, torch.get_num_threads())
-        _status(name, status, "packed rows")
-    return out

@@ -19,8 +19,8 @@ ROWS_MM_MAX = 64
 BATCHED_LIMITS = {"AVX512-BF16": (32, 1 << 17), "AVX2": (ROWS_MM_MAX, 1 << 13)}
 BATCHED_ROWS_MAX, BATCHED_MIN_ELEMENTS = BATCHED_LIMITS["AVX512-BF16"]
 
-# the kernel's Python side (its ops' schemas and checks): a change to any of it is a new pass
-KERNEL_FILES = tuple(m.__file__ for m in (kernels.build, kernels.ops, kernels.matmul, kernels.paged, kernels.moe))
+# the kernel's Python side, every kernels/ module (its ops' schemas and checks): a change to any of it is a new pass
+KERNEL_FILES = tuple(m.__file__ for m in (kernels.build, kernels.ops, kernels.matmul, kernels.attention, kernels.moe))
 
 
 def batched_limits() -> tuple[int, int]:

@@ -1,8 +1,7 @@
 /* What the kernels' sources share (not exported): the row-major forms over a weight of n rows of
- * k (matmul_tiles.c, matmul_wide.c) and the [K, N] form (matmul_kn.c), which the MoE entry
- * (moe.c) and the paged attention forms (paged.c) run. All bfloat16 (uint16_t) but the int32
- * tables; float32 sums, each output rounded once to bf16, to nearest even. Compiled only where
- * vec.h has a vector layer (AG_VEC_BITS). */
+ * k (matmul_tiles.c, matmul_wide.c), which the MoE entry (moe.c) runs. All bfloat16 (uint16_t)
+ * but the int32 row ends; float32 sums, each output rounded once to bf16, to nearest even.
+ * Compiled only where vec.h has a vector layer (AG_VEC_BITS). */
 #ifndef AG_MATMUL_H
 #define AG_MATMUL_H
 
@@ -13,7 +12,7 @@
 #define AG_COLS 120 /* weight rows (outputs) per work item: a multiple of every form's weight rows per tile */
 
 /* The rows to prefetch for the tile of nw weight rows starting at row ip: in this weight of n
- * rows, else in the one read next (next: another n rows, e.g. the next cache block), else none. */
+ * rows, else in the one read next (next: another n rows, the next expert's weight), else none. */
 static inline const uint16_t *ag_ahead(const uint16_t *w, long n, long k, long ip, long nw, const uint16_t *next) {
     if (ip + nw <= n) return w + ip * k;
     return next && ip >= n && ip - n + nw <= n ? next + (ip - n) * k : NULL;
@@ -42,24 +41,6 @@ AG_HIDDEN void ag_pack_rows(const uint16_t *x, long k, long rows, uint32_t *xq);
 /* as ag_rows_block, for rows = ag_wide_rows(rows) packed rows xq */
 AG_HIDDEN void ag_wide_range(const uint16_t *w, long n, long k, const uint32_t *xq, uint16_t *out, long ldo, long rows,
                              long i0, long i1, const uint16_t *next);
-
-/* ---- the [K, N] form (matmul_kn.c) ---- */
-/* Row t of a [k, n] matrix: w + t * n, or, through a block table (table not NULL), row t % bs of
- * cache block table[t / bs], blocks bstride elements apart and their rows (n elements each)
- * rstride apart: n, or a multiple of n where a token row holds several heads' rows. */
-typedef struct {
-    const uint16_t *w;
-    const int32_t *table;
-    long bs, bstride, rstride;
-} ag_kn_rows;
-
-/* out[e] = x[e] @ (the [k, n] matrix of entry e) for e < experts: x [experts, rows, k] and out
- * [experts, rows, n] contiguous; entry e's rows as base finds them, offset by e * ws elements
- * (dense) or, paged, by (e / heads) * tw table entries and (e % heads) * n elements (head e %
- * heads of a table row's tokens; heads 1 where each token row is one). threads > 1 splits the
- * entries over OpenMP threads. 0, or -1 without memory for the packed rows. */
-AG_HIDDEN int ag_kn_all(const uint16_t *x, const ag_kn_rows *base, long ws, long tw, long heads, uint16_t *out,
-                        long experts, long rows, long k, long n, int threads);
 #endif
 
 #endif

@@ -11,7 +11,7 @@
 #include <omp.h>
 #endif
 
-#include "matmul.h"
+#include "vec.h"
 
 #if AG_VEC_BITS
 #define KN_ROWS 8           /* input rows per tile: 16 sums in registers, each panel pair feeds 16 */
@@ -47,16 +47,12 @@ AG_INLINE void kn_tile(const uint32_t *xq, long rows, long p0, long np, const ag
     }
 }
 
-static inline const uint16_t *kn_row(const ag_kn_rows *at, long t, long n) {
-    return at->table ? at->w + at->table[t / at->bs] * at->bstride + t % at->bs * at->rstride : at->w + t * n;
-}
-
-/* pairs p0 .. p0 + np - 1 of the matrix's rows, all column blocks, interleaved into the panel */
-static void fill_panel(const ag_kn_rows *at, long k, long n, long p0, long np, ag_bf16x32 *panel) {
+/* pairs p0 .. p0 + np - 1 of the rows of the [k, n] matrix w, all column blocks, interleaved into the panel */
+static void fill_panel(const uint16_t *w, long k, long n, long p0, long np, ag_bf16x32 *panel) {
     const long blocks = (n + 31) / 32;
     for (long p = 0; p < np; p++) {
         long t = 2 * (p0 + p);
-        const uint16_t *w0 = kn_row(at, t, n), *w1 = t + 1 < k ? kn_row(at, t + 1, n) : NULL;
+        const uint16_t *w0 = w + t * n, *w1 = t + 1 < k ? w + (t + 1) * n : NULL;
         for (long b = 0; b < blocks; b++) {
             long cols = n - 32 * b < 32 ? n - 32 * b : 32;
             ag_bf16x32 r0 = ag_bf16x32_load_part(w0 + 32 * b, cols);
@@ -68,9 +64,9 @@ static void fill_panel(const ag_kn_rows *at, long k, long n, long p0, long np, a
 
 #define KN_TILE(mt) kn_tile(xq, rows, p0, np, pb, sb, m0, mt, pf, blocks)
 
-/* out (rows at stride n) = x rows (pairs xq) times the [k, n] matrix at; panel: KN_PANEL bytes,
+/* out (rows at stride n) = x rows (pairs xq) times the [k, n] matrix w; panel: KN_PANEL bytes,
  * sums: rows * 32 * blocks floats, both 64-byte aligned. */
-static void kn_matrix(const uint32_t *xq, long rows, const ag_kn_rows *at, long k, long n, uint16_t *out,
+static void kn_matrix(const uint32_t *xq, long rows, const uint16_t *w, long k, long n, uint16_t *out,
                       ag_bf16x32 *panel, float *sums) {
     const long pairs = (k + 1) / 2, blocks = (n + 31) / 32;
     long chunk = KN_PANEL / (blocks * 128);
@@ -78,10 +74,8 @@ static void kn_matrix(const uint32_t *xq, long rows, const ag_kn_rows *at, long 
     memset(sums, 0, (size_t)(rows * 32 * blocks) * sizeof(float));
     for (long p0 = 0; p0 < pairs; p0 += chunk) {
         long np = pairs - p0 < chunk ? pairs - p0 : chunk;
-        fill_panel(at, k, n, p0, np, panel);
-        /* the next panel's rows are prefetched by the tiles, 128 bytes per pair each, a run of
-         * whole rows per tile found through kn_row (paged: a run may pass its block's end, a few
-         * lines prefetched in vain; a prefetch never faults) */
+        fill_panel(w, k, n, p0, np, panel);
+        /* the next panel's rows (one after another) are prefetched by the tiles, 128 bytes per pair each */
         const long t1 = 2 * (p0 + np), row_bytes = n * 2;
         const long next_bytes = (k - t1 < 2 * chunk ? k - t1 : 2 * chunk) * row_bytes; /* <= 0: none */
         long next_off = 0;
@@ -89,9 +83,7 @@ static void kn_matrix(const uint32_t *xq, long rows, const ag_kn_rows *at, long 
             for (long m0 = 0; m0 < rows; m0 += KN_ROWS) {
                 const ag_bf16x32 *pb = panel + b * 2;
                 float *sb = sums + b * rows * 32;
-                const char *pf = next_off < next_bytes
-                                     ? (const char *)kn_row(at, t1 + next_off / row_bytes, n) + next_off % row_bytes
-                                     : NULL;
+                const char *pf = next_off < next_bytes ? (const char *)(w + t1 * n) + next_off : NULL;
                 next_off += 128 * np;
                 switch (rows - m0 < KN_ROWS ? rows - m0 : KN_ROWS) {
                     case 1: KN_TILE(1); break;
@@ -126,8 +118,9 @@ static void pack_kn(const uint16_t *x, long rows, long k, uint32_t *xq) {
     }
 }
 
-int ag_kn_all(const uint16_t *x, const ag_kn_rows *base, long ws, long tw, long heads, uint16_t *out, long experts,
-              long rows, long k, long n, int threads) {
+/* out[e] = x[e] @ w[e] for e < experts (as kn_rows); 0, or -1 without memory for the packed rows */
+static int kn_all(const uint16_t *x, const uint16_t *w, long ws, uint16_t *out, long experts, long rows, long k,
+                  long n, int threads) {
     long per = (k + 1) / 2 * rows, total = experts * per, blocks = (n + 31) / 32;
     long own = KN_PANEL + (rows * 32 * blocks * (long)sizeof(float) + 63) / 64 * 64; /* bytes per thread */
     int workers = threads > 1 ? threads : 1;
@@ -145,9 +138,8 @@ int ag_kn_all(const uint16_t *x, const ag_kn_rows *base, long ws, long tw, long 
 #else
         char *mine = scratch;
 #endif
-        ag_kn_rows at = {base->w + e * ws + e % heads * n, base->table ? base->table + e / heads * tw : NULL,
-                         base->bs, base->bstride, base->rstride};
-        kn_matrix(xq + e * per, rows, &at, k, n, out + e * rows * n, (ag_bf16x32 *)mine, (float *)(mine + KN_PANEL));
+        kn_matrix(xq + e * per, rows, w + e * ws, k, n, out + e * rows * n, (ag_bf16x32 *)mine,
+                  (float *)(mine + KN_PANEL));
     }
     free(xq), free(scratch);
     return 0;
@@ -159,10 +151,9 @@ int ag_kn_all(const uint16_t *x, const ag_kn_rows *base, long ws, long tw, long 
  * splits the experts over OpenMP threads. Returns 0, or -1 where this build lacks the kernel or
  * memory for the packed rows. */
 AG_EXPORT int kn_rows(const uint16_t *x, const uint16_t *w, long ws, uint16_t *out, long experts, long rows, long k,
-                      long n, int threads) {
+                   long n, int threads) {
 #if AG_VEC_BITS
-    ag_kn_rows base = {w, NULL, 0, 0, n};
-    return ag_kn_all(x, &base, ws, 0, 1, out, experts, rows, k, n, threads);
+    return kn_all(x, w, ws, out, experts, rows, k, n, threads);
 #else
     (void)x, (void)w, (void)ws, (void)out, (void)experts, (void)rows, (void)k, (void)n, (void)threads;
     return -1;

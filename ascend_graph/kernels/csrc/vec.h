@@ -35,14 +35,6 @@ static inline uint16_t ag_to_bf16(float f) {
 #if AG_VEC_BITS
 /* Prefetch the 64-byte line at p into L2 (never faults) */
 AG_INLINE void ag_prefetch_l2(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T2); }
-
-/* n bfloat16 from `from` to `to` (not overlapping), 16 at a time */
-AG_INLINE void ag_copy_bf16(uint16_t *to, const uint16_t *from, long n) {
-    long c = 0;
-    for (; c + 16 <= n; c += 16)
-        _mm256_storeu_si256((__m256i *)(to + c), _mm256_loadu_si256((const __m256i *)(from + c)));
-    memcpy(to + c, from + c, (size_t)(n - c) * 2);
-}
 #endif
 
 #endif
