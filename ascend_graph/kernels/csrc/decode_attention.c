@@ -36,6 +36,7 @@ AG_INLINE void attend(const attn_t *a, long b, long hk, long t0, long t1, const 
                       const uint16_t *qb, const uint16_t *qrb, float scale, float *m, float *l, float *acc, float *s,
                       uint32_t *pp, const void **krows, const void **rrows, const void **vrows, int bf16) {
     const int pairs = PAIRS && bf16; /* then qb, qrb (raw bf16) serve, else q, qr (scaled float32) */
+    (void)scale;
     const long np = (a->bs + 1) / 2;
     const long g = a->g, bs = a->bs, vw = a->v.width;
     for (long h = 0; h < g; h++) m[h] = -INFINITY, l[h] = 0;
