@@ -170,6 +170,7 @@ def compare(model: str, dtype: str, batch: int, vllm_row: dict, engine_row: dict
             "ratio": vllm_row["ms_per_step"] / engine_row["ms_per_step"] if equal else None,
             "tokens_equal": equal, "first_difference": diff,
             "vllm_round_ms": vllm_row["round_ms"], "engine_round_ms": engine_row["round_ms"],
+            "vllm_round_s": vllm_row["round_s"], "engine_round_s": engine_row["round_s"],
             "tokens_stable": {"vllm": vllm_row["tokens_stable"], "engine": engine_row["tokens_stable"]}}
 
 

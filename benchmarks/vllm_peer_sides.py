@@ -10,7 +10,8 @@ round times, per side, a generation of 1 new token (prefill only) and then one o
 new tokens on the same prompts; ``(t_new - t_one) / (new_tokens - 1)`` is that round's time per
 decode step (host scheduling, sampling and output handling included; prefill excluded). The
 sides take turns within every round, in alternating order, so that the load of a shared machine
-falls on both alike; each side's figure is its median over the rounds.
+falls on both alike; each turn starts with an untimed 1-token generation, so that the first call
+after the other process ran is not a timed one. Each side's figure is its median over the rounds.
 """
 
 from __future__ import annotations
@@ -41,15 +42,18 @@ def decode_ms_per_step(t_new: float, t_one: float, new_tokens: int) -> float:
 
 def interleaved_decode(sides: dict[str, Side], batch: int, new_tokens: int, rounds: int) -> dict[str, dict]:
     """Per side: the median decode ms per step at ``batch`` (``ms_per_step``), each round's
-    (``round_ms``), the warm-up's tokens and whether every round made the same (``tokens_stable``)."""
+    (``round_ms``) and its two timed generations' seconds (``round_s``: 1 token, ``new_tokens``),
+    the warm-up's tokens and whether every round made the same (``tokens_stable``)."""
     out = {}
     for name, side in sides.items():  # warm-up: compiles, allocates, fills caches
-        out[name] = {"round_ms": [], "tokens": side(batch, new_tokens)[1], "tokens_stable": True}
+        out[name] = {"round_ms": [], "round_s": [], "tokens": side(batch, new_tokens)[1], "tokens_stable": True}
     names = list(sides)
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
+            sides[name](batch, 1)  # untimed: the switch from the other process is paid here
             t_one, _ = sides[name](batch, 1)
             t_new, tokens = sides[name](batch, new_tokens)
+            out[name]["round_s"].append([t_one, t_new])
             out[name]["round_ms"].append(decode_ms_per_step(t_new, t_one, new_tokens))
             out[name]["tokens_stable"] &= tokens == out[name]["tokens"]
     for row in out.values():

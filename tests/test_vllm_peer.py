@@ -62,6 +62,7 @@ def test_interleaved_decode_takes_each_sides_median_round_after_a_warm_up():
     out = interleaved_decode(sides, batch=2, new_tokens=5, rounds=3)
     assert out["a"]["round_ms"] == pytest.approx([20.0, 10.0, 40.0]) and out["a"]["ms_per_step"] == pytest.approx(20.0)
     assert out["b"]["ms_per_step"] == pytest.approx(5.0)
+    assert out["a"]["round_s"][0] == pytest.approx([0.3, 0.3 + 4 * 0.020])
     assert out["a"]["tokens"] == [[7] * 5] * 2 and out["a"]["tokens_stable"]
 
 
@@ -69,10 +70,10 @@ def test_interleaved_decode_alternates_which_side_goes_first():
     log = []
     sides = {"a": FakeSide("a", 0.0, [0.0] * 4, log), "b": FakeSide("b", 0.0, [0.0] * 4, log)}
     interleaved_decode(sides, batch=1, new_tokens=3, rounds=3)
-    warm_up, rounds = log[:2], [log[i:i + 4] for i in range(2, len(log), 4)]
+    warm_up, rounds = log[:2], [log[i:i + 6] for i in range(2, len(log), 6)]
     assert warm_up == [("a", 3), ("b", 3)]
-    assert [[name for name, _ in r] for r in rounds] == [list("aabb"), list("bbaa"), list("aabb")]
-    assert all([n for _, n in r] == [1, 3, 1, 3] for r in rounds)
+    assert [[name for name, _ in r] for r in rounds] == [list("aaabbb"), list("bbbaaa"), list("aaabbb")]
+    assert all([n for _, n in r] == [1, 1, 3, 1, 1, 3] for r in rounds)  # untimed 1, timed 1, timed 3
 
 
 def test_interleaved_decode_notices_tokens_changing_between_rounds():
@@ -98,7 +99,8 @@ def test_first_difference_of_a_shorter_output_points_past_its_end():
 
 
 def side(ms: float, tokens: list[list[int]]) -> dict:
-    return {"ms_per_step": ms, "round_ms": [ms], "tokens": tokens, "tokens_stable": True}
+    return {"ms_per_step": ms, "round_ms": [ms], "round_s": [[0.1, 0.1 + ms]], "tokens": tokens,
+            "tokens_stable": True}
 
 
 def test_a_row_claims_a_ratio_only_where_the_tokens_agree():
