@@ -64,8 +64,9 @@ MODELS = {
 }
 DTYPES = ("float32", "bfloat16")
 PROMPT_LEN = 16
-NOISE_NOTE = ("Shared, noisy host: absolute times move between runs (two stock vLLM runs of the same settings "
-              "differed by 13-17%); the ratio of one run, both sides measured back to back, is what counts.")
+NOISE_NOTE = ("Shared, noisy host (other jobs on the same cores): absolute times move between runs and between "
+              "rounds; the ratio of one run, both sides' rounds interleaved, is what counts, and each round's "
+              "figure is kept (vllm_round_ms, engine_round_ms) to judge the spread.")
 
 
 @dataclasses.dataclass(frozen=True)
