@@ -133,7 +133,8 @@ def hf_model(config: DeepseekConfig, dtype: torch.dtype):
     keys = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
             "num_attention_heads", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
             "v_head_dim", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "first_k_dense_replace",
-            "topk_method", "routed_scaling_factor", "norm_topk_prob", "max_position_embeddings", "rms_norm_eps")
+            "topk_method", "routed_scaling_factor", "norm_topk_prob", "max_position_embeddings", "rms_norm_eps",
+            "initializer_range")
     hf_config = transformers.DeepseekV2Config(**{k: getattr(config, k) for k in keys},
                                               num_key_value_heads=config.num_attention_heads,
                                               n_group=config.n_group or 1, topk_group=config.topk_group or 1,

@@ -1,0 +1,158 @@
+"""The two sides ``benchmarks.vllm_peer`` times, and how: decode ms per step, rounds interleaved.
+
+A side is a callable ``(batch, new_tokens) -> (seconds, tokens)``: one greedy generation of
+``new_tokens`` new tokens for the first ``batch`` prompts, the seconds its generate call took
+and the new tokens of each prompt. ``VllmSide`` asks a stock vLLM in a subprocess of the vLLM
+venv's python (``vllm_peer_worker.py``); ``EngineSide`` runs the project's Engine here.
+
+How a decode step is timed (``interleaved_decode``): after one warm-up generation per side, each
+round times, per side, a generation of 1 new token (prefill only) and then one of ``new_tokens``
+new tokens on the same prompts; ``(t_new - t_one) / (new_tokens - 1)`` is that round's time per
+decode step (host scheduling, sampling and output handling included; prefill excluded). The
+sides take turns within every round, in alternating order, so that the load of a shared machine
+falls on both alike; each turn starts with an untimed 1-token generation, so that the first call
+after the other process ran is not a timed one. Each side's figure is its median over the rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from typing import Callable
+
+import torch
+
+from ascend_graph.config import GraphConfig
+from benchmarks.vllm_peer_worker import REPLY
+
+Side = Callable[[int, int], tuple[float, list[list[int]]]]  # (batch, new tokens) -> (seconds, tokens)
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer_worker.py")
+
+
+def decode_ms_per_step(t_new: float, t_one: float, new_tokens: int) -> float:
+    """Milliseconds per decode step from the seconds of a ``new_tokens`` generation and a 1-token one."""
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens must be >= 2 to time a decode step, got {new_tokens}")
+    return (t_new - t_one) / (new_tokens - 1) * 1e3
+
+
+def interleaved_decode(sides: dict[str, Side], batch: int, new_tokens: int, rounds: int) -> dict[str, dict]:
+    """Per side: the median decode ms per step at ``batch`` (``ms_per_step``), each round's
+    (``round_ms``) and its two timed generations' seconds (``round_s``: 1 token, ``new_tokens``),
+    the warm-up's tokens and whether every round made the same (``tokens_stable``)."""
+    out = {}
+    for name, side in sides.items():  # warm-up: compiles, allocates, fills caches
+        out[name] = {"round_ms": [], "round_s": [], "tokens": side(batch, new_tokens)[1], "tokens_stable": True}
+    names = list(sides)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            sides[name](batch, 1)  # untimed: the switch from the other process is paid here
+            t_one, _ = sides[name](batch, 1)
+            t_new, tokens = sides[name](batch, new_tokens)
+            out[name]["round_s"].append([t_one, t_new])
+            out[name]["round_ms"].append(decode_ms_per_step(t_new, t_one, new_tokens))
+            out[name]["tokens_stable"] &= tokens == out[name]["tokens"]
+    for row in out.values():
+        row["ms_per_step"] = statistics.median(row["round_ms"])
+    return out
+
+
+def vllm_env(cache_root: str, threads: int) -> dict:
+    """The environment of the vLLM subprocess: in-process engine core, no thread binding, logs
+    on stderr, nothing of this project on the path."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               VLLM_CACHE_ROOT=cache_root, OMP_NUM_THREADS=str(threads), VLLM_LOGGING_STREAM="ext://sys.stderr")
+    return env
+
+
+def check_vllm_python(python: str) -> str:
+    """vLLM's version under ``python``; ``SystemExit`` saying why where it cannot run vLLM."""
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise SystemExit(f"--vllm-python {python!r}: no such executable (make the venv as "
+                         "benchmarks/vllm_peer.py's docstring says)")
+    done = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True,
+                          env=vllm_env(tempfile.gettempdir(), 1))
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SystemExit(f"--vllm-python {python!r} cannot import vllm: {tail}")
+    return done.stdout.strip().splitlines()[-1]
+
+
+class VllmSide:
+    """Stock vLLM in a worker subprocess of ``python`` on ``spec``; its log goes to ``log_path``."""
+
+    def __init__(self, python: str, spec: dict, workdir: str) -> None:
+        spec_path = os.path.join(workdir, "spec.json")
+        with open(spec_path, "w", encoding="utf-8") as f:
+            json.dump(spec, f)
+        self.log_path = os.path.join(workdir, f"vllm_{spec['dtype']}.log")
+        self.log = open(self.log_path, "w", encoding="utf-8")
+        self.proc = subprocess.Popen([python, WORKER, spec_path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True,
+                                     env=vllm_env(os.path.join(workdir, "vllm_cache"), spec["threads"]))
+        self.about: dict | None = None
+
+    def ready(self) -> dict:
+        """Wait for the worker's LLM; what it reported (start-up seconds, threads, versions)."""
+        if self.about is None:
+            self.about = self._answer()
+        return self.about
+
+    def __call__(self, batch: int, new_tokens: int) -> tuple[float, list[list[int]]]:
+        self.ready()
+        self.proc.stdin.write(json.dumps({"batch": batch, "new_tokens": new_tokens}) + "\n")
+        self.proc.stdin.flush()
+        answer = self._answer()
+        return answer["seconds"], answer["tokens"]
+
+    def _answer(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY):])
+            self.log.write(line)
+        self.log.flush()
+        with open(self.log_path, encoding="utf-8") as f:
+            tail = f.read()[-4000:]
+        raise RuntimeError(f"the vLLM worker stopped (exit {self.proc.wait()}); its log ends:\n{tail}")
+
+    def close(self) -> None:
+        """End the worker (its stdin closes) and wait for it."""
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+        self.log.close()
+
+
+class EngineSide:
+    """The project's Engine on the checkpoint at ``path``, graph mode on, every batch captured."""
+
+    def __init__(self, path: str, spec: dict) -> None:
+        from ascend_graph.engine import Engine
+
+        batches = spec["batches"]
+        config = GraphConfig(enabled=True, capture_sizes=tuple(batches), max_batch_size=max(batches),
+                             fallback_on_compile_error=False)  # a failed compile must not time eager
+        start = time.perf_counter()
+        self.engine = Engine.from_pretrained(path, graph_config=config, dtype=getattr(torch, spec["dtype"]),
+                                             block_size=16, max_model_len=spec["max_model_len"],
+                                             cache_memory_bytes=spec["kv_cache_memory_bytes"])
+        self.engine.capture(show_progress=False)
+        self.prompts = spec["prompts"]
+        self.about = {"init_s": time.perf_counter() - start}
+
+    def __call__(self, batch: int, new_tokens: int) -> tuple[float, list[list[int]]]:
+        start = time.perf_counter()
+        tokens = self.engine.generate(self.prompts[:batch], new_tokens, ignore_eos=True)
+        return time.perf_counter() - start, tokens
+
+    def close(self) -> None:
+        """Check every decode step ran as a graph; free the engine."""
+        stats = self.engine.stats
+        del self.engine
+        torch._dynamo.reset()
+        if stats["graph_steps"] != stats["decode_steps"]:
+            raise RuntimeError(f"some Engine decode steps ran eagerly: {stats}")

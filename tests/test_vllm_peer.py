@@ -1,0 +1,202 @@
+"""The Engine-vs-vLLM benchmark's own logic, without vLLM: arguments, step timing, token checks, JSON.
+
+Oracles: per-step times worked out by hand from a fake clock; token differences placed by hand.
+The full run (vLLM in its venv, both models) is a benchmark, ``python -m benchmarks.vllm_peer``.
+"""
+
+import json
+import os
+import sys
+
+import pytest
+
+from benchmarks import vllm_peer, vllm_peer_sides, vllm_peer_worker
+from benchmarks.vllm_peer_sides import decode_ms_per_step, interleaved_decode
+
+
+def test_arguments_default_to_every_model_dtype_and_batch():
+    args = vllm_peer.parse_args(["--vllm-python", "/x/python"])
+    assert (args.models, args.dtypes, args.batches) == (["tiny", "v2lite"], ["float32", "bfloat16"], [1, 8, 32])
+    assert args.json.endswith(os.path.join("benchmarks", "results", "vllm_peer.json"))
+
+
+def test_arguments_take_comma_separated_lists():
+    args = vllm_peer.parse_args(["--vllm-python", "p", "--models", "v2lite", "--dtypes", "bfloat16",
+                                 "--batches", "1,32", "--json", "out.json"])
+    assert (args.models, args.dtypes, args.batches, args.json) == (["v2lite"], ["bfloat16"], [1, 32], "out.json")
+
+
+@pytest.mark.parametrize("argv", [[], ["--models", "huge"], ["--dtypes", "float16"], ["--batches", "0"],
+                                  ["--new-tokens", "1"]])
+def test_arguments_refuse_what_cannot_run(argv, capsys):
+    with pytest.raises(SystemExit):
+        vllm_peer.parse_args((["--vllm-python", "p"] if argv else []) + argv)
+
+
+def test_decode_step_is_the_extra_time_of_the_extra_tokens():
+    # 11 new tokens took 1.5 s, 1 new token 0.5 s: 10 decode steps in 1.0 s
+    assert decode_ms_per_step(1.5, 0.5, 11) == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="new_tokens"):
+        decode_ms_per_step(1.0, 0.5, 1)
+
+
+class FakeSide:
+    """A side whose generations take ``prefill_s`` plus ``step_s[i]`` per token after the first,
+    ``i`` counting its full (more than one token) generations; ``log`` records every call."""
+
+    def __init__(self, name: str, prefill_s: float, step_s: list[float], log: list) -> None:
+        self.name, self.prefill_s, self.step_s, self.full_runs, self.log = name, prefill_s, step_s, 0, log
+
+    def __call__(self, batch: int, new_tokens: int) -> tuple[float, list[list[int]]]:
+        self.log.append((self.name, new_tokens))
+        step = self.step_s[self.full_runs] if new_tokens > 1 else 0.0
+        self.full_runs += new_tokens > 1
+        return self.prefill_s + step * (new_tokens - 1), [[7] * new_tokens] * batch
+
+
+def test_interleaved_decode_takes_each_sides_median_round_after_a_warm_up():
+    # warm-up at 1 s per step (ignored), then rounds at 20, 10 and 40 ms per step: median 20
+    log = []
+    sides = {"a": FakeSide("a", 0.3, [1.0, 0.020, 0.010, 0.040], log),
+             "b": FakeSide("b", 0.1, [1.0, 0.005, 0.005, 0.006], log)}
+    out = interleaved_decode(sides, batch=2, new_tokens=5, rounds=3)
+    assert out["a"]["round_ms"] == pytest.approx([20.0, 10.0, 40.0]) and out["a"]["ms_per_step"] == pytest.approx(20.0)
+    assert out["b"]["ms_per_step"] == pytest.approx(5.0)
+    assert out["a"]["round_s"][0] == pytest.approx([0.3, 0.3 + 4 * 0.020])
+    assert out["a"]["tokens"] == [[7] * 5] * 2 and out["a"]["tokens_stable"]
+
+
+def test_interleaved_decode_alternates_which_side_goes_first():
+    log = []
+    sides = {"a": FakeSide("a", 0.0, [0.0] * 4, log), "b": FakeSide("b", 0.0, [0.0] * 4, log)}
+    interleaved_decode(sides, batch=1, new_tokens=3, rounds=3)
+    warm_up, rounds = log[:2], [log[i:i + 6] for i in range(2, len(log), 6)]
+    assert warm_up == [("a", 3), ("b", 3)]
+    assert [[name for name, _ in r] for r in rounds] == [list("aaabbb"), list("bbbaaa"), list("aaabbb")]
+    assert all([n for _, n in r] == [1, 1, 3, 1, 1, 3] for r in rounds)  # untimed 1, timed 1, timed 3
+
+
+def test_interleaved_decode_notices_tokens_changing_between_rounds():
+    calls = iter(range(100))
+    out = interleaved_decode({"a": lambda batch, n: (0.0, [[next(calls)] * n])}, batch=1, new_tokens=3, rounds=2)
+    assert not out["a"]["tokens_stable"]
+
+
+def test_equal_tokens_have_no_difference():
+    assert vllm_peer.first_difference([[1, 2], [3, 4]], [[1, 2], [3, 4]]) is None
+
+
+def test_first_difference_names_request_position_and_both_tokens():
+    vllm = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    engine = [[1, 2, 3], [4, 5, 0], [7, 0, 9]]
+    assert vllm_peer.first_difference(vllm, engine) == {"request": 1, "position": 2, "vllm": 6, "engine": 0,
+                                                         "requests_differing": 2}
+
+
+def test_first_difference_of_a_shorter_output_points_past_its_end():
+    assert vllm_peer.first_difference([[1, 2, 3]], [[1, 2]]) == {"request": 0, "position": 2, "vllm": 3,
+                                                                  "engine": None, "requests_differing": 1}
+
+
+def side(ms: float, tokens: list[list[int]]) -> dict:
+    return {"ms_per_step": ms, "round_ms": [ms], "round_s": [[0.1, 0.1 + ms]], "tokens": tokens,
+            "tokens_stable": True}
+
+
+def test_a_row_claims_a_ratio_only_where_the_tokens_agree():
+    same = vllm_peer.compare("tiny", "float32", 8, side(6.0, [[1, 2]]), side(3.0, [[1, 2]]))
+    assert same["ratio"] == pytest.approx(2.0) and same["tokens_equal"] and same["first_difference"] is None
+    differ = vllm_peer.compare("tiny", "bfloat16", 8, side(6.0, [[1, 2]]), side(3.0, [[1, 5]]))
+    assert differ["ratio"] is None and not differ["tokens_equal"]
+    assert differ["first_difference"]["position"] == 1
+    lines = vllm_peer.render([same, differ])
+    assert "| 2.00x | yes |" in lines[2] and "| — | no (request 0, token 1) |" in lines[3]
+
+
+def test_result_json_holds_rows_settings_machine_and_both_sides_versions():
+    args = vllm_peer.parse_args(["--vllm-python", "p", "--models", "tiny"])
+    row = vllm_peer.compare("tiny", "float32", 1, side(4.0, [[1]]), side(2.0, [[1]]))
+    about = {"tiny/float32": {"vllm": {"init_s": 30.0, "torch_threads": 2, "versions": {"vllm": "0.32.0"}},
+                              "engine": {"init_s": 20.0}}}
+    out = json.loads(json.dumps(vllm_peer.result_json(args, vllm_peer.Settings(), [row], about)))
+    assert out["benchmark"] == "vllm_peer" and out["rows"][0]["ratio"] == pytest.approx(2.0)
+    assert {"cpu", "cores", "torch", "when"} <= set(out["conditions"])
+    assert out["versions"]["vllm_side"] == {"vllm": "0.32.0"} and "torch" in out["versions"]["engine_side"]
+    assert out["models"]["tiny"]["kv_lora_rank"] + out["models"]["tiny"]["qk_rope_head_dim"] == 576
+    assert out["settings"]["block_size"] == 16 and "ratio" in out["note"]
+    assert out["sides"] == {"tiny/float32": {"vllm": {"init_s": 30.0, "torch_threads": 2}, "engine": {"init_s": 20.0}}}
+
+
+def test_the_v2lite_slice_has_v2_lite_widths_and_vllm_cpu_mla_head():
+    c = vllm_peer.MODELS["v2lite"]()
+    assert (c.hidden_size, c.num_attention_heads, c.kv_lora_rank + c.qk_rope_head_dim) == (2048, 16, 576)
+    assert (c.n_routed_experts, c.num_experts_per_tok, c.n_shared_experts, c.moe_intermediate_size) == (64, 6, 2, 1408)
+    assert (c.num_hidden_layers, c.first_k_dense_replace) == (2, 1)
+
+
+def test_vllm_env_keeps_this_project_off_the_path(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/work/somewhere")
+    env = vllm_peer_sides.vllm_env("/tmp/cache", 2)
+    assert "PYTHONPATH" not in env
+    assert (env["VLLM_ENABLE_V1_MULTIPROCESSING"], env["VLLM_CPU_OMP_THREADS_BIND"]) == ("0", "nobind")
+    assert (env["VLLM_CACHE_ROOT"], env["OMP_NUM_THREADS"]) == ("/tmp/cache", "2")
+    assert env["VLLM_LOGGING_STREAM"] == "ext://sys.stderr"  # stdout carries the worker's answers
+
+
+def test_a_missing_vllm_python_is_named(tmp_path):
+    with pytest.raises(SystemExit, match="no such executable"):
+        vllm_peer_sides.check_vllm_python(str(tmp_path / "python"))
+
+
+def test_a_python_without_vllm_is_named_with_its_error(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'vllm'\" >&2\nexit 1\n")
+    fake.chmod(0o755)
+    with pytest.raises(SystemExit, match="cannot import vllm: ModuleNotFoundError"):
+        vllm_peer_sides.check_vllm_python(str(fake))
+
+
+def fake_python(tmp_path, body: str) -> str:
+    """An executable standing in for the vLLM venv's python: runs ``body`` (Python), whatever
+    the arguments."""
+    script = tmp_path / "python"
+    script.write_text(f"#!{sys.executable}\nimport json, sys\n{body}\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+SPEC = {"dtype": "float32", "threads": 1}
+
+
+def test_vllm_side_reads_answers_between_log_lines(tmp_path):
+    python = fake_python(tmp_path, f"""
+print("INFO a log line on stdout")
+print({vllm_peer_worker.REPLY!r} + json.dumps({{"ready": True, "init_s": 1.5}}), flush=True)
+for line in sys.stdin:
+    r = json.loads(line)
+    print("INFO generating")
+    print({vllm_peer_worker.REPLY!r} + json.dumps({{"seconds": 0.25, "tokens": [[r["new_tokens"]]] * r["batch"]}}),
+          flush=True)""")
+    side = vllm_peer_sides.VllmSide(python, SPEC, str(tmp_path))
+    assert side.ready()["init_s"] == 1.5
+    assert side(2, 5) == (0.25, [[5], [5]])
+    side.close()
+    assert "INFO a log line on stdout" in (tmp_path / "vllm_float32.log").read_text()
+
+
+def test_a_vllm_worker_that_dies_is_reported_with_its_log(tmp_path):
+    python = fake_python(tmp_path, 'print("RuntimeError: Head dimension 80 is not supported by MLA"); sys.exit(3)')
+    side = vllm_peer_sides.VllmSide(python, SPEC, str(tmp_path))
+    with pytest.raises(RuntimeError, match="(?s)exit 3.*Head dimension 80"):
+        side.ready()
+
+
+def test_the_referee_sees_the_prompt_and_the_tokens_both_sides_share(monkeypatch):
+    seen = []
+    monkeypatch.setattr(vllm_peer, "referee", lambda *a: seen.append(a) or {"argmax": 6})
+    row = vllm_peer.compare("tiny", "bfloat16", 2, side(1.0, [[1, 2], [3, 4, 6]]), side(1.0, [[1, 2], [3, 4, 5]]))
+    out = vllm_peer.with_referee(row, "ckpt", [[10], [20, 21]], [[1, 2], [3, 4, 6]])
+    assert seen == [("ckpt", [20, 21], [3, 4], [6, 5])]
+    assert out["first_difference"]["transformers_float32"] == {"argmax": 6}
+    same = vllm_peer.compare("tiny", "float32", 1, side(1.0, [[1]]), side(1.0, [[1]]))
+    assert vllm_peer.with_referee(same, "ckpt", [[10]], [[1]]) is same and len(seen) == 1
