@@ -17,8 +17,10 @@ from .base import AttentionBackend
 
 ATTENTION_BACKENDS: dict[str, tuple[tuple[str, str], ...]] = {
     "mla": (("cpu_kernel", "ascend_graph.attention.cpu:CpuMLA"),
+            ("triton", "ascend_graph.attention.triton:TritonMLA"),
             ("reference", "ascend_graph.attention.reference:ReferenceMLA")),
     "paged": (("cpu_kernel", "ascend_graph.attention.cpu:CpuPaged"),
+              ("triton", "ascend_graph.attention.triton:TritonPaged"),
               ("reference", "ascend_graph.attention.reference:ReferencePaged")),
 }
 
