@@ -11,6 +11,9 @@ reference backend, eager and in a CUDA graph. Without triton every test is skipp
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import NamedTuple, Optional
 
 import pytest
@@ -28,6 +31,7 @@ from ascend_graph.kv_cache import KVCache, MLACache  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not triton_attention.available(), reason="needs triton (not installed)")
 
+ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 S, W = 4, 24  # block size, table width: 96 slots, 3 to 6 tiles, ragged blocks and tiles
 KINDS = {"mla": dict(hq=20, hk=1, dk=144, dv=144, r=16), "gqa": dict(hq=8, hk=2, dk=16, dv=24, r=0)}
@@ -162,6 +166,42 @@ def test_triton_backends_run_on_cuda_only_and_come_before_the_reference():
         assert not cls.supports(torch.device("cpu"), torch.bfloat16)
         assert cls.supports(torch.device("cuda"), torch.bfloat16)  # triton imports (else skipped)
         assert not cls.supports(torch.device("cuda"), torch.float64)
+
+
+_SM90 = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ascend_graph.kernels import triton_attention as ta, triton_decode as td
+
+
+def build(fn, dtype, constants, tables="*i32"):
+    pointers = dict.fromkeys(["q", "q_rope", "k_cache", "rope_cache", "v_cache", "out"], "*" + dtype)
+    pointers.update(tables=tables, ctx_lens="*i32", part_out="*fp32", part_lse="*fp32")
+    sig = {n: "constexpr" if n in constants else pointers.get(n, "fp32" if n == "scale_log2" else "i32")
+           for n in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn, sig, constants), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=4, num_stages=2))
+    assert kernel.asm["cubin"], fn.__name__
+
+
+build(td.decode_partial, "bf16", ta.partial_constants(128, 512, 64, 512, 32, True, False))  # V3's MLA
+build(td.decode_merge, "bf16", ta.merge_constants(512, 32))
+build(td.decode_partial, "fp16", ta.partial_constants(8, 128, 0, 128, 1, False, False), tables="*i64")  # GQA
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_to_sm90_cubins_without_a_gpu(tmp_path):
+    """What the interpreter does not check: Triton's own compile (types, tl.dot shapes, layouts) down
+    to ptxas, for DeepSeek-V3's MLA (bf16, split rows, the merge) and GQA (fp16, int64 tables)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", _SM90], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -91,24 +91,41 @@ def run(q: Tensor, q_rope: Optional[Tensor], k_cache: Tensor, rope_cache: Option
         return out
     shared = (k_cache.data_ptr() == v_cache.data_ptr() and k_cache.shape == v_cache.shape
               and k_cache.stride() == v_cache.stride())
-    block_n = 32 if max(dk, dv) <= 128 else 16
-    head_programs = -(-g // BLOCK_H)
     slots = tables.shape[1] * k_cache.shape[1]
-    splits = num_splits(b * hk * head_programs, slots, block_n, _programs_wanted(q.device))
+    head_programs = -(-g // BLOCK_H)
+    splits = num_splits(b * hk * head_programs, slots, block_tokens(dk, dv), _programs_wanted(q.device))
+    constants = partial_constants(g, dk, rw, dv, splits, shared, q.dtype == torch.bfloat16 and _interpreted())
     part_out = q.new_empty(b, hq, splits, dv, dtype=torch.float32) if splits > 1 else out  # out: unused
     part_lse = q.new_empty(b, hq, splits, dtype=torch.float32) if splits > 1 else out
     with _on(q.device):
         triton_decode.decode_partial[(b, hk * head_programs, splits)](
             q, qr, k_cache, r, v_cache, tables, ctx, out, part_out, part_lse, float(scale) * math.log2(math.e),
             *q.stride()[:2], *qr.stride()[:2], *k_cache.stride()[:3], *r.stride()[:3], *v_cache.stride()[:3],
-            tables.stride(0), *out.stride()[:2], slots, k_cache.shape[1], hq, g, dk, rw, dv,
-            HEAD_PROGRAMS=head_programs, SPLITS=splits, BLOCK_H=BLOCK_H, BLOCK_N=block_n, BLOCK_DK=_tile(dk),
-            BLOCK_R=_tile(rw), BLOCK_DV=_tile(dv), HAS_ROPE=q_rope is not None, SHARED_KV=shared,
-            DOT_F32=q.dtype == torch.bfloat16 and _interpreted(), num_warps=4, num_stages=2)
+            tables.stride(0), *out.stride()[:2], slots, k_cache.shape[1], hq, g, dk, rw, dv, **constants,
+            num_warps=4, num_stages=2)
         if splits > 1:
-            triton_decode.decode_merge[(b, hq)](part_out, part_lse, out, *out.stride()[:2], hq, dv, SPLITS=splits,
-                                                BLOCK_S=_tile(splits, 1), BLOCK_DV=_tile(dv), num_warps=4)
+            triton_decode.decode_merge[(b, hq)](part_out, part_lse, out, *out.stride()[:2], hq, dv,
+                                                **merge_constants(dv, splits), num_warps=4)
     return out
+
+
+def block_tokens(dk: int, dv: int) -> int:
+    """Tokens a program takes per step (``BLOCK_N``): fewer for wide rows, whose tiles fill the registers."""
+    return 32 if max(dk, dv) <= 128 else 16
+
+
+def partial_constants(g: int, dk: int, rw: int, dv: int, splits: int, shared: bool, dot_f32: bool) -> dict:
+    """``decode_partial``'s compile-time arguments for ``g`` query heads per kv head, widths ``dk``,
+    ``rw`` (0: no rope) and ``dv``, ``splits`` per row, ``shared`` k and v, ``dot_f32`` (the interpreter's
+    bfloat16)."""
+    return dict(HEAD_PROGRAMS=-(-g // BLOCK_H), SPLITS=splits, BLOCK_H=BLOCK_H, BLOCK_N=block_tokens(dk, dv),
+                BLOCK_DK=_tile(dk), BLOCK_R=_tile(rw), BLOCK_DV=_tile(dv), HAS_ROPE=rw > 0, SHARED_KV=shared,
+                DOT_F32=dot_f32)
+
+
+def merge_constants(dv: int, splits: int) -> dict:
+    """``decode_merge``'s compile-time arguments."""
+    return dict(SPLITS=splits, BLOCK_S=_tile(splits, 1), BLOCK_DV=_tile(dv))
 
 
 def _tile(n: int, least: int = 16) -> int:
