@@ -3,9 +3,10 @@ attention backends against float64 oracles (``attention.oracle``) computed from 
 keeps contiguous, written by hand into a paged cache whose every other slot is NaN: a row that
 read one token outside its live range would come out NaN.
 
-Without a GPU the kernels run in Triton's interpreter (set here, before triton defines them) on
-CPU tensors; with one, on the GPU, and ``test_cuda_*`` also runs the backends against the
-reference backend, eager and in a CUDA graph. Without triton every test is skipped.
+Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py
+before anything imports triton) on CPU tensors; with one, on the GPU, and ``test_cuda_*`` also runs
+the backends against the reference backend, eager and in a CUDA graph. Without triton every test
+is skipped.
 """
 
 from __future__ import annotations
@@ -19,17 +20,24 @@ from typing import NamedTuple, Optional
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # before any @triton.jit runs: the kernels' module is imported at first call
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from ascend_graph.attention import DecodeMetadata
+from ascend_graph.attention.oracle import dense_attention
+from ascend_graph.attention.reference import ReferenceMLA, ReferencePaged
+from ascend_graph.attention.triton import TritonMLA, TritonPaged
+from ascend_graph.kernels import triton_attention
+from ascend_graph.kv_cache import KVCache, MLACache
 
-from ascend_graph.attention import DecodeMetadata  # noqa: E402
-from ascend_graph.attention.oracle import dense_attention  # noqa: E402
-from ascend_graph.attention.reference import ReferenceMLA, ReferencePaged  # noqa: E402
-from ascend_graph.attention.triton import TritonMLA, TritonPaged  # noqa: E402
-from ascend_graph.kernels import triton_attention  # noqa: E402
-from ascend_graph.kv_cache import KVCache, MLACache  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not triton_attention.available(), reason="needs triton (not installed)")
+def _why_not() -> Optional[str]:
+    """Why the kernels cannot run here, or None."""
+    if not triton_attention.available():
+        return "needs triton (not installed)"
+    if not torch.cuda.is_available() and not triton_attention.interpreted():
+        return "needs a CUDA device or Triton's interpreter (TRITON_INTERPRET=1 before triton's import)"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

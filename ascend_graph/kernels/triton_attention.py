@@ -94,7 +94,7 @@ def run(q: Tensor, q_rope: Optional[Tensor], k_cache: Tensor, rope_cache: Option
     slots = tables.shape[1] * k_cache.shape[1]
     head_programs = -(-g // BLOCK_H)
     splits = num_splits(b * hk * head_programs, slots, block_tokens(dk, dv), _programs_wanted(q.device))
-    constants = partial_constants(g, dk, rw, dv, splits, shared, q.dtype == torch.bfloat16 and _interpreted())
+    constants = partial_constants(g, dk, rw, dv, splits, shared, q.dtype == torch.bfloat16 and interpreted())
     part_out = q.new_empty(b, hq, splits, dv, dtype=torch.float32) if splits > 1 else out  # out: unused
     part_lse = q.new_empty(b, hq, splits, dtype=torch.float32) if splits > 1 else out
     with _on(q.device):
@@ -144,7 +144,7 @@ def _on(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _interpreted() -> bool:
+def interpreted() -> bool:
     """Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when they were defined)."""
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -162,7 +162,7 @@ def _check(name: str, q: Tensor, q_rope: Optional[Tensor], k: Tensor, r: Optiona
         raise ValueError(f"{name}: q, q_rope, k_cache, rope_cache and v_cache must be of one dtype (float16, "
                          f"bfloat16 or float32) and every argument on one device; got "
                          f"{[str(t.dtype) for t in tensors]} on {sorted(str(d) for d in devices)}")
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and _interpreted()):
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreted()):
         raise ValueError(f"{name}: expected CUDA tensors (CPU ones only under Triton's interpreter, "
                          f"TRITON_INTERPRET=1 before the first call); got {q.device}")
     ok = (q.dim() == 3 and k.dim() == 4 and v.dim() == 4 and k.shape[:3] == v.shape[:3]
