@@ -8,6 +8,12 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without a GPU, Triton kernels run in its interpreter (tests/test_triton_attention.py), which
+# must be on before anything imports triton (Inductor's modules do): every @triton.jit, triton's
+# own included, is defined for the interpreter or for the GPU when it is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # pytest-xdist runs a worker per core: each worker's torch (and OpenMP) threads share the cores
 # among the workers instead of each taking them all
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):

@@ -17,9 +17,11 @@ from .base import AttentionBackend
 
 ATTENTION_BACKENDS: dict[str, tuple[tuple[str, str], ...]] = {
     "mla": (("cpu_kernel", "ascend_graph.attention.cpu:CpuMLA"),
+            ("triton", "ascend_graph.attention.triton:TritonMLA"),
             ("gathered_live", "ascend_graph.attention.live:LiveMLA"),
             ("reference", "ascend_graph.attention.reference:ReferenceMLA")),
     "paged": (("cpu_kernel", "ascend_graph.attention.cpu:CpuPaged"),
+              ("triton", "ascend_graph.attention.triton:TritonPaged"),
               ("gathered_live", "ascend_graph.attention.live:LivePaged"),
               ("reference", "ascend_graph.attention.reference:ReferencePaged")),
 }
