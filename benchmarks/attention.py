@@ -6,7 +6,9 @@ capacities, next to the same step as vllm-ascend's old eager MLA decode wrote it
 ``torch.cat([kv_c, k_pe], -1)`` of the whole caches every step). The tuple step reads only the
 blocks in the batch's tables, so t(big) / t(small) should stay near 1; the fused step grows with
 capacity. Achieved bandwidth is the bytes the step must read (each row's latent and rope cache,
-``w_uk`` and ``w_uv``) over its time. ``batch_one`` compares the compiled step reading the blocks in
+``w_uk`` and ``w_uv``) over its time; ``ascend_graph::decode_attention`` alone reads the live
+cache (each row's latent and rope rows) at the bytes/s of those bytes over its time, next to
+the copy probe in the same rounds. ``batch_one`` compares the compiled step reading the blocks in
 place with the same step over a gathered copy; ``gqa_decode`` times standard attention's decode
 (``paged_decode``, Llama-3-8B's heads) against its earlier forms.
 
@@ -223,6 +225,15 @@ def _floor(q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale):
     return run
 
 
+def _op_alone(q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale):
+    """``ascend_graph::decode_attention`` alone, on the step's latent query: the call that reads
+    the live cache (``attention/cpu.py``)."""
+    q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w_uk).to(cache.kv_c.dtype)  # [B, H, C]
+    d = meta.decode
+    return lambda: torch.ops.ascend_graph.decode_attention(q_lat, q_pe, cache.kv_c, cache.k_pe, cache.kv_c,
+                                                           d.block_tables, d.context_lens, scale)
+
+
 def measure(batch: int = 32, context: int = 2048, num_blocks=(256, 32768), reps: int = 7,
             dtype: str = "bfloat16", malloc_keeps_freed: bool = True) -> dict:
     """Rows of ``measure_capacity`` plus bytes and bandwidth of every row.
@@ -249,6 +260,10 @@ def measure(batch: int = 32, context: int = 2048, num_blocks=(256, 32768), reps:
         probes[name] = (lambda i: lambda: step(*i))(make_inputs(args, n))
         cold[name] = lambda: flush.sum()
     probes["compiled, glibc default malloc"] = with_malloc(False, lambda: step(*floor_inputs), malloc_keeps_freed)
+    ops = [dt for dt in dict.fromkeys((dtype, "float32")) if CpuMLA.supports(torch.device("cpu"), getattr(torch, dt))]
+    for dt in ops:  # over blocks all distinct (the batch's and 64 more), as at N=32768
+        op_args = argparse.Namespace(**{**vars(args), "dtype": dt})
+        probes[f"op alone, {dt}"] = _op_alone(*make_inputs(op_args, blocks_needed(args) + 64))
     # glibc's default returns the step's temporaries to the kernel: without a call under the
     # suite's setting after it, the next timed call would pay their page faults again
     results = measure_capacity(args, probes, settle={"compiled, glibc default malloc": lambda: step(*floor_inputs)},
@@ -276,11 +291,19 @@ def measure(batch: int = 32, context: int = 2048, num_blocks=(256, 32768), reps:
               "median_ms": ms,
               "bytes": kv + weights, "bytes_per_s": (kv + weights) / (ms / 1e3),
               "share_of_copy_bandwidth": (kv + weights) / (ms / 1e3) / copy_bw}
-             for name, ms in args.probe_ms.items() if name != "copy"]
+             for name, ms in args.probe_ms.items() if name != "copy" and not name.startswith("op alone")]
     for r in extra:
         print(f"  {r['step']}: {r['median_ms']:.2f} ms, {r['share_of_copy_bandwidth']:.3f} of copy bandwidth")
+    live = {dt: batch * context * (args.kv_lora_rank + args.rope) * torch.empty(0, dtype=getattr(torch, dt)).itemsize
+            for dt in ops}  # the live cache's bytes: what the op must read
+    op = {dt: {"ms": args.probe_ms[f"op alone, {dt}"], "live_cache_bytes": n, "copy_bytes_per_s": copy_bw,
+               "bytes_per_s": n / (args.probe_ms[f"op alone, {dt}"] / 1e3)} for dt, n in live.items()}
+    for dt, r in op.items():
+        r["share_of_copy_bandwidth"] = r["bytes_per_s"] / copy_bw
+        print(f"  decode_attention alone, {dt}: {r['ms']:.2f} ms, {r['bytes_per_s'] / 1e9:.2f} GB/s of live cache, "
+              f"{r['share_of_copy_bandwidth']:.3f} of copy bandwidth", flush=True)
     return {"conditions": conditions(args), "rows": results + extra, "capacity_ratio": ratios,
-            "copy_bytes_per_s": copy_bw, "malloc_keeps_freed_memory": malloc_keeps_freed}
+            "copy_bytes_per_s": copy_bw, "malloc_keeps_freed_memory": malloc_keeps_freed, "op_alone": op}
 
 
 def batch_one(context: int = 16384, reps: int = 9, dtype: str = "bfloat16") -> dict:
