@@ -181,6 +181,13 @@ def attention(out: dict) -> list[str]:
             ["dtype", "ms", "live cache MB", "GB/s", "copy GB/s", "share of copy bandwidth"],
             [[dt, fmt(r["ms"]), f"{r['live_cache_bytes'] / 1e6:.0f}", fmt(r["bytes_per_s"] / 1e9),
               fmt(r["copy_bytes_per_s"] / 1e9, 1), fmt(r["share_of_copy_bandwidth"])] for dt, r in op.items()])
+    vs = a.get("op_against_before")
+    if vs:
+        lines += ["", "The same op against the products before it (`paged_rows_mm`, softmax, `paged_rows_bmm` over "
+                      "every slot of the block table), bfloat16, ms", ""] + table(
+            ["block table for max_model_len", "after", "before", "after / before (median of rounds)", "quartiles"],
+            [[r["max_model_len"], fmt(r["ms"]), fmt(r["before_ms"]), fmt(r["after_over_before"]),
+              "–".join(fmt(q) for q in r["quartiles"])] for r in vs.values()])
     one = a.get("batch_1")
     if one:
         live = one["context"] * (d["kv_lora_rank"] + d["rope"]) * (4 if d["dtype"] == "float32" else 2)

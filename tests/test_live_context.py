@@ -137,6 +137,25 @@ def test_filled_tables_write_every_live_slot_and_no_other():
                 assert written[table[0]].all() and written[table[1], :2].all() and not written[table[1], 2:].any()
             others = [b for b in range(10) if b not in {*tables[0], *tables[1]}]
             assert not written[others].any()  # the null block included
+            for table in tables:  # one entry per row, on each of its tokens
+                rows = t[list(table)].flatten(0, 1)[:6]
+                assert torch.equal(rows, rows[:1].expand_as(rows))
+            assert not torch.equal(t[tables[0][0], 0], t[tables[1][0], 0])
     steps = decode_rows(tables, 5, 4, vocab=100)
     assert [(s.num_cached, list(s.block_table)) for s in steps] == [(4, list(t)) for t in tables]
     assert [list(s.block_table) for s in decode_rows(tables, 4, 4, 100)] == [list(t[:1]) for t in tables]
+
+
+def test_attention_table_gives_the_op_against_the_products_before_it():
+    dims = {"batch": 32, "context": 2048, "kv_lora_rank": 512, "rope": 64, "dtype": "bfloat16"}
+    op = {"bfloat16": {"ms": 10.0, "live_cache_bytes": 75.5e6, "bytes_per_s": 7.55e9, "copy_bytes_per_s": 20e9,
+                       "share_of_copy_bandwidth": 0.3775}}
+    vs = {"live": {"max_model_len": 2048, "ms": 10.0, "before_ms": 8.0, "after_over_before": 1.25,
+                   "quartiles": [1.2, 1.3]},
+          "wide": {"max_model_len": 32768, "ms": 10.0, "before_ms": 128.0, "after_over_before": 0.078,
+                   "quartiles": [0.07, 0.08]}}
+    text = "\n".join(tables.attention({"attention": {
+        "conditions": {"dims": dims}, "copy_bytes_per_s": 20e9, "rows": [], "capacity_ratio": {}, "op_alone": op,
+        "op_against_before": vs}}))
+    assert "| bfloat16 | 10.00 | 76 | 7.55 | 20.0 | 0.38 |" in text
+    assert "| 2048 | 10.00 | 8.00 | 1.25 | 1.20–1.30 |" in text and "| 32768 | 10.00 | 128.00 | 0.08 | 0.07–0.08 |" in text
