@@ -13,8 +13,9 @@ the step cost what the live context costs, whatever that width:
 
 Each step is ``GraphRunner.execute(mode="graph")``, host preparation included; the variants of a
 sweep are timed in the same rounds (``common.interleaved_samples``). The caches hold seeded random
-entries (``models.filled_tables``), not a prefill's. Cases: the small model in float32 and
-bfloat16, the V2-Lite slice in bfloat16 (``<model>_<dtype>``).
+entries (``models.filled_tables``: one per row and layer, so that the MoE layers choose the same
+experts at every context), not a prefill's. Cases: the small model in float32 and bfloat16, the
+V2-Lite slice in bfloat16 (``<model>_<dtype>``).
 
     python -m benchmarks.live_context [--cases small_float32 ...] [--json out.json]
 

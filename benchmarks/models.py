@@ -126,16 +126,19 @@ def decode_batch(runner: GraphRunner, blocks: BlockManager, n: int, context: int
 
 
 def filled_tables(runner: GraphRunner, blocks: BlockManager, n: int, context: int, seed: int = 0) -> list:
-    """Block tables of ``n`` sequences of ``context`` tokens whose every slot holds seeded random
-    entries, written through ``kv_cache.write_kv_cache``: the caches as a prefill would leave
-    them, in a fraction of its time (a decode step's cost does not depend on what they hold)."""
+    """Block tables of ``n`` sequences of ``context`` tokens whose every slot holds a seeded random
+    entry, written through ``kv_cache.write_kv_cache``, in a fraction of a prefill's time (a decode
+    step costs the same whatever the caches hold). Each row's tokens hold one entry per layer: its
+    attention output, and so the experts its MoE layers choose, is the same at every context
+    shorter than ``context``, and a sweep over contexts times what the context costs alone."""
     gen = torch.Generator().manual_seed(seed)
     tables = [blocks.ensure(("filled", n, i), context) for i in range(n)]
     bs = runner.block_size
     slots = torch.tensor([block * bs + j for t in tables for k, block in enumerate(t)
-                          for j in range(bs) if k * bs + j < context])  # [n * context]
+                          for j in range(bs) if k * bs + j < context])  # [n * context], row by row
     for cache in runner.kv_caches:
-        a, b = (torch.randn(len(slots), *t.shape[2:], generator=gen).to(t.dtype) for t in cache)
+        a, b = (torch.randn(n, *t.shape[2:], generator=gen).to(t.dtype).repeat_interleave(context, dim=0)
+                for t in cache)  # [n * context, ...]: each row's entry on each of its tokens
         write_kv_cache(cache, a, b, slots)
     return tables
 
