@@ -9,7 +9,8 @@ Parts (``--parts``), in the order they run:
     moe_forms     one MoE layer's routed-expert forms (``moe_forms``)
     levers        Inductor levers on the V2-Lite step, each against the default (``levers``)
     huge_pages    weights on 2 MiB pages against 4 KiB pages (``huge_pages``)
-    attention     decode attention alone: bandwidth, cache capacity, batch 1, GQA (``attention``)
+    attention     decode attention alone: bandwidth, cache capacity, the op alone, batch 1, GQA (``attention``)
+    live_context  the decode step against max_model_len and against live context (``live_context``)
     startup       cold vs warm compile cache, fresh processes (``startup``)
     memory        peak RSS graph vs eager, per-step allocations (``memory``)
 
@@ -32,13 +33,13 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
 
-from benchmarks import (attention, compute, decode_step, huge_pages, levers, memory, moe_forms, overhead,  # noqa: E402
-                        report, roofline, startup, targets)
+from benchmarks import (attention, compute, decode_step, huge_pages, levers, live_context, memory,  # noqa: E402
+                        moe_forms, overhead, report, roofline, startup, targets)
 from benchmarks.common import conditions, set_malloc_keeps_freed_memory, write_json  # noqa: E402
 from benchmarks.models import cases  # noqa: E402
 
 PARTS = ("bandwidth", "decode_small", "overhead", "decode_v2", "compute", "moe_forms", "levers", "huge_pages",
-         "attention", "startup", "memory")
+         "attention", "live_context", "startup", "memory")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -48,12 +49,13 @@ def plan(quick: bool) -> dict:
         return {"small_sizes": (1, 8, 32), "v2_sizes": (1,), "hf_sizes": (1, 8), "small_rounds": (7, 3),
                 "v2_rounds": (3, 1), "attention_reps": 3, "attention_batch_1_context": 4096, "startup_sizes": (1,), "memory_model": "small",
                 "memory_sizes": (1, 8), "moe_tokens": (1, 32), "levers": ("default", levers.NO_PASS),
-                "lever_batches": (1,), "v2_frozen_sizes": (), "small_aot_sizes": ()}
+                "lever_batches": (1,), "v2_frozen_sizes": (), "small_aot_sizes": (),
+                "live": {"names": ("small_float32",), "contexts": (64, 256, 1024), "rounds": 5}}
     return {"small_sizes": (1, 2, 4, 8, 16, 32, 64), "v2_sizes": (1, 8, 32, 64), "hf_sizes": (1, 8, 32),
             "small_rounds": (15, 5), "v2_rounds": (7, 1), "attention_reps": 7, "attention_batch_1_context": 16384,
             "startup_sizes": (1, 2, 4, 8, 16, 32, 64), "memory_model": "v2_lite_slice", "memory_sizes": (1, 8),
             "moe_tokens": (1, 8, 16, 32), "levers": None, "lever_batches": (1, 8),
-            "v2_frozen_sizes": (8, 32), "small_aot_sizes": (1, 8, 32, 64)}
+            "v2_frozen_sizes": (8, 32), "small_aot_sizes": (1, 8, 32, 64), "live": {"rounds": 9}}
 
 
 def run_part(part: str, p: dict, quick: bool, out: dict) -> None:
@@ -84,6 +86,8 @@ def run_part(part: str, p: dict, quick: bool, out: dict) -> None:
         out["attention"]["batch_1"] = attention.batch_one(context=p["attention_batch_1_context"],
                                                           reps=p["attention_reps"])
         out["attention"]["gqa"] = attention.gqa_decode(reps=p["attention_reps"])
+    elif part == "live_context":
+        out["live_context"] = live_context.measure(quick=quick, **p["live"])
     elif part == "startup":
         out["startup"] = startup.measure("small", p["startup_sizes"], quick, portable=not quick, aot=not quick)
     elif part == "memory":

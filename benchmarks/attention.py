@@ -2,11 +2,15 @@
 
 One step is the cache write plus absorbed MLA decode over the tuple cache (``tuple_step``), eager
 and compiled (the project's Inductor backend, as the runner compiles a CPU step), at two cache
-capacities, next to the same step as vllm-ascend's old eager MLA decode wrote it (``fused_step``:
-``torch.cat([kv_c, k_pe], -1)`` of the whole caches every step). The tuple step reads only the
-blocks in the batch's tables, so t(big) / t(small) should stay near 1; the fused step grows with
-capacity. Achieved bandwidth is the bytes the step must read (each row's latent and rope cache,
-``w_uk`` and ``w_uv``) over its time. ``batch_one`` compares the compiled step reading the blocks in
+capacities, next to the same step as vllm-ascend's old eager MLA decode wrote it
+(``attention_forms.fused_step``: ``torch.cat([kv_c, k_pe], -1)`` of the whole caches every step).
+The tuple step reads only the blocks in the batch's tables, so t(big) / t(small) should stay near
+1; the fused step grows with capacity. Achieved bandwidth is the bytes the step must read (each
+row's latent and rope cache, ``w_uk`` and ``w_uv``) over its time; ``ascend_graph::decode_attention``
+alone reads the live cache (each row's latent and rope rows) at the bytes/s of those bytes over
+its time, next to the copy probe in the same rounds, and beside the products it replaced
+(``attention_forms.paged_products``), with tables as wide as the batch needs and as a graph keeps
+them at max_model_len 32768. ``batch_one`` compares the compiled step reading the blocks in
 place with the same step over a gathered copy; ``gqa_decode`` times standard attention's decode
 (``paged_decode``, Llama-3-8B's heads) against its earlier forms.
 
@@ -34,13 +38,16 @@ from ascend_graph.attention import DecodeMetadata, build_attention_metadata, mla
 from ascend_graph.attention.mla import product_rows  # noqa: E402
 from ascend_graph.attention.cpu import CpuMLA, CpuPaged  # noqa: E402
 from ascend_graph.attention.reference import ReferenceMLA  # noqa: E402
-from ascend_graph.attention.paging import by_rows, gather_rows, masked_softmax, valid_slots  # noqa: E402
+from ascend_graph.attention.paging import by_rows, gather_rows  # noqa: E402
 from ascend_graph.kv_cache import KVCache, MLACacheSpec, allocate_kv_caches, write_slots  # noqa: E402
+from benchmarks.attention_forms import former_gqa_decode, fused_step, live_blocks, paged_products  # noqa: E402
 from benchmarks.common import conditions as machine_conditions  # noqa: E402
-from benchmarks.common import interleaved_medians, set_malloc_keeps_freed_memory, with_malloc  # noqa: E402
+from benchmarks.common import (interleaved_medians, interleaved_samples, set_malloc_keeps_freed_memory,  # noqa: E402
+                               with_malloc)
 from benchmarks.roofline import CopyProbe  # noqa: E402
 
 LLC_FLUSH_BYTES = 128 << 20  # read before a call: four times this machine's 32 MiB last-level cache
+WIDE_MAX_MODEL_LEN = 32768  # the op alone and the products before it also over tables this wide
 
 def tuple_step(q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale):
     """This project's step: in-place write, attention over the two cache tensors separately, by
@@ -59,19 +66,6 @@ def gathered_step(q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale):
 
 
 _BACKENDS = {"in_place": CpuMLA(), "gathered": ReferenceMLA()}
-
-
-def fused_step(q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale):
-    """The old eager MLA decode: concatenate both whole caches every step, attend over the result."""
-    write_slots(cache.kv_c, cache.k_pe, kv_c, k_pe, meta.slot_mapping)
-    fused = torch.cat([cache.kv_c, cache.k_pe], dim=-1)  # [N, S, 1, C + R]: the whole cache, copied
-    c = cache.kv_c.shape[-1]
-    rows = gather_rows(fused, meta.decode.block_tables).squeeze(2)  # [B, T, C + R]
-    q = torch.cat([torch.einsum("bhd,hdc->bhc", q_nope, w_uk), q_pe], dim=-1)  # [B, H, C + R]
-    mask = valid_slots(meta.decode.context_lens, rows.shape[1])[:, None, :]  # [B, 1, T]
-    probs = masked_softmax(torch.einsum("bhk,btk->bht", q, rows), mask, scale).to(rows.dtype)
-    o_lat = torch.einsum("bht,btc->bhc", probs, rows[..., :c])  # [B, H, C]
-    return torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
 
 
 def blocks_needed(args: argparse.Namespace) -> int:
@@ -223,6 +217,17 @@ def _floor(q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale):
     return run
 
 
+def _alone(form: Callable, q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale, width: int = 0):
+    """MLA decode's attention alone (``attention_forms.live_blocks`` or ``paged_products``) on the
+    step's latent query; ``width``: the block tables padded with the null block to that many blocks,
+    as a graph pads them to max_model_len."""
+    q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w_uk).to(cache.kv_c.dtype)  # [B, H, C]
+    tables = meta.decode.block_tables
+    decode = DecodeMetadata(torch.nn.functional.pad(tables, (0, max(0, width - tables.shape[1]))),
+                            meta.decode.context_lens)
+    return lambda: form(q_lat, q_pe, cache, decode, scale)
+
+
 def measure(batch: int = 32, context: int = 2048, num_blocks=(256, 32768), reps: int = 7,
             dtype: str = "bfloat16", malloc_keeps_freed: bool = True) -> dict:
     """Rows of ``measure_capacity`` plus bytes and bandwidth of every row.
@@ -249,6 +254,10 @@ def measure(batch: int = 32, context: int = 2048, num_blocks=(256, 32768), reps:
         probes[name] = (lambda i: lambda: step(*i))(make_inputs(args, n))
         cold[name] = lambda: flush.sum()
     probes["compiled, glibc default malloc"] = with_malloc(False, lambda: step(*floor_inputs), malloc_keeps_freed)
+    ops = [dt for dt in dict.fromkeys((dtype, "float32")) if CpuMLA.supports(torch.device("cpu"), getattr(torch, dt))]
+    op_inputs = {dt: make_inputs(argparse.Namespace(**{**vars(args), "dtype": dt}), blocks_needed(args) + 64)
+                 for dt in ops}  # over blocks all distinct (the batch's and 64 more), as at N=32768
+    probes.update({f"op alone, {dt}": _alone(live_blocks, *i) for dt, i in op_inputs.items()})
     # glibc's default returns the step's temporaries to the kernel: without a call under the
     # suite's setting after it, the next timed call would pay their page faults again
     results = measure_capacity(args, probes, settle={"compiled, glibc default malloc": lambda: step(*floor_inputs)},
@@ -276,11 +285,46 @@ def measure(batch: int = 32, context: int = 2048, num_blocks=(256, 32768), reps:
               "median_ms": ms,
               "bytes": kv + weights, "bytes_per_s": (kv + weights) / (ms / 1e3),
               "share_of_copy_bandwidth": (kv + weights) / (ms / 1e3) / copy_bw}
-             for name, ms in args.probe_ms.items() if name != "copy"]
+             for name, ms in args.probe_ms.items() if name != "copy" and not name.startswith("op alone")]
     for r in extra:
         print(f"  {r['step']}: {r['median_ms']:.2f} ms, {r['share_of_copy_bandwidth']:.3f} of copy bandwidth")
+    op = {dt: _op_row(args, dt, args.probe_ms[f"op alone, {dt}"], copy_bw) for dt in ops}
+    against = (op_against_before(op_inputs["bfloat16"], WIDE_MAX_MODEL_LEN // args.block_size, args.block_size,
+                                 3 * reps) if "bfloat16" in op_inputs else None)
     return {"conditions": conditions(args), "rows": results + extra, "capacity_ratio": ratios,
-            "copy_bytes_per_s": copy_bw, "malloc_keeps_freed_memory": malloc_keeps_freed}
+            "copy_bytes_per_s": copy_bw, "malloc_keeps_freed_memory": malloc_keeps_freed, "op_alone": op,
+            **({"op_against_before": against} if against else {})}
+
+
+def _op_row(args: argparse.Namespace, dtype: str, ms: float, copy_bw: float) -> dict:
+    """The op alone in ``dtype``: its time, the live cache's bytes (what it must read) over it."""
+    live = args.batch * args.context * (args.kv_lora_rank + args.rope) * getattr(torch, dtype).itemsize
+    row = {"ms": ms, "live_cache_bytes": live, "copy_bytes_per_s": copy_bw, "bytes_per_s": live / (ms / 1e3),
+           "share_of_copy_bandwidth": live / (ms / 1e3) / copy_bw}
+    print(f"  decode_attention alone, {dtype}: {ms:.2f} ms, {row['bytes_per_s'] / 1e9:.2f} GB/s of live cache, "
+          f"{row['share_of_copy_bandwidth']:.3f} of copy bandwidth", flush=True)
+    return row
+
+
+def op_against_before(inputs: tuple, width: int, block_size: int, rounds: int) -> dict:
+    """``decode_attention`` alone against the products before it (``attention_forms.paged_products``)
+    over the same bfloat16 inputs, with the batch's own tables and padded to ``width`` blocks (a
+    graph's at max_model_len ``width * block_size``), the four timed in the same rounds: medians,
+    and the median and quartiles of the rounds' after / before."""
+    fns = {"live": _alone(live_blocks, *inputs), "live_before": _alone(paged_products, *inputs),
+           "wide": _alone(live_blocks, *inputs, width=width),
+           "wide_before": _alone(paged_products, *inputs, width=width)}
+    samples = interleaved_samples(fns, rounds=rounds, calls_per_round=1, warmup=1)
+    out = {}
+    for key, blocks in (("live", inputs[5].decode.block_tables.shape[1]), ("wide", width)):
+        r = sorted(a / b for a, b in zip(samples[key], samples[f"{key}_before"]))
+        out[key] = {"max_model_len": blocks * block_size, "ms": statistics.median(samples[key]) * 1e3,
+                    "before_ms": statistics.median(samples[f"{key}_before"]) * 1e3,
+                    "after_over_before": statistics.median(r), "quartiles": [r[len(r) // 4], r[3 * len(r) // 4]]}
+        print(f"  decode_attention alone, tables for max_model_len {out[key]['max_model_len']}: "
+              f"{out[key]['ms']:.2f} ms, before {out[key]['before_ms']:.2f} ms, after / before "
+              f"{out[key]['after_over_before']:.2f}", flush=True)
+    return out
 
 
 def batch_one(context: int = 16384, reps: int = 9, dtype: str = "bfloat16") -> dict:
@@ -303,26 +347,13 @@ def batch_one(context: int = 16384, reps: int = 9, dtype: str = "bfloat16") -> d
     return res
 
 
-def _former_gqa_decode(q, cache, decode, scale):
-    """``paged_decode`` in its first form: the products over the gathered
-    ``[B, T, Hk, D]`` rows, in the cache's dtype."""
-    b, hq, d = q.shape
-    hk = cache.k.shape[2]
-    k = gather_rows(cache.k, decode.block_tables)
-    v = gather_rows(cache.v, decode.block_tables)
-    scores = torch.einsum("bkgd,btkd->bkgt", q.view(b, hk, hq // hk, d), k)
-    mask = valid_slots(decode.context_lens, k.shape[1])[:, None, None, :]
-    probs = masked_softmax(scores, mask, scale).to(v.dtype)
-    return torch.einsum("bkgt,btkd->bkgd", probs, v).reshape(b, hq, d)
-
-
 def gqa_decode(batch: int = 8, context: int = 1024, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
                block_size: int = 16, reps: int = 7, dtype: str = "bfloat16") -> dict:
     """Standard attention's decode (``paged_decode`` over a ``(k, v)`` tuple cache, Llama-3-8B's
     heads) eager and compiled, against its two earlier forms: over gathered rows heads first
     (``paged.paged_decode``, the reference backend: its second form and still where the kernel
     does not take the products) and before that over the gathered ``[B, T, Hk, D]`` rows
-    (``_former_gqa_decode``); all six timed interleaved over the same inputs; each output's
+    (``former_gqa_decode``); all six timed interleaved over the same inputs; each output's
     largest difference from a float64 oracle."""
     gen = torch.Generator().manual_seed(0)
     per = context // block_size
@@ -333,9 +364,9 @@ def gqa_decode(batch: int = 8, context: int = 1024, heads: int = 32, kv_heads: i
     lens = torch.randint(1, context + 1, (batch,), generator=gen).int()
     q = torch.randn(batch, heads, head_dim, generator=gen).to(kc.dtype)
     inputs = (q, KVCache(kc, vc), DecodeMetadata(tables, lens), head_dim ** -0.5)
-    exact = _former_gqa_decode(q.double(), KVCache(kc.double(), vc.double()), inputs[2], inputs[3])
+    exact = former_gqa_decode(q.double(), KVCache(kc.double(), vc.double()), inputs[2], inputs[3])
     chosen = CpuPaged().decode if CpuPaged.supports(kc.device, kc.dtype) else paged_decode  # a model's choice
-    fns = {"eager": chosen, "gathered_eager": paged_decode, "former_eager": _former_gqa_decode}
+    fns = {"eager": chosen, "gathered_eager": paged_decode, "former_eager": former_gqa_decode}
     fns.update({name.replace("eager", "compiled"): compiled(fn) for name, fn in list(fns.items())})
     errors = {name: (fn(*inputs).double() - exact).abs().max().item() for name, fn in fns.items()}
     t = interleaved_medians({name: (lambda f: lambda: f(*inputs))(fn) for name, fn in fns.items()}, rounds=reps,

@@ -3,10 +3,14 @@ checkouts of this repository in one run, taking turns (old, new, old, new, ...).
 
     git worktree add /tmp/old <commit>
     python -m benchmarks.before_after --old /tmp/old --new . --json benchmarks/results/before_after.json
+    python -m benchmarks.before_after --old /tmp/old_attn --sizes '' --attention-dtypes bfloat16,float32 \
+        --live-context '--rounds 5' --json benchmarks/results/before_after_decode_attention.json
 
 Each turn is a fresh process in that checkout (its own package and benchmarks), so the two
 never share a build or a compile cache entry; the alternation spreads the machine's load over
-both. Ratios are new / old time: below 1 is faster.
+both. ``--live-context`` turns run the new checkout's ``benchmarks.live_context`` over each
+checkout's package (an older checkout may not have that module). Ratios are new / old time:
+below 1 is faster.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -33,7 +38,7 @@ from ascend_graph.kv_cache import MLACache
 if os.path.isdir(os.path.join(os.path.dirname(ascend_graph.__file__), "compile")):
     from ascend_graph.attention import select_attention_backend
     from ascend_graph.compile import resolve_backend
-    decode = select_attention_backend("mla", "cpu", torch.bfloat16).decode
+    decode = select_attention_backend("mla", "cpu", torch.{dtype}).decode
 else:
     from ascend_graph.backends import resolve_backend
     decode = mla_decode
@@ -42,7 +47,7 @@ b, ctx, h, dn, r, c, s = {batch}, {context}, 16, 128, 64, 512, 16
 g = torch.Generator().manual_seed(0)
 per = ctx // s
 blocks = b * per + 8
-bf = lambda *shape: (torch.randn(*shape, generator=g) * 0.5).to(torch.bfloat16)
+bf = lambda *shape: (torch.randn(*shape, generator=g) * 0.5).to(torch.{dtype})
 cache = MLACache(bf(blocks, s, 1, c), bf(blocks, s, 1, r))
 tables = torch.randperm(blocks - 1, generator=g)[:b * per].add(1).view(b, per).int()
 meta = DecodeMetadata(tables, torch.full((b,), ctx, dtype=torch.int32))
@@ -80,10 +85,24 @@ def decode_turn(tree: str, model: str, sizes: str, rounds: int, env: dict) -> di
     return {str(r["batch"]): {"graph": r["graph_s"], "eager": r["eager_s"]} for r in rows}
 
 
-def attention_turn(tree: str, batch: int, context: int, reps: int, env: dict) -> dict:
+def attention_turn(tree: str, batch: int, context: int, reps: int, env: dict, dtype: str = "bfloat16") -> dict:
     """``{"graph": s, "eager": s}`` of one MLA decode attention step in ``tree``."""
-    out = _run(tree, ["-c", ATTENTION.format(batch=batch, context=context, reps=reps)], env)
+    out = _run(tree, ["-c", ATTENTION.format(batch=batch, context=context, reps=reps, dtype=dtype)], env)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def live_context_turn(tree: str, new: str, argv: list[str], env: dict) -> tuple[dict, dict]:
+    """The step medians of ``benchmarks.live_context`` (``live_context.medians``), the new
+    checkout's module over ``tree``'s package, and each case's backends."""
+    from benchmarks.live_context import medians
+
+    with tempfile.TemporaryDirectory(prefix="ag-before-after-") as farm, \
+            tempfile.NamedTemporaryFile(suffix=".json") as f:
+        os.symlink(os.path.join(tree, "ascend_graph"), os.path.join(farm, "ascend_graph"))
+        os.symlink(os.path.join(new, "benchmarks"), os.path.join(farm, "benchmarks"))
+        _run(farm, ["-m", "benchmarks.live_context", *argv, "--json", f.name], env)
+        result = json.load(open(f.name))
+    return medians(result), {name: c["backends"] for name, c in result["cases"].items()}
 
 
 def compare(turns: dict[str, list[dict]]) -> dict:
@@ -110,24 +129,39 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sizes", default="1,8,32")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--attention", default="32,2048", help="batch,context of the attention step ('' to skip)")
+    p.add_argument("--attention-dtypes", default="bfloat16",
+                   help="dtypes of the attention step; more than one: keyed attention/<dtype>/<mode>")
+    p.add_argument("--live-context", default=None, metavar="ARGS",
+                   help="also benchmarks.live_context with these arguments ('' for its defaults)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1", "OMP_NUM_THREADS": "1"}
     trees = {"old": os.path.abspath(args.old), "new": os.path.abspath(args.new)}
-    turns = {"old": [], "new": []}
+    turns, backends = {"old": [], "new": []}, {}
+    dtypes = args.attention_dtypes.split(",")
     for i in range(args.turns):
         for side in ("old", "new") if i % 2 == 0 else ("new", "old"):
-            turn = {"decode": decode_turn(trees[side], args.model, args.sizes, args.rounds, env)}
+            turn = {"decode": decode_turn(trees[side], args.model, args.sizes, args.rounds, env)} if args.sizes else {}
             if args.attention:
                 batch, context = (int(v) for v in args.attention.split(","))
-                turn["attention"] = attention_turn(trees[side], batch, context, 2 * args.rounds + 1, env)
+                att = {d: attention_turn(trees[side], batch, context, 2 * args.rounds + 1, env, d) for d in dtypes}
+                turn["attention"] = att if len(dtypes) > 1 else att[dtypes[0]]
+            if args.live_context is not None:
+                turn["live_context"], backends[side] = live_context_turn(
+                    trees[side], trees["new"], shlex.split(args.live_context), env)
             turns[side].append(turn)
             print(f"  turn {i + 1}, {side}: {json.dumps(turn)}", flush=True)
     table = compare(turns)
     for key, row in table.items():
         print(f"  {key:<24} old {row['old_ms']:9.2f} ms  new {row['new_ms']:9.2f} ms  new/old {row['new_over_old']:.3f}")
-    result = {"benchmark": "before_after", "conditions": conditions("cpu"), "trees": trees,
+    commits = {side: subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip() for side, tree in trees.items()}
+    given = argv if argv is not None else sys.argv[1:]
+    command = " ".join(["python -m benchmarks.before_after", *map(shlex.quote, given)])
+    result = {"benchmark": "before_after", "conditions": conditions("cpu"), "trees": trees, "commits": commits,
+              "command": command,
               "model": args.model, "sizes": args.sizes, "rounds": args.rounds, "attention": args.attention,
+              "attention_dtypes": dtypes, "live_context": args.live_context, "backends": backends,
               "turns": turns, "table": table}
     write_json(args.json, result)
     return result

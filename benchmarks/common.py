@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -33,6 +34,21 @@ def interleaved_samples(fns: dict[str, Callable[[], object]], rounds: int = 20,
                 fn()
             samples[name].append((time.perf_counter() - start) / calls_per_round)
     return samples
+
+
+def linear_fit(xs: list[float], ys: list[float]) -> dict:
+    """The least-squares line ``y = intercept + slope * x``; its residuals (y - line), their root
+    mean square, the largest as a share of the line's value there, and r2."""
+    slope, intercept = statistics.linear_regression(xs, ys)
+    fitted = [intercept + slope * x for x in xs]
+    residuals = [y - f for y, f in zip(ys, fitted)]
+    mean = statistics.fmean(ys)
+    total = sum((y - mean) ** 2 for y in ys)
+    ss_res = sum(r * r for r in residuals)
+    return {"slope": slope, "intercept": intercept, "residuals": residuals,
+            "rms_residual": math.sqrt(ss_res / len(xs)),
+            "max_relative_residual": max(abs(r) / abs(f) if f else math.inf for r, f in zip(residuals, fitted)),
+            "r2": 1 - ss_res / total if total else 1.0}
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters

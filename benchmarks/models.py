@@ -4,7 +4,8 @@ The slice has V2-Lite's real dimensions (hidden 2048, 16 heads, kv_lora_rank 512
 v 128, 64 routed + 2 shared experts, top-6, moe_intermediate 1408, intermediate 10944, vocabulary
 102400) but only 2 layers: the first dense, the second MoE. bfloat16, seeded random weights.
 Also here: the same configuration as transformers builds it (what a user runs without this
-project, ``HFDecoder``), and the decode batches both are timed on.
+project, ``HFDecoder``), and the decode batches both are timed on (prefilled, or over caches
+filled with random entries).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from ascend_graph.engine.block_manager import BlockManager
 from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
 from ascend_graph.models.deepseek_config import RopeScaling
+from ascend_graph.kv_cache import write_kv_cache
 from ascend_graph.layers import ChunkedLinear
 from ascend_graph.runner import GraphRunner, SequenceStep
 from ascend_graph.runtime import on_huge_pages, weights_on_huge_pages
@@ -101,12 +103,14 @@ def with_row_major_long_rows(model: DeepseekForCausalLM) -> DeepseekForCausalLM:
 
 
 def make_runner(model: DeepseekForCausalLM, config, sizes: tuple[int, ...], context: int,
-                num_blocks: int | None = None, block_size: int = 16, **kwargs) -> GraphRunner:
-    """A runner with room for every batch of ``sizes`` at ``context`` tokens (``kwargs``: GraphRunner's)."""
+                num_blocks: int | None = None, block_size: int = 16, max_model_len: int | None = None,
+                **kwargs) -> GraphRunner:
+    """A runner with room for every batch of ``sizes`` at ``context`` tokens, its graphs' block
+    tables ``max_model_len`` wide (default ``context``; ``kwargs``: GraphRunner's)."""
     if num_blocks is None:
         num_blocks = 2 + sum(sizes) * -(-context // block_size)
-    return GraphRunner(model, config, num_blocks=num_blocks, block_size=block_size, max_model_len=context,
-                       **kwargs)
+    return GraphRunner(model, config, num_blocks=num_blocks, block_size=block_size,
+                       max_model_len=max_model_len or context, **kwargs)
 
 
 def decode_batch(runner: GraphRunner, blocks: BlockManager, n: int, context: int) -> list[SequenceStep]:
@@ -119,6 +123,31 @@ def decode_batch(runner: GraphRunner, blocks: BlockManager, n: int, context: int
         runner.execute([SequenceStep(prompt, 0, blocks.ensure(seq_id, context - 1))], mode="eager")
         entries.append(SequenceStep([1], context - 1, blocks.ensure(seq_id, context)))
     return entries
+
+
+def filled_tables(runner: GraphRunner, blocks: BlockManager, n: int, context: int, seed: int = 0) -> list:
+    """Block tables of ``n`` sequences of ``context`` tokens whose every slot holds a seeded random
+    entry, written through ``kv_cache.write_kv_cache``, in a fraction of a prefill's time (a decode
+    step costs the same whatever the caches hold). Each row's tokens hold one entry per layer: its
+    attention output, and so the experts its MoE layers choose, is the same at every context
+    shorter than ``context``, and a sweep over contexts times what the context costs alone."""
+    gen = torch.Generator().manual_seed(seed)
+    tables = [blocks.ensure(("filled", n, i), context) for i in range(n)]
+    bs = runner.block_size
+    slots = torch.tensor([block * bs + j for t in tables for k, block in enumerate(t)
+                          for j in range(bs) if k * bs + j < context])  # [n * context], row by row
+    for cache in runner.kv_caches:
+        a, b = (torch.randn(n, *t.shape[2:], generator=gen).to(t.dtype).repeat_interleave(context, dim=0)
+                for t in cache)  # [n * context, ...]: each row's entry on each of its tokens
+        write_kv_cache(cache, a, b, slots)
+    return tables
+
+
+def decode_rows(tables: list, context: int, block_size: int, vocab: int) -> list[SequenceStep]:
+    """One decode step of each table's sequence at ``context`` tokens (its first ``context - 1``
+    cached, the table cut to the blocks they need)."""
+    per = -(-context // block_size)
+    return [SequenceStep([(7 * i + 1) % vocab], context - 1, t[:per]) for i, t in enumerate(tables)]
 
 
 def hf_model(config: DeepseekConfig, dtype: torch.dtype):

@@ -5,7 +5,8 @@
     python -m benchmarks.report FILE.json           # one suite's tables on stdout (e.g. a --quick run)
 
 The fixed text (what each column means, the conditions) is ``report_template.md``; its
-``{{suite PATH}}``, ``{{cuda DIR}}`` and ``{{toy PATH...}}`` lines become the tables of those files.
+``{{suite PATH}}``, ``{{cuda DIR}}``, ``{{before_after PATH}}`` and ``{{toy PATH...}}`` lines become the
+tables of those files.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ if __package__ in (None, ""):
 from benchmarks import tables  # noqa: E402
 from benchmarks.tables import fmt, table  # noqa: E402
 from benchmarks.levers import TOY_DIMS  # noqa: E402
-from benchmarks.targets import LIMITS, targets  # noqa: E402
+from benchmarks.common import linear_fit  # noqa: E402
+from benchmarks.targets import LIMITS, case_title, targets  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -161,6 +163,56 @@ def cuda_markdown(results_dir: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def before_after_markdown(path: str) -> str:
+    """A ``benchmarks.before_after`` run: each figure before and after, and for the
+    ``live_context`` sweeps the width ratios and the context line on either side."""
+    d, rel = load(path), os.path.relpath(os.path.join(ROOT, path), ROOT)
+    c, t = d["conditions"], d["table"]
+    commits = d.get("commits", {})
+    side = lambda s: f"`{commits[s]}`" if s in commits else os.path.basename(d["trees"][s])  # noqa: E731
+    cmd = d.get("command", "python -m benchmarks.before_after")
+    lines = [f"{machine(c)}, torch {c['torch']}, {c['when'][:10]}, {len(d['turns']['old'])} turns each, "
+             f"before: {side('old')}, after: {side('new')} · `{cmd}` → `{rel}`", ""]
+    split = [(k.split("/"), v) for k, v in t.items()]
+    width = [(k, v) for k, v in split if k[0] == "live_context" and k[2] == "width"]
+    if width:
+        base = {}  # (case, batch) -> the narrowest max_model_len's figures
+        for k, v in sorted(width, key=lambda kv: -int(kv[0][4])):
+            base[k[1], k[3]] = v
+        lines += ["Decode step against max_model_len, graph step, ms", ""] + table(
+            ["case", "batch", "max_model_len", "before", "after", "after / before", "before: t / t(256)",
+             "after: t / t(256)"],
+            [[case_title(k[1]), k[3], k[4], fmt(v["old_ms"]), fmt(v["new_ms"]), fmt(v["new_over_old"]),
+              fmt(v["old_ms"] / base[k[1], k[3]]["old_ms"]), fmt(v["new_ms"] / base[k[1], k[3]]["new_ms"])]
+             for k, v in width]) + [""]
+    ctx = {}
+    for k, v in split:
+        if k[0] == "live_context" and k[2] == "context":
+            ctx.setdefault(k[1], {})[int(k[3])] = v
+    if ctx:
+        xs = sorted({x for rows in ctx.values() for x in rows})
+        body = []
+        for name, rows in ctx.items():
+            for label, key in (("before", "old_ms"), ("after", "new_ms")):
+                f = linear_fit(xs, [rows[x][key] for x in xs])
+                body.append([case_title(name), label] + [fmt(rows[x][key]) for x in xs]
+                            + [fmt(f["slope"] * 1e3, 2), fmt(f["intercept"]), fmt(f["r2"], 3)])
+        lines += ["Decode step against live context (batch and max_model_len as in the suite's table), ms", ""] + table(
+            ["case", "side"] + [str(x) for x in xs] + ["slope µs per token", "intercept ms", "r2"], body) + [""]
+    att = [(k, v) for k, v in split if k[0] == "attention"]
+    if att:
+        b, n = d["attention"].split(",")
+        lines += [f"MLA decode attention alone (batch {b}, context {n}, the backend's decode), ms", ""] + table(
+            ["dtype / mode", "before", "after", "after / before"],
+            [["/".join(k[1:]), fmt(v["old_ms"]), fmt(v["new_ms"]), fmt(v["new_over_old"])] for k, v in att]) + [""]
+    backends = d.get("backends") or {}
+    if backends:
+        named = lambda s: ", ".join(f"{case_title(n)} `{b['attention']}`" for n, b in backends[s].items())  # noqa: E731
+        lines += ["Attention backends: " + "; ".join(f"{label} {named(s)}" for s, label in
+                                                     (("old", "before"), ("new", "after")) if s in backends) + "."]
+    return "\n".join(lines) + "\n"
+
+
 def toy_markdown(paths: list[str]) -> str:
     """The toy step's µs per call under each option set (``levers.toy_options``), one row per batch."""
     lines, body, names = [], [], []
@@ -190,6 +242,9 @@ def render(template: str = TEMPLATE) -> str:
             return suite_markdown(load(args[0]), args[0]).rstrip() if os.path.exists(os.path.join(ROOT, args[0])) else ""
         if kind == "cuda":
             return cuda_markdown(os.path.join(ROOT, args[0])).rstrip()
+        if kind == "before_after":
+            return before_after_markdown(args[0]).rstrip() if os.path.exists(os.path.join(ROOT, args[0])) else (
+                "Not measured yet.")
         return toy_markdown([a for a in args if os.path.exists(os.path.join(ROOT, a))]).rstrip()
     return re.sub(r"^\{\{(.+?)\}\}$", expand, text, flags=re.M)
 
@@ -219,9 +274,34 @@ def headline() -> str:
         body.append([title] + cells)
     mem = [fmt((d.get("memory") or {}).get("peak_ratio")) for _, d in cpus] + (["—"] if gpu else [])
     body.append(["peak RSS graph / eager"] + mem)
+    body += _width_rows(cpus, ["—"] if gpu else [])
     return "\n".join(table(["ratio"] + heads, body) + [
         "", "Medians, timed interleaved in one process; conditions, every table and how to reproduce it: "
         "[docs/performance.md](docs/performance.md)."]) + "\n"
+
+
+BEFORE_AFTER = "benchmarks/results/before_after_decode_attention.json"
+
+
+def _width_rows(cpus: list[tuple[str, dict]], rest: list[str]) -> list[list[str]]:
+    """The README's rows on the block table's width: the V2-Lite slice's batch-8 step at the widest
+    max_model_len over the narrowest (``live_context``), and the same step before ``decode_attention``
+    over after it (``BEFORE_AFTER``, in the main suite's column)."""
+    def widest(out: dict, key: str = "v2_lite_slice_bfloat16") -> tuple[str, float] | None:
+        row = next((r for r in (((out.get("live_context") or {}).get("cases") or {}).get(key) or {}).get("width", [])
+                    if r["batch"] == 8), None)
+        return row and (max(row["ratio"], key=int), row["ratio"][max(row["ratio"], key=int)])
+    found = [widest(d) for _, d in cpus]
+    if not any(found):
+        return []
+    width = next(f[0] for f in found if f)
+    rows = [[f"V2-Lite slice, batch 8: step at max_model_len {width} / 256"] + [fmt(f and f[1]) for f in found] + rest]
+    if os.path.exists(os.path.join(ROOT, BEFORE_AFTER)):
+        t = load(BEFORE_AFTER)["table"].get(f"live_context/v2_lite_slice_bfloat16/width/8/{width}")
+        if t:
+            rows.append([f"V2-Lite slice, batch 8, max_model_len {width}: step before / after `decode_attention`"]
+                        + [fmt(t["old_ms"] / t["new_ms"]) if p == DEFAULT_SUITE else "—" for p, _ in cpus] + rest)
+    return rows
 
 
 def update_readme(path: str, block: str) -> bool:

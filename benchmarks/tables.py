@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from benchmarks.targets import case_title
+
 
 def fmt(v, digits: int = 2) -> str:
     return "—" if v is None else f"{v:.{digits}f}"
@@ -172,12 +174,27 @@ def attention(out: dict) -> list[str]:
           fmt(r["share_of_copy_bandwidth"])] for r in a["rows"]])
     lines += ["", "Capacity ratio t(N=32768) / t(N=256)", ""] + table(
         ["step / mode", "ratio"], [[k, fmt(v)] for k, v in a["capacity_ratio"].items()])
+    op = a.get("op_alone")
+    if op:
+        lines += ["", f"`decode_attention` alone: batch {d['batch']}, context {d['context']}, each row's live "
+                      "latent and rope rows", ""] + table(
+            ["dtype", "ms", "live cache MB", "GB/s", "copy GB/s", "share of copy bandwidth"],
+            [[dt, fmt(r["ms"]), f"{r['live_cache_bytes'] / 1e6:.0f}", fmt(r["bytes_per_s"] / 1e9),
+              fmt(r["copy_bytes_per_s"] / 1e9, 1), fmt(r["share_of_copy_bandwidth"])] for dt, r in op.items()])
+    vs = a.get("op_against_before")
+    if vs:
+        lines += ["", "The same op against the products before it (`paged_rows_mm`, softmax, `paged_rows_bmm` over "
+                      "every slot of the block table), bfloat16, ms", ""] + table(
+            ["block table for max_model_len", "after", "before", "after / before (median of rounds)", "quartiles"],
+            [[r["max_model_len"], fmt(r["ms"]), fmt(r["before_ms"]), fmt(r["after_over_before"]),
+              "–".join(fmt(q) for q in r["quartiles"])] for r in vs.values()])
     one = a.get("batch_1")
     if one:
+        live = one["context"] * (d["kv_lora_rank"] + d["rope"]) * (4 if d["dtype"] == "float32" else 2)
         lines += ["", "Batch 1, compiled, ms", ""] + table(
-            ["context", "num_blocks", "in place", "over a gathered copy", "same output"],
+            ["context", "num_blocks", "in place", "over a gathered copy", "same output", "live cache GB/s, in place"],
             [[one["context"], one["num_blocks"], fmt(one["in_place_ms"]), fmt(one["gathered_ms"]),
-              "yes" if one["same_output"] else "no (within rounding)"]])
+              "yes" if one["same_output"] else "no (within rounding)", fmt(live / one["in_place_ms"] / 1e6)]])
     g = a.get("gqa")
     if g:
         forms = [("paged_decode", ""), ("gathered rows, heads first", "gathered_"), ("former form", "former_")]
@@ -188,6 +205,32 @@ def attention(out: dict) -> list[str]:
               f"{g['max_abs_error'][f'{p}eager']:.2g}", f"{g['max_abs_error'][f'{p}compiled']:.2g}"]
              for name, p in forms if f"{p}eager_ms" in g])
     return lines
+
+
+def live_context(out: dict) -> list[str]:
+    lc = out.get("live_context")
+    if not lc:
+        return []
+    widths, contexts = lc["widths"], lc["contexts"]
+    ms = lambda t, k: _ms(t.get(str(k)))  # noqa: E731
+    wide = [[case_title(name), r["batch"]] + [ms(r["step_s"], w) for w in widths]
+            + [fmt(r["ratio"][str(w)]) for w in widths[1:]] for name, c in lc["cases"].items() for r in c["width"]]
+    lines = [f"Decode step against max_model_len (live context {lc['context']}) and against live context, "
+             "graph step (`execute`), ms"] + table(
+        ["case", "batch"] + [f"max_model_len {w}" for w in widths] + [f"{w} / {widths[0]}" for w in widths[1:]], wide)
+    body = []
+    for name, c in lc["cases"].items():
+        x, f = c["context"], c["context"]["fit"]
+        body.append([case_title(name), x["batch"], x["max_model_len"]] + [ms(x["step_s"], k) for k in contexts]
+                    + [fmt(f["slope"] * 1e9 / x["batch"], 1), fmt(f["intercept"] * 1e3), fmt(f["r2"], 3),
+                       fmt(f["rms_residual"] * 1e3, 3), fmt(f["max_relative_residual"]),
+                       fmt(f.get("context_bytes_per_s") and f["context_bytes_per_s"] / 1e9),
+                       fmt(f["copy_bytes_per_s"] / 1e9, 1)])
+    lines += ["", "Live context sweep: step ms at each live context, and the least-squares line through them", ""]
+    lines += table(["case", "batch", "max_model_len"] + [f"{k}" for k in contexts]
+                   + ["slope ns per token per row", "intercept ms", "r2", "rms residual ms", "largest residual / line",
+                      "added context read GB/s", "copy GB/s"], body)
+    return lines + ["", f"block size {lc['block_size']}; rounds: {lc['rounds']}."]
 
 
 def startup(out: dict) -> list[str]:
@@ -224,7 +267,7 @@ def memory(out: dict) -> list[str]:
 
 PARTS = (("bandwidth", bandwidth), ("decode_small", decode_small), ("overhead", overhead), ("decode_v2", decode_v2),
          ("compute", compute), ("moe_forms", moe_forms), ("levers", levers), ("huge_pages", huge_pages),
-         ("attention", attention), ("startup", startup), ("memory", memory))
+         ("attention", attention), ("live_context", live_context), ("startup", startup), ("memory", memory))
 
 
 def plots(out: dict, results_dir: str) -> list[str]:

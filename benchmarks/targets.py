@@ -116,6 +116,26 @@ def _attention(out: dict) -> tuple[float | None, float | None, dict]:
     return best["share_of_copy_bandwidth"], ratio, limits
 
 
+def case_title(name: str) -> str:
+    """A ``live_context`` case (``<model>_<dtype>``) as the tables name it."""
+    model, dtype = name.rsplit("_", 1)
+    return f"{'small model' if model == 'small' else 'V2-Lite slice'}, {dtype}"
+
+
+def width_target(case: dict, goal: float) -> tuple[float | None, dict]:
+    """A ``live_context`` case's worst t(widest max_model_len) / t(narrowest) over its batches, and
+    for that batch the rounds (both widths timed back to back) at ``goal`` or under."""
+    rows = case.get("width") or []
+    if not rows:
+        return None, {}
+    widest = max(rows[0]["ratio"], key=int)
+    worst = max(rows, key=lambda r: r["ratio"][widest])
+    ratios = worst.get("round_ratios", {}).get(widest) or []
+    limits = ({"rounds": len(ratios), "rounds_at_goal": sum(r <= goal for r in ratios), "round_min": min(ratios),
+               "round_max": max(ratios)} if ratios else {})
+    return worst["ratio"][widest], limits
+
+
 def targets(out: dict) -> list[dict]:
     """Every target of the issue: goal, measured value (None where its part did not run), whether
     it meets the goal, and its limits (``LIMITS``, plus round counts where timed per round)."""
@@ -156,6 +176,16 @@ def targets(out: dict) -> list[dict]:
     share, ratio, limits = _attention(out)
     add("decode attention b32 ctx2048: bandwidth / copy bandwidth", share, 0.5, "attention", limits=limits)
     add("decode attention: t(N=32768) / t(N=256)", ratio, 1.15, "attention", at_most=True)
+    ops = (out.get("attention") or {}).get("op_alone") or {"bfloat16": None}
+    for dt, op in ops.items():
+        add(f"decode_attention op alone b32 ctx2048, {dt}: live-cache bytes/s / copy bandwidth",
+            op and op["share_of_copy_bandwidth"], 0.5, "attention")
+    lc = out.get("live_context") or {}
+    for name, case in (lc.get("cases") or {"": {}}).items():
+        value, limits = width_target(case, 1.15)
+        title = f"decode step, {case_title(name)}, context {lc['context']}: " if name else "decode step: "
+        add(title + f"t(max_model_len {max(lc.get('widths', [32768]))}) / t({min(lc.get('widths', [256]))}), "
+            "worst batch", value, 1.15, "live_context", at_most=True, limits=limits)
     st = out.get("startup")
     add("start-up: cold / warm capture time", st and st["warm_speedup_capture"], 5.0, "startup")
     mem = out.get("memory")

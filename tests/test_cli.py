@@ -51,6 +51,33 @@ def test_demo_json_reports_capture_throughput_parity_and_counters(capsys):
     assert r["eager_counters"]["graph_steps"] == 0 and r["eager_counters"]["eager_steps"]["disabled"] > 0
 
 
+def test_demo_reports_its_decode_step_at_its_live_context_and_near_max_model_len(capsys):
+    code, r = run_json(capsys, ["demo", *QUICK, "--num-requests", "3", "--max-new-tokens", "6", "--rounds", "1"])
+    assert code == 0
+    req = r["requests"]
+    assert req["live_context"] == commands.decode_contexts(req["prompt_lens"], req["new_tokens"])
+    d = r["decode_step"]
+    assert (d["max_model_len"], d["block_table_blocks"], d["rows"]) == (64, 4, 2)  # 64 tokens in blocks of 16
+    near, workload = d["near_max_model_len"], d["workload_context"]
+    assert near["live_context"]["max"] == 63 and near["live_context"]["min"] == 64 - d["new_tokens"] + 1
+    assert workload["live_context"]["max"] < near["live_context"]["min"]
+    assert near["ms_per_step"] > 0 and workload["ms_per_step"] > 0
+    assert d["near_max_over_workload"] == pytest.approx(near["ms_per_step"] / workload["ms_per_step"], abs=0.01)
+
+
+def test_decode_contexts_count_the_rows_each_request_decodes():
+    # 4 prompt tokens and 3 new: the first from prefill, then decodes at 5 and 6 tokens; 1 new: none
+    assert commands.decode_contexts([4, 10], [3, 1]) == {"min": 5, "max": 6, "mean": 5.5, "rows": 2}
+    assert commands.decode_contexts([4], [1]) == {"min": None, "max": None, "mean": None, "rows": 0}
+
+
+def test_width_sweep_is_over_the_base_engine():
+    times = {"eager": {"tokens_per_s": 1.0, "ms_per_step": 9.0}, "graph": {"tokens_per_s": 5.0, "ms_per_step": 2.0},
+             "graph@4096": {"tokens_per_s": 4.0, "ms_per_step": 2.5}}
+    assert commands.width_sweep(times, 512) == {"512": {"tokens_per_s": 5.0, "ms_per_step": 2.0, "over_base": 1.0},
+                                                "4096": {"tokens_per_s": 4.0, "ms_per_step": 2.5, "over_base": 1.25}}
+
+
 def test_demo_with_aot_inductor_loads_its_packages_on_the_second_run(capsys, tmp_path):
     argv = ["demo", "--backend", "inductor", "--aot-inductor", "--compile-cache-dir", str(tmp_path),
             "--capture-sizes", "2", "--max-model-len", "64", "--no-progress", "--json", "--num-requests", "2",
@@ -126,10 +153,26 @@ def test_bench_json_rows_per_batch_size_and_output_file(capsys, tmp_path):
     assert json.loads(out.read_text())["rows"] == r["rows"]
 
 
+def test_bench_max_model_len_sweep_times_wider_tables_beside_the_base(capsys):
+    code, r = run_json(capsys, ["bench", *QUICK, "--batch-sizes", "1,2", "--prompt-len", "4", "--new-tokens", "4",
+                                "--rounds", "1", "--max-model-len-sweep", "256,64"])
+    assert code == 0 and r["settings"]["max_model_len_sweep"] == [64, 256]
+    for row in r["rows"]:
+        assert row["live_context"] == {"min": 5, "max": 7, "mean": 6.0, "rows": 3 * row["batch"]}
+        sweep = row["max_model_len_sweep"]
+        assert set(sweep) == {"64", "256"} and sweep["64"]["over_base"] == 1.0
+        assert sweep["64"]["ms_per_step"] == row["graph"]["ms_per_step"]
+        assert sweep["256"]["over_base"] == pytest.approx(sweep["256"]["ms_per_step"] / row["graph"]["ms_per_step"],
+                                                          abs=1e-3)
+    assert main(["bench", *QUICK, "--prompt-len", "4", "--new-tokens", "4", "--max-model-len-sweep", "6"]) == 2
+    assert "exceeds max_model_len 6" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["demo", "--capture-sizes", "0,2"], "expected comma-separated positive integers, got '0,2'"),
     (["demo", "--max-new-tokens", "many"], "expected a positive integer, got 'many'"),
     (["demo", "--backend", "tpu"], "invalid choice: 'tpu'"),
+    (["bench", "--max-model-len-sweep", "4096,0"], "expected comma-separated positive integers, got '4096,0'"),
     (["generate", "--prompt-ids", "1,x"], "expected comma-separated token ids, got '1,x'"),
 ])
 def test_bad_flag_values_stop_with_a_usage_message(capsys, argv, message):

@@ -30,6 +30,7 @@ EPILOG = """examples:
   ascend-graph generate --model /path/to/DeepSeek-V2-Lite --prompt "Hello" --no-graph
   ascend-graph parity --model small-v3               # exit code 1 when graph and eager disagree
   ascend-graph bench --batch-sizes 1,2,4,8 --json    # decode tokens/s per batch size
+  ascend-graph bench --max-model-len-sweep 4096,32768   # the same steps with wider block tables
 """
 
 
@@ -158,6 +159,9 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=positive_int, default=32, help="prompt tokens (default: 32)")
     p.add_argument("--new-tokens", type=positive_int, default=32, help="tokens per request (default: 32)")
     p.add_argument("--rounds", type=positive_int, default=3, help="timing rounds per mode (default: 3)")
+    p.add_argument("--max-model-len-sweep", type=positive_ints, default=None, metavar="N,N,...",
+                   help="also graph engines whose block tables are N tokens wide (same cache blocks, same "
+                        "requests), timed in the same rounds: the step should cost the same at every width")
     p.add_argument("--output", default=None, metavar="FILE", help="also write the JSON result to FILE")
 
 

@@ -97,9 +97,15 @@ def workload(vocab: int, num: int, max_new: int, max_model_len: int, seed: int =
 
 def measure_decode(engines: dict[str, Engine], prompts: list, budgets: list, rounds: int) -> dict:
     """Median decode tokens/s and ms per decode step of each engine over ``rounds`` alternating runs."""
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
+    return measure_runs({name: (engine, prompts, budgets) for name, engine in engines.items()}, rounds)
+
+
+def measure_runs(runs: dict[str, tuple[Engine, list, list]], rounds: int) -> dict:
+    """``measure_decode`` where each run has its own engine and requests: ``name -> (engine,
+    prompts, budgets)``, the runs taking turns in each of ``rounds``."""
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
     for _ in range(rounds):
-        for name, engine in engines.items():
+        for name, (engine, prompts, budgets) in runs.items():
             c = engine.counters
             tokens, seconds, steps = c.decode_tokens, c.decode_seconds, c.decode_steps
             engine.generate(prompts, budgets, ignore_eos=True)
@@ -107,6 +113,39 @@ def measure_decode(engines: dict[str, Engine], prompts: list, budgets: list, rou
             samples[name].append(((c.decode_tokens - tokens) / seconds, 1e3 * seconds / (c.decode_steps - steps)))
     return {name: {"tokens_per_s": round(statistics.median(s[0] for s in rows), 1),
                    "ms_per_step": round(statistics.median(s[1] for s in rows), 3)} for name, rows in samples.items()}
+
+
+def decode_contexts(prompt_lens: Sequence[int], budgets: Sequence[int]) -> dict:
+    """The live context of every decode row the requests run: one of ``p`` prompt tokens and ``b``
+    new tokens (the first from its prefill) decodes at ``p + 1 .. p + b - 1`` tokens, this
+    step's included. Their least, largest and mean, and how many rows (None where none decode)."""
+    ctx = [p + k for p, b in zip(prompt_lens, budgets) for k in range(1, b)]
+    if not ctx:
+        return {"min": None, "max": None, "mean": None, "rows": 0}
+    return {"min": min(ctx), "max": max(ctx), "mean": round(statistics.fmean(ctx), 1), "rows": len(ctx)}
+
+
+PROBE_NEW_TOKENS = 8  # tokens per request of the demo's decode-by-context probe
+
+
+def decode_by_context(graph: Engine, vocab: int, workload_prompts: list, rounds: int) -> dict:
+    """The graph engine's decode step at the workload's live context and near its max_model_len:
+    as many requests as it seats, ``PROBE_NEW_TOKENS`` each, prompts of the workload's mean length
+    and of ``max_model_len - PROBE_NEW_TOKENS``, the two taking turns for ``rounds``. The graph's
+    block tables are max_model_len wide in both; only the live context differs."""
+    new = min(PROBE_NEW_TOKENS, graph.max_model_len - 1)
+    short = max(1, min(round(statistics.fmean(len(p) for p in workload_prompts)), graph.max_model_len - new))
+    gen, n = torch.Generator().manual_seed(1), graph.max_num_seqs
+    runs = {name: [torch.randint(0, vocab, (length,), generator=gen).tolist() for _ in range(n)]
+            for name, length in (("workload_context", short), ("near_max_model_len", graph.max_model_len - new))}
+    speed = measure_runs({name: (graph, prompts, [new] * n) for name, prompts in runs.items()}, rounds)
+    out = {"max_model_len": graph.max_model_len, "block_table_blocks": graph.runner.table_width, "rows": n,
+           "new_tokens": new, "rounds": rounds}
+    for name, prompts in runs.items():
+        out[name] = {"live_context": decode_contexts([len(p) for p in prompts], [new] * n), **speed[name]}
+    out["near_max_over_workload"] = round(out["near_max_model_len"]["ms_per_step"]
+                                          / out["workload_context"]["ms_per_step"], 2)
+    return out
 
 
 def conditions(args: argparse.Namespace) -> dict:
@@ -178,8 +217,10 @@ def run_demo(args: argparse.Namespace) -> tuple[dict, str, int]:
     The report: capture time and memory per batch size; decode throughput graph vs eager (same
     model, same requests, alternating rounds); parity (graph tokens vs eager tokens, max logit
     difference, and compare_step checks of every graph decode step: logits, written cache blocks,
-    untouched blocks); the counters. Exit code 1 when graph and eager disagree: a step beyond
-    tolerance, or tokens that differ other than at a near-tie (bfloat16 runs may flip those).
+    untouched blocks); the graph's decode step at the workload's live context and near
+    --max-model-len, block tables as wide in both; the counters. Exit code 1 when graph and
+    eager disagree: a step beyond tolerance, or tokens that differ other than at a near-tie
+    (bfloat16 runs may flip those).
     """
     start = time.perf_counter()
     model, info = load_model(args)
@@ -199,12 +240,16 @@ def run_demo(args: argparse.Namespace) -> tuple[dict, str, int]:
                         and not parity["compare_step"]["failures"])
     speed = measure_decode({"eager": eager, "graph": graph}, prompts, budgets, args.rounds)
     speed["speedup"] = round(speed["graph"]["tokens_per_s"] / speed["eager"]["tokens_per_s"], 2)
+    counters = graph.stats  # before the probe below: the counters of the workload's runs
+    lens = [len(p) for p in prompts]
     result = {"command": "demo", "model": info, "settings": settings(args, graph), "conditions": conditions(args),
-              "requests": {"count": len(prompts), "prompt_lens": [len(p) for p in prompts], "new_tokens": budgets},
+              "requests": {"count": len(prompts), "prompt_lens": lens, "new_tokens": budgets,
+                           "live_context": decode_contexts(lens, budgets)},
               "capture": graph.stats["capture"], "capture_seconds": graph.stats["capture_seconds"],
               "throughput": {**speed, "rounds": args.rounds}, "parity": parity,
-              "counters": graph.stats, "eager_counters": eager.stats, "sample": {"prompt": prompts[0],
-                                                                                 "tokens": g_tokens[0]},
+              "decode_step": decode_by_context(graph, model.config.vocab_size, prompts, args.rounds),
+              "counters": counters, "eager_counters": eager.stats, "sample": {"prompt": prompts[0],
+                                                                              "tokens": g_tokens[0]},
               "seconds": round(time.perf_counter() - start, 1)}
     return result, format_demo(result), 0 if parity["ok"] else 1
 
@@ -269,26 +314,48 @@ def run_bench(args: argparse.Namespace) -> tuple[dict, str, int]:
 
     For batch size n, n requests of --prompt-len tokens generate --new-tokens each, all running
     together, so every decode step has n rows; graph and eager engines alternate for --rounds.
+    Each row names the live context its decode steps ran at. --max-model-len-sweep adds graph
+    engines whose block tables are that many tokens wide, timed in the same rounds: decode
+    attention reads the live blocks only, so their steps should cost what the base engine's do.
     """
-    if args.prompt_len + args.new_tokens > args.max_model_len:
-        raise ValueError(f"--prompt-len + --new-tokens = {args.prompt_len + args.new_tokens} exceeds "
-                         f"--max-model-len={args.max_model_len}")
+    widths = sorted(set(args.max_model_len_sweep or ()) - {args.max_model_len})
+    for length in (args.max_model_len, *widths):
+        if args.prompt_len + args.new_tokens > length:
+            raise ValueError(f"--prompt-len + --new-tokens = {args.prompt_len + args.new_tokens} exceeds "
+                             f"max_model_len {length} (--max-model-len, --max-model-len-sweep)")
     model, info = load_model(args)
     sizes = sorted(set(args.capture_sizes))
     graph, eager = make_engine(model, args, True, max(sizes)), make_engine(model, args, False, max(sizes))
-    graph.capture(show_progress=not args.no_progress)
+    engines = {"eager": eager, "graph": graph}
+    for length in widths:  # the same cache blocks, graphs whose block tables are ``length`` wide
+        engines[f"graph@{length}"] = make_engine(model, argparse.Namespace(**{**vars(args), "max_model_len": length}),
+                                                 True, max(sizes), num_blocks=graph.num_blocks)
+    for name, engine in engines.items():
+        if name != "eager":
+            engine.capture(show_progress=not args.no_progress)
     gen, rows = torch.Generator().manual_seed(0), []
     for n in sizes:
         prompts = [torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=gen).tolist()
                    for _ in range(n)]
-        for engine in (graph, eager):  # warm-up: first runs of a batch shape are slower
+        for engine in engines.values():  # warm-up: first runs of a batch shape are slower
             engine.generate(prompts, args.new_tokens, ignore_eos=True)
-        t = measure_decode({"eager": eager, "graph": graph}, prompts, [args.new_tokens] * n, args.rounds)
+        t = measure_decode(engines, prompts, [args.new_tokens] * n, args.rounds)
         rows.append({"batch": n, "eager": t["eager"], "graph": t["graph"],
-                     "speedup": round(t["graph"]["tokens_per_s"] / t["eager"]["tokens_per_s"], 2)})
+                     "speedup": round(t["graph"]["tokens_per_s"] / t["eager"]["tokens_per_s"], 2),
+                     "live_context": decode_contexts([args.prompt_len] * n, [args.new_tokens] * n)})
+        if widths:
+            rows[-1]["max_model_len_sweep"] = width_sweep(t, args.max_model_len)
     result = {"command": "bench", "benchmark": "engine_decode_throughput", "model": info,
               "settings": {**settings(args, graph), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                           "rounds": args.rounds},
+                           "rounds": args.rounds, "max_model_len_sweep": [args.max_model_len, *widths]},
               "conditions": conditions(args), "capture": graph.stats["capture"], "rows": rows,
               "counters": graph.stats}
     return result, format_bench(result), 0
+
+
+def width_sweep(times: dict, base_len: int) -> dict:
+    """The graph engines of ``times`` (``graph``: the one ``base_len`` wide; ``graph@L``: ``L``
+    wide) by max_model_len: tokens/s, ms per step, and ms per step over the base engine's."""
+    base = times["graph"]["ms_per_step"]
+    engines = {base_len: times["graph"], **{int(k.split("@")[1]): v for k, v in times.items() if "@" in k}}
+    return {str(length): {**t, "over_base": round(t["ms_per_step"] / base, 3)} for length, t in sorted(engines.items())}

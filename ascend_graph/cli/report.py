@@ -81,10 +81,11 @@ def format_demo(r: dict) -> str:
     lines = [f"ascend-graph demo: {req['count']} requests (prompts {min(req['prompt_lens'])}-"
              f"{max(req['prompt_lens'])} tokens, {min(req['new_tokens'])}-{max(req['new_tokens'])} new tokens each) "
              "served with graph mode on, then eagerly", *model_lines(r), "", *capture_lines(r["capture"]), "",
-             f"Decode throughput (median of {t['rounds']} alternating rounds; same model, same requests)",
+             f"Decode throughput (median of {t['rounds']} alternating rounds; same model, same requests)"
+             + (f"; live context {_context(req['live_context'])}" if "live_context" in req else ""),
              f"  eager  {t['eager']['tokens_per_s']:>10.1f} tokens/s  {t['eager']['ms_per_step']:>8.3f} ms/step",
              f"  graph  {t['graph']['tokens_per_s']:>10.1f} tokens/s  {t['graph']['ms_per_step']:>8.3f} ms/step",
-             f"  graph / eager: {t['speedup']:.2f}x", "",
+             f"  graph / eager: {t['speedup']:.2f}x", "", *decode_step_lines(r["decode_step"]), "",
              "Parity, graph vs eager",
              f"  tokens identical          {_yes(p['tokens_identical'])} ({req['count']} requests, "
              f"{sum(req['new_tokens'])} tokens){_first_differences(p['first_differences'])}",
@@ -99,6 +100,23 @@ def format_demo(r: dict) -> str:
              f"sample: request 0 prompt {r['sample']['prompt'][:8]}... -> {r['sample']['tokens'][:12]}...",
              f"finished in {r['seconds']:.1f} s"]
     return "\n".join(lines)
+
+
+def _context(c: dict) -> str:
+    """A ``decode_contexts`` summary: ``least-largest (mean m)``."""
+    return "none" if c["min"] is None else f"{c['min']}-{c['max']} (mean {c['mean']:g})"
+
+
+def decode_step_lines(d: dict) -> list[str]:
+    """The demo's graph step with prompts of the workload's mean length and near max_model_len."""
+    lines = [f"Decode step by live context (graph, {d['rows']} requests of {d['new_tokens']} new tokens, median of "
+             f"{d['rounds']} alternating rounds; block tables {d['block_table_blocks']} blocks wide: max_model_len "
+             f"{d['max_model_len']}, in both)"]
+    for name, label in (("workload_context", "workload's prompts"), ("near_max_model_len", "near max_model_len")):
+        run = d[name]
+        lines.append(f"  {label:<19} live context {_context(run['live_context']):<22} "
+                     f"{run['ms_per_step']:>8.3f} ms/step")
+    return lines + [f"  near max_model_len / workload's prompts: {d['near_max_over_workload']:.2f}x"]
 
 
 def _first_differences(firsts: list) -> str:
@@ -161,11 +179,19 @@ def _flips(flips: list) -> str:
 def format_bench(r: dict) -> str:
     """Throughput per batch size."""
     st = r["settings"]
+    widths = st.get("max_model_len_sweep", [])[1:]
     lines = [*model_lines(r), f"each request: {st['prompt_len']} prompt tokens, {st['new_tokens']} new tokens; "
              f"median of {st['rounds']} alternating rounds", "",
-             f"{'batch':>5} {'eager tok/s':>12} {'graph tok/s':>12} {'eager ms':>9} {'graph ms':>9} {'speed-up':>8}"]
+             f"{'batch':>5} {'eager tok/s':>12} {'graph tok/s':>12} {'eager ms':>9} {'graph ms':>9} {'speed-up':>8}"
+             f" {'live context':>22}" + "".join(f" {f'graph ms @{w}':>16}" for w in widths)]
     for row in r["rows"]:
         e, g = row["eager"], row["graph"]
+        sweep = row.get("max_model_len_sweep", {})
         lines.append(f"{row['batch']:>5} {e['tokens_per_s']:>12.1f} {g['tokens_per_s']:>12.1f} "
-                     f"{e['ms_per_step']:>9.3f} {g['ms_per_step']:>9.3f} {row['speedup']:>7.2f}x")
+                     f"{e['ms_per_step']:>9.3f} {g['ms_per_step']:>9.3f} {row['speedup']:>7.2f}x"
+                     f" {_context(row['live_context']):>22}"
+                     + "".join(f" {sweep[str(w)]['ms_per_step']:>8.3f} ({sweep[str(w)]['over_base']:.2f}x)"
+                               for w in widths))
+    lines.append(f"graph ms: block tables max_model_len {st['max_model_len']} wide"
+                 + (f"; graph ms @N: N wide, (x) over the {st['max_model_len']}-wide step" if widths else ""))
     return "\n".join(lines)
