@@ -23,7 +23,7 @@ from ..config import GraphConfig, InductorOptions
 from ..config_sources import from_json
 from ..engine.engine import Engine
 from ..runner.parity import ParityReport, allowed_difference, tolerances
-from .report import format_bench, format_demo, format_generate, format_parity
+from .report import capture_start, format_bench, format_demo, format_generate, format_parity
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BUILTIN_MODELS = ("small", "small-v3")
@@ -202,6 +202,7 @@ def run_demo(args: argparse.Namespace) -> tuple[dict, str, int]:
     result = {"command": "demo", "model": info, "settings": settings(args, graph), "conditions": conditions(args),
               "requests": {"count": len(prompts), "prompt_lens": [len(p) for p in prompts], "new_tokens": budgets},
               "capture": graph.stats["capture"], "capture_seconds": graph.stats["capture_seconds"],
+              "capture_start": capture_start(graph.stats["capture"]),
               "throughput": {**speed, "rounds": args.rounds}, "parity": parity,
               "counters": graph.stats, "eager_counters": eager.stats, "sample": {"prompt": prompts[0],
                                                                                  "tokens": g_tokens[0]},
