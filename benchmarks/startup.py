@@ -212,10 +212,10 @@ def main() -> None:
         print(json.dumps(child(args)))
     elif args.demo:
         res = measure_demo(args.repeats, tuple(int(s) for s in args.sizes.split(",")) if args.sizes else DEMO_SIZES)
-        print(json.dumps(res, indent=2))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=2)
+        print(json.dumps(res, indent=2))
     else:
         sizes = tuple(int(s) for s in (args.sizes or "1,2,4,8,16,32,64").split(","))
         print(json.dumps(measure(args.model, sizes, args.quick), indent=2))
