@@ -81,7 +81,8 @@ def test_cpu_auto_is_inductor_with_the_measured_cpp_wrapper_default_and_no_cudag
     assert isinstance(backend, InductorBackend)
     patches = dict(backend.config_patches)
     assert isinstance(patches.pop("post_grad_custom_post_pass"), DecodeMatmulPass)
-    assert patches == {"cpp_wrapper": True, "triton.cudagraphs": False, "cpp.vec_isa_ok": True}
+    assert patches == {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "triton.cudagraphs": False,
+                       "cpp.vec_isa_ok": True}
     assert backend.cache_dir is None
 
 
@@ -116,6 +117,7 @@ def test_cpu_inductor_takes_configured_options_and_torch_compile_mode():
     cfg = GraphConfig(backend="inductor", inductor=InductorOptions(cpp_wrapper=False), compile_cache_dir="/tmp/ag-cache")
     backend = resolve_backend(cfg, "cpu", mode="max-autotune")
     assert backend.config_patches["cpp_wrapper"] is False and backend.cache_dir == "/tmp/ag-cache"
+    assert "cpp_wrapper_build_separate" not in backend.config_patches  # nothing to build apart
     assert backend.config_patches["max_autotune"] is True
     assert backend.config_patches["triton.cudagraphs"] is False  # nothing to capture on CPU
 
