@@ -1,5 +1,5 @@
-"""Small runtime services of the runner: static-address tracking, memory readings, huge-page
-weights, progress; and the CPU row length that a matrix-vector product streams best at."""
+"""Small runtime services of the runner: static-address tracking, memory readings, compile cache
+outcomes, huge-page weights, progress; and the CPU row length that a matrix-vector product streams best at."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import mmap
 import os
 import platform
 import sys
+from collections import Counter
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -46,6 +48,23 @@ def memory_in_use(device: torch.device) -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0
+
+
+def compile_cache_counts() -> Counter:
+    """Inductor's compile cache lookups in this process so far, by outcome (``hit``, ``miss``,
+    ``bypass``): its FX graph cache, which AOTAutograd's cache counts on its hits too."""
+    from torch._dynamo.utils import counters
+
+    found = counters["inductor"]
+    return Counter({k: found[f"fxgraph_cache_{k}"] for k in ("hit", "miss", "bypass")})
+
+
+def compile_cache_outcome(before: Counter) -> Optional[str]:
+    """What the compile cache did since ``compile_cache_counts()`` gave ``before``: ``"miss"``
+    (something was compiled), else ``"bypass"`` (not cacheable), else ``"hit"``; ``None`` when
+    nothing was looked up (no Inductor compile: the debug backends, torchair)."""
+    done = compile_cache_counts() - before
+    return next((k for k in ("miss", "bypass", "hit") if done[k]), None)
 
 
 def progress(done: int, total: int, label: str, width: int = 24) -> None:

@@ -11,7 +11,7 @@ Parts (``--parts``), in the order they run:
     huge_pages    weights on 2 MiB pages against 4 KiB pages (``huge_pages``)
     attention     decode attention alone: bandwidth, cache capacity, the op alone, batch 1, GQA (``attention``)
     live_context  the decode step against max_model_len and against live context (``live_context``)
-    startup       cold vs warm compile cache, fresh processes (``startup``)
+    startup       cold vs warm compile cache, fresh processes; the demo's capture (``startup``)
     memory        peak RSS graph vs eager, per-step allocations (``memory``)
 
     python -m benchmarks                          # all parts -> benchmarks/results/suite.json
@@ -47,13 +47,13 @@ def plan(quick: bool) -> dict:
     """Sizes and repetitions of every part."""
     if quick:
         return {"small_sizes": (1, 8, 32), "v2_sizes": (1,), "hf_sizes": (1, 8), "small_rounds": (7, 3),
-                "v2_rounds": (3, 1), "attention_reps": 3, "attention_batch_1_context": 4096, "startup_sizes": (1,), "memory_model": "small",
+                "v2_rounds": (3, 1), "attention_reps": 3, "attention_batch_1_context": 4096, "startup_sizes": (1,), "startup_demo_repeats": 1, "memory_model": "small",
                 "memory_sizes": (1, 8), "moe_tokens": (1, 32), "levers": ("default", levers.NO_PASS),
                 "lever_batches": (1,), "v2_frozen_sizes": (), "small_aot_sizes": (),
                 "live": {"names": ("small_float32",), "contexts": (64, 256, 1024), "rounds": 5}}
     return {"small_sizes": (1, 2, 4, 8, 16, 32, 64), "v2_sizes": (1, 8, 32, 64), "hf_sizes": (1, 8, 32),
             "small_rounds": (15, 5), "v2_rounds": (7, 1), "attention_reps": 7, "attention_batch_1_context": 16384,
-            "startup_sizes": (1, 2, 4, 8, 16, 32, 64), "memory_model": "v2_lite_slice", "memory_sizes": (1, 8),
+            "startup_sizes": (1, 2, 4, 8, 16, 32, 64), "startup_demo_repeats": 3, "memory_model": "v2_lite_slice", "memory_sizes": (1, 8),
             "moe_tokens": (1, 8, 16, 32), "levers": None, "lever_batches": (1, 8),
             "v2_frozen_sizes": (8, 32), "small_aot_sizes": (1, 8, 32, 64), "live": {"rounds": 9}}
 
@@ -90,6 +90,7 @@ def run_part(part: str, p: dict, quick: bool, out: dict) -> None:
         out["live_context"] = live_context.measure(quick=quick, **p["live"])
     elif part == "startup":
         out["startup"] = startup.measure("small", p["startup_sizes"], quick, portable=not quick, aot=not quick)
+        out["startup"]["demo"] = startup.measure_demo(repeats=p["startup_demo_repeats"])
     elif part == "memory":
         out["memory"] = memory.measure(p["memory_model"], p["memory_sizes"], 3, quick, frozen=not quick, aot=not quick)
 

@@ -13,6 +13,13 @@ them still rebuilds every kernel and the C++ wrapper with the compiler.
 
 ``aot_cold`` / ``aot_warm``: the same with ``GraphConfig.inductor.aot`` (each size exported and
 compiled by AOTInductor into a package in the cache directory; warm, the packages are loaded).
+
+Every child reports each size's capture seconds and compile cache outcome (``RunnerStats``) and
+where its capture's time went, per size and phase (``compile_phases``). ``measure_demo`` runs the
+demo's own capture (``ascend-graph demo``: its model, sizes and cache geometry) cold and warm,
+``repeats`` times, against the goals ``DEMO_GOALS``:
+
+    TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.startup --demo --repeats 3
 """
 
 from __future__ import annotations
@@ -23,7 +30,14 @@ import os
 import subprocess
 import sys
 import tempfile
+import statistics
 import time
+
+from benchmarks.compile_phases import PHASES
+
+# The demo's capture of its default sizes (1, 2, 4, 8), seconds: the issue's goals
+DEMO_GOALS = {"cold_capture_s": 30.0, "warm_capture_s": 5.0}
+DEMO_SIZES = (1, 2, 4, 8)
 
 
 def count_cpp_compiles() -> dict:
@@ -53,27 +67,28 @@ def child(args: argparse.Namespace) -> dict:
     cpp = count_cpp_compiles()
 
     from ascend_graph.compile.inductor import cache_dir_for_compile
-    from ascend_graph.config import GraphConfig, InductorOptions
-    from benchmarks.models import build, cases, make_runner
+    from benchmarks.compile_phases import Phases, totals
 
     t_import = time.perf_counter()
-    case = cases(args.quick)[args.model]
-    model = build(case)
-    sizes = tuple(int(s) for s in args.sizes.split(","))
+    runner = demo_runner(args) if args.model == "demo" else suite_runner(args)
     t_build = time.perf_counter()
     if args.load_artifacts:
         with open(args.load_artifacts, "rb") as f, cache_dir_for_compile(args.cache_dir):
             torch.compiler.load_cache_artifacts(f.read())
     t_load = time.perf_counter()
-    config = GraphConfig(enabled=True, backend="inductor", capture_sizes=sizes, max_batch_size=max(sizes),
-                         compile_cache_dir=args.cache_dir, inductor=InductorOptions(aot=args.aot))
-    runner = make_runner(model, config, sizes, case.context)
+    phases = Phases()
+    phases.install()
+    cpu0 = process_cpu_s()
     runner.capture(show_progress=False)
     t_capture = time.perf_counter()
+    stats = runner.stats.to_dict()
+    by_size = phases.by_size()
     out = {"import_s": t_import - t0, "build_s": t_build - t_import, "load_artifacts_s": t_load - t_build,
-           "capture_s": t_capture - t_load, "total_s": t_capture - t0, "compiles": runner.stats.compiles,
+           "capture_s": t_capture - t_load, "capture_cpu_s": round(process_cpu_s() - cpu0, 3),
+           "total_s": t_capture - t0, "compiles": runner.stats.compiles,
            "cpp_compiler_runs": cpp["runs"], "cpp_compiler_s": cpp["seconds"],
-           "packages_loaded": runner.stats.packages_loaded}
+           "packages_loaded": runner.stats.packages_loaded, "per_size": stats["capture"],
+           "phases": totals(by_size), "phases_by_size": by_size}
     if args.save_artifacts:
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None:
@@ -81,6 +96,40 @@ def child(args: argparse.Namespace) -> dict:
                 f.write(saved[0])
             out["artifact_bytes"] = len(saved[0])
     return out
+
+
+def process_cpu_s() -> float:
+    """CPU seconds of this process and the children it waited for (the C++ compiler)."""
+    import resource
+
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+def suite_runner(args: argparse.Namespace):
+    """A runner over a suite model (``benchmarks.models``) with Inductor at ``--sizes``."""
+    from ascend_graph.config import GraphConfig, InductorOptions
+    from benchmarks.models import build, cases, make_runner
+
+    case = cases(args.quick)[args.model]
+    sizes = tuple(int(s) for s in args.sizes.split(","))
+    config = GraphConfig(enabled=True, backend="inductor", capture_sizes=sizes, max_batch_size=max(sizes),
+                         compile_cache_dir=args.cache_dir, inductor=InductorOptions(aot=args.aot))
+    return make_runner(build(case), config, sizes, case.context)
+
+
+def demo_runner(args: argparse.Namespace):
+    """The runner ``ascend-graph demo --capture-sizes <sizes> --compile-cache-dir <dir>`` captures,
+    on the threads the command uses."""
+    import torch
+
+    from ascend_graph.cli import build_parser
+    from ascend_graph.cli.commands import load_model, make_engine
+
+    cli = build_parser().parse_args(["demo", "--capture-sizes", args.sizes, "--compile-cache-dir", args.cache_dir]
+                                    + (["--aot-inductor"] if args.aot else []))
+    torch.set_num_threads(1)  # the command's default for its built-in models (cli.main)
+    return make_engine(load_model(cli)[0], cli, graph=True).runner
 
 
 def run_child(model: str, sizes: str, cache_dir: str, quick: bool, **flags) -> dict:
@@ -115,21 +164,61 @@ def measure(model: str, sizes: tuple[int, ...], quick: bool, portable: bool = Tr
     return res
 
 
+def spread(values: list[float]) -> dict:
+    """Median, min and max, rounded."""
+    return {"median": round(statistics.median(values), 2), "min": round(min(values), 2), "max": round(max(values), 2),
+            "n": len(values)}
+
+
+def measure_demo(repeats: int = 1, sizes: tuple[int, ...] = DEMO_SIZES) -> dict:
+    """The demo's capture cold (empty cache directory) and warm (the directory the cold run
+    filled), each in a fresh process, ``repeats`` times: per size and in total, with phases."""
+    s = ",".join(map(str, sizes))
+    runs = []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory(prefix="ag-startup-demo-") as tmp:
+            cache = os.path.join(tmp, "cache")
+            runs.append({"cold": run_child("demo", s, cache, False), "warm": run_child("demo", s, cache, False)})
+    res = {"sizes": list(sizes), "repeats": repeats, "goals": DEMO_GOALS, "runs": runs}
+    for start in ("cold", "warm"):
+        res[f"{start}_capture_s"] = spread([r[start]["capture_s"] for r in runs])
+        res[f"{start}_capture_cpu_s"] = spread([r[start]["capture_cpu_s"] for r in runs])
+        res[f"{start}_per_size_s"] = {str(n): spread([r[start]["per_size"][str(n)]["seconds"] for r in runs])
+                                      for n in sizes}
+        res[f"{start}_phases"] = {p: {k: round(statistics.median(r[start]["phases"].get(p, {}).get(k, 0.0) for r in runs), 2)
+                                      for k in ("wall_s", "cpu_s")}
+                                  for p in PHASES if any(p in r[start]["phases"] for r in runs)}
+    print(f"  start-up demo {s}: capture cold {res['cold_capture_s']['median']:.1f} s "
+          f"(goal {DEMO_GOALS['cold_capture_s']:.0f}), warm {res['warm_capture_s']['median']:.1f} s "
+          f"(goal {DEMO_GOALS['warm_capture_s']:.0f})", flush=True)
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--child", action="store_true")
-    p.add_argument("--model", default="small")
-    p.add_argument("--sizes", default="1,2,4,8,16,32,64")
+    p.add_argument("--model", default="small", help="a suite model (benchmarks.models), or 'demo'")
+    p.add_argument("--sizes", default=None, help="default: 1,2,4,8,16,32,64; with --demo the demo's 1,2,4,8")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--save-artifacts", default=None)
     p.add_argument("--load-artifacts", default=None)
     p.add_argument("--aot", action="store_true", help="GraphConfig.inductor.aot")
+    p.add_argument("--demo", action="store_true", help="the demo's capture cold and warm (measure_demo)")
+    p.add_argument("--repeats", type=int, default=1, help="with --demo: cold and warm pairs")
+    p.add_argument("--json", default=None, help="also write the result to this file")
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args)))
+    elif args.demo:
+        res = measure_demo(args.repeats, tuple(int(s) for s in args.sizes.split(",")) if args.sizes else DEMO_SIZES)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=2)
+        print(json.dumps(res, indent=2))
     else:
-        print(json.dumps(measure(args.model, tuple(int(s) for s in args.sizes.split(",")), args.quick), indent=2))
+        sizes = tuple(int(s) for s in (args.sizes or "1,2,4,8,16,32,64").split(","))
+        print(json.dumps(measure(args.model, sizes, args.quick), indent=2))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ else: the best it can be on this machine while the limit stands.
 
 from __future__ import annotations
 
+from benchmarks.startup import DEMO_GOALS, DEMO_SIZES
+
 # limit -> column heading of the report's limits table (docs/performance.md explains each)
 LIMITS = {"at_copy_roofline": "at copy roofline", "at_read_ceiling": "at read ceiling",
           "at_matmul_rate": "at bf16 matmul rate", "at_other_matmuls": "at its matmuls alone",
@@ -188,6 +190,10 @@ def targets(out: dict) -> list[dict]:
             "worst batch", value, 1.15, "live_context", at_most=True, limits=limits)
     st = out.get("startup")
     add("start-up: cold / warm capture time", st and st["warm_speedup_capture"], 5.0, "startup")
+    demo = (st or {}).get("demo")
+    for start in ("cold", "warm"):
+        add(f"start-up: the demo's capture of sizes {', '.join(map(str, DEMO_SIZES))}, {start}, s (median)",
+            demo and demo[f"{start}_capture_s"]["median"], DEMO_GOALS[f"{start}_capture_s"], "startup", at_most=True)
     mem = out.get("memory")
     add(f"peak RSS graph / eager ({mem['model'] if mem else '—'})", mem and mem["peak_ratio"], 1.1, "memory",
         at_most=True)

@@ -81,14 +81,43 @@ def test_cpu_auto_is_inductor_with_the_measured_cpp_wrapper_default_and_no_cudag
     assert isinstance(backend, InductorBackend)
     patches = dict(backend.config_patches)
     assert isinstance(patches.pop("post_grad_custom_post_pass"), DecodeMatmulPass)
-    assert patches == {"cpp_wrapper": True, "triton.cudagraphs": False}
+    assert patches == {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "triton.cudagraphs": False,
+                       "cpp.vec_isa_ok": True}
     assert backend.cache_dir is None
+
+
+def test_trusting_the_cpus_vector_flags_picks_the_isa_that_inductors_test_builds_pick():
+    """``cpp.vec_isa_ok`` skips Inductor's test builds of its vector ISAs; the oracle is those
+    builds themselves, run in a fresh process each (the choice is cached per process)."""
+    code = textwrap.dedent("""
+        import torch._inductor.config as c
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+        with c.patch({"cpp.vec_isa_ok": %s}):
+            isa = pick_vec_isa()
+        print(repr((str(isa), isa.bit_width(), isa.build_arch_flags() if isa else "")))
+    """)
+    picked = []
+    for trusted in ("True", "None"):
+        proc = subprocess.run([sys.executable, "-c", code % trusted], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        picked.append(proc.stdout.strip().splitlines()[-1])
+    assert picked[0] == picked[1]
+
+
+def test_an_explicit_vec_isa_setting_of_torch_wins_and_other_devices_get_none(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", False)
+    assert "cpp.vec_isa_ok" not in resolve_backend(GraphConfig(), "cpu").config_patches
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
+    assert "cpp.vec_isa_ok" not in resolve_backend(GraphConfig(), "cuda").config_patches
 
 
 def test_cpu_inductor_takes_configured_options_and_torch_compile_mode():
     cfg = GraphConfig(backend="inductor", inductor=InductorOptions(cpp_wrapper=False), compile_cache_dir="/tmp/ag-cache")
     backend = resolve_backend(cfg, "cpu", mode="max-autotune")
     assert backend.config_patches["cpp_wrapper"] is False and backend.cache_dir == "/tmp/ag-cache"
+    assert "cpp_wrapper_build_separate" not in backend.config_patches  # nothing to build apart
     assert backend.config_patches["max_autotune"] is True
     assert backend.config_patches["triton.cudagraphs"] is False  # nothing to capture on CPU
 

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from ascend_graph.cli import commands, main
+from ascend_graph.cli import commands, main, report
 
 QUICK = ["--backend", "aot_eager", "--capture-sizes", "1,2", "--max-model-len", "64", "--no-progress", "--json"]
 
@@ -37,6 +37,7 @@ def test_demo_json_reports_capture_throughput_parity_and_counters(capsys):
     code, r = run_json(capsys, ["demo", *QUICK, "--num-requests", "3", "--max-new-tokens", "6", "--rounds", "1"])
     assert code == 0
     assert set(r["capture"]) == {"1", "2"} and all(c["seconds"] > 0 for c in r["capture"].values())
+    assert all(c["compile_cache"] is None for c in r["capture"].values()) and r["capture_start"] is None
     t = r["throughput"]
     assert t["graph"]["tokens_per_s"] > 0 and t["eager"]["tokens_per_s"] > 0
     assert t["speedup"] == pytest.approx(t["graph"]["tokens_per_s"] / t["eager"]["tokens_per_s"], rel=0.02)
@@ -82,11 +83,23 @@ def test_demo_with_aot_inductor_loads_its_packages_on_the_second_run(capsys, tmp
     argv = ["demo", "--backend", "inductor", "--aot-inductor", "--compile-cache-dir", str(tmp_path),
             "--capture-sizes", "2", "--max-model-len", "64", "--no-progress", "--json", "--num-requests", "2",
             "--max-new-tokens", "4", "--rounds", "1"]
-    for compiles, loaded in ((1, 0), (0, 1)):
+    for compiles, loaded, start in ((1, 0, "cold"), (0, 1, "warm")):
         code, r = run_json(capsys, argv)
         assert code == 0 and r["parity"]["ok"] and r["parity"]["compare_step"]["failures"] == 0
         c = r["counters"]
         assert (c["compiles"], c["packages_loaded"]) == (compiles, loaded) and c["graph_steps"] > 0
+        assert r["capture"]["2"]["compile_cache"] == ("miss" if compiles else "hit") and r["capture_start"] == start
+
+
+@pytest.mark.parametrize("outcomes, start", [(["miss", "miss"], "cold"), (["hit", "hit"], "warm"),
+                                             (["hit", "bypass"], "mixed"), (["miss", "bypass"], "cold"),
+                                             ([None, None], None)])
+def test_demo_capture_table_names_each_sizes_cache_outcome_and_the_start(outcomes, start):
+    capture = {str(s): {"seconds": 1.5, "memory_bytes": 0, "compile_cache": o} for s, o in zip((1, 2), outcomes)}
+    lines = report.capture_lines(capture)
+    assert report.capture_start(capture) == start
+    assert lines[-1].split()[:2] == ["total", "3.00"] and (f"({start} start)" in lines[-1]) == (start is not None)
+    assert [line.split()[-1] for line in lines[2:4]] == [o or "-" for o in outcomes]
 
 
 def test_aot_inductor_on_another_backend_exits_2_naming_it(capsys):

@@ -42,6 +42,23 @@ def assert_caches_equal(runner, saved) -> None:
             assert torch.equal(t, s)
 
 
+def test_capture_records_per_size_whether_it_was_compiled_or_loaded_from_the_compile_cache(tmp_path):
+    """Two runners on one model and one cache directory: the first compiles the size, the second
+    loads it; the debug backend has no Inductor cache to ask."""
+    model = small_model("llama", layers=1)
+    config = graph_config(backend="inductor", capture_sizes=(2,), max_batch_size=2, compile_cache_dir=str(tmp_path))
+    outcomes = []
+    for _ in range(2):
+        runner = make_runner(model, config)
+        runner.capture(show_progress=False)
+        assert runner.stats.compiles == 1 and runner.stats.capture[2]["seconds"] > 0
+        outcomes.append(runner.stats.to_dict()["capture"]["2"]["compile_cache"])
+    assert outcomes == ["miss", "hit"]
+    debug = make_runner(model, graph_config(capture_sizes=(2,), max_batch_size=2))
+    debug.capture(show_progress=False)
+    assert debug.stats.capture[2]["compile_cache"] is None
+
+
 @pytest.mark.parametrize("n", [1, 3, 4, 6])
 def test_dispatch_graph_for_decode_within_sizes_and_eager_above(n):
     model = small_model("llama")

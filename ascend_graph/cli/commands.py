@@ -23,7 +23,7 @@ from ..config import GraphConfig, InductorOptions
 from ..config_sources import from_json
 from ..engine.engine import Engine
 from ..runner.parity import ParityReport, allowed_difference, tolerances
-from .report import format_bench, format_demo, format_generate, format_parity
+from .report import capture_start, format_bench, format_demo, format_generate, format_parity
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BUILTIN_MODELS = ("small", "small-v3")
@@ -246,6 +246,7 @@ def run_demo(args: argparse.Namespace) -> tuple[dict, str, int]:
               "requests": {"count": len(prompts), "prompt_lens": lens, "new_tokens": budgets,
                            "live_context": decode_contexts(lens, budgets)},
               "capture": graph.stats["capture"], "capture_seconds": graph.stats["capture_seconds"],
+              "capture_start": capture_start(graph.stats["capture"]),
               "throughput": {**speed, "rounds": args.rounds}, "parity": parity,
               "decode_step": decode_by_context(graph, model.config.vocab_size, prompts, args.rounds),
               "counters": counters, "eager_counters": eager.stats, "sample": {"prompt": prompts[0],

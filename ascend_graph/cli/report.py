@@ -46,14 +46,27 @@ def model_lines(result: dict) -> list[str]:
 
 
 def capture_lines(capture: dict) -> list[str]:
-    """Seconds and memory per capture size."""
-    lines = ["Graph capture (compile + warm-up per batch size; memory: allocator growth, RSS on CPU)",
-             f"  {'batch size':>10} {'seconds':>9} {'memory':>12}"]
+    """Seconds, memory and compile cache outcome per capture size; the total, cold or warm."""
+    lines = ["Graph capture (compile + warm-up per batch size; memory: allocator growth, RSS on CPU; "
+             "compile cache: hit = loaded, miss = compiled)",
+             f"  {'batch size':>10} {'seconds':>9} {'memory':>12} {'compile cache':>14}"]
     for size, c in sorted(capture.items(), key=lambda kv: int(kv[0])):
-        lines.append(f"  {size:>10} {c['seconds']:>9.2f} {_mib(c['memory_bytes']):>12}")
+        lines.append(f"  {size:>10} {c['seconds']:>9.2f} {_mib(c['memory_bytes']):>12} "
+                     f"{c.get('compile_cache') or '-':>14}")
     total = sum(c["seconds"] for c in capture.values())
-    lines.append(f"  {'total':>10} {total:>9.2f}")
+    start = capture_start(capture)
+    lines.append(f"  {'total':>10} {total:>9.2f}" + (f"  ({start} start)" if start else ""))
     return lines
+
+
+def capture_start(capture: dict) -> Optional[str]:
+    """``"cold"`` when every size was compiled (a cache miss or bypass), ``"warm"`` when every size
+    came from the compile cache, ``"mixed"`` otherwise; ``None`` when no size went through
+    Inductor's cache."""
+    outcomes = {c.get("compile_cache") for c in capture.values()} - {None}
+    if not outcomes:
+        return None
+    return "warm" if outcomes == {"hit"} else "cold" if "hit" not in outcomes else "mixed"
 
 
 def counter_lines(stats: dict) -> list[str]:

@@ -42,7 +42,7 @@ from ..config import GraphConfig
 
 PACKAGE_SUBDIR = "ascend_graph_aoti"
 # Inductor options that AOTInductor sets itself or that do not apply to it.
-_NOT_FOR_AOT = ("cpp_wrapper", "triton.cudagraphs")
+_NOT_FOR_AOT = ("cpp_wrapper", "cpp_wrapper_build_separate", "triton.cudagraphs")
 
 
 @functools.cache

@@ -24,6 +24,20 @@ from .passes.inline_writes import INLINE_CACHE_WRITES, inline_cache_writes
 # per step; ``benchmarks``, levers part). CUDA graphs replay the whole step, so the wrapper's host
 # cost is off the per-step path there.
 DEFAULT_CPP_WRAPPER = {"cpu": True, "cuda": False, "npu": False}
+# Where Inductor takes the CPU's vector instruction sets from its flags (cpuinfo, which also asks
+# the OS) instead of proving each by a test build (``cpp.vec_isa_ok``). The test builds compile
+# ATen's vector headers three times into every new cache directory, the largest share of a cold
+# capture after the step's own code, and each start loads them in a fresh Python process
+# (``benchmarks/startup.py``'s phases). The ISA chosen, and so the code, is the same wherever those
+# builds would pass; the AVX-512 bf16 and VNNI extensions are still test-built (small programs).
+# ``TORCHINDUCTOR_VEC_ISA_OK``, when set, wins.
+TRUST_CPU_VECTOR_FLAGS = {"cpu": True, "cuda": False, "npu": False}
+# Where the C++ wrapper is compiled apart from the kernels (``cpp_wrapper_build_separate``): the
+# wrapper's calls at -O1 (torch's level for code that only calls), the kernels at -O3 on their
+# own precompiled header, instead of one -O3 unit that parses the kernels' headers again for
+# every capture size. The C++ compiler is most of a cold capture; this cuts its time per size,
+# and the step time stayed within noise (``benchmarks/startup.py``, ``benchmarks/decode_step.py``).
+SEPARATE_WRAPPER_BUILD = {"cpu": True, "cuda": False, "npu": False}
 
 
 def compiled_only_rewrites(platform: str) -> list[str]:
@@ -79,6 +93,12 @@ def config_patches(config: GraphConfig, platform: str, mode: Optional[str] = Non
                       "when graph partitioning is on (the default in torch 2.13), so steps replay no graph",
                       stacklevel=2)
     patches["cpp_wrapper"] = cpp_wrapper
+    if cpp_wrapper and SEPARATE_WRAPPER_BUILD[platform]:
+        patches["cpp_wrapper_build_separate"] = True
+    from torch._inductor import config as inductor_config
+
+    if TRUST_CPU_VECTOR_FLAGS[platform] and inductor_config.cpp.vec_isa_ok is None:
+        patches["cpp.vec_isa_ok"] = True
     if SINGLE_ROW_MATMUL_AS_REDUCTION[platform]:
         patches["post_grad_custom_post_pass"] = DecodeMatmulPass()
     return patches

@@ -25,7 +25,7 @@ from ..attention import AttentionMetadata, DecodeMetadata, build_attention_metad
 from ..attention.metadata import DECODE_PADDING
 from ..config import GraphConfig
 from ..kv_cache import allocate_kv_caches
-from ..runtime import StaticAddresses, memory_in_use, progress
+from ..runtime import StaticAddresses, compile_cache_counts, compile_cache_outcome, memory_in_use, progress
 from .step import (DecodeStep, GraphCompileError, PreparedStep, RecompileError, RunnerStats, SequenceStep,
                    step_for_size)
 
@@ -221,7 +221,8 @@ class GraphRunner:
         return self._unpermute(logits, step.order)
 
     def _capture_size(self, size: int, backend: Optional[Callable]) -> None:
-        start, mem0 = time.perf_counter(), memory_in_use(self.device)
+        start, mem0, cache0, loaded0 = (time.perf_counter(), memory_in_use(self.device), compile_cache_counts(),
+                                        self.stats.packages_loaded)
         ids_v, pos_v, meta_v = self._views(size)
         self._fill_padding(size)
         try:
@@ -239,8 +240,10 @@ class GraphRunner:
         seconds = time.perf_counter() - start
         self._graphs[size] = compiled
         self.stats.capture_seconds += seconds
-        self.stats.capture[size] = {"seconds": round(seconds, 3),
-                                    "memory_bytes": memory_in_use(self.device) - mem0}
+        cache = (("hit" if self.stats.packages_loaded > loaded0 else "miss") if self.config.inductor.aot
+                 else compile_cache_outcome(cache0))
+        self.stats.capture[size] = {"seconds": round(seconds, 3), "memory_bytes": memory_in_use(self.device) - mem0,
+                                    "compile_cache": cache}
 
     def _compile_for_size(self, size: int, backend: Optional[Callable]) -> Callable:
         if self.config.inductor.aot:

@@ -44,7 +44,8 @@ class RunnerStats:
     compile_failures: int = 0
     packages_loaded: int = 0  # capture sizes loaded from AOTInductor packages without compiling
     capture_seconds: float = 0.0
-    capture: dict = field(default_factory=dict)  # size -> {"seconds": .., "memory_bytes": ..}
+    # size -> {"seconds": .., "memory_bytes": .., "compile_cache": "hit" | "miss" | "bypass" | None}
+    capture: dict = field(default_factory=dict)
     parity_checks: int = 0
     parity_failures: int = 0
 
