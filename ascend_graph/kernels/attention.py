@@ -75,6 +75,18 @@ def _check(name: str, q: Tensor, q_rope: Optional[Tensor], k: Tensor, r: Optiona
         raise ValueError(f"{name}: q, q_rope, k_cache, rope_cache and v_cache must be CPU tensors of one dtype, "
                          f"float32 or bfloat16; got {[str(t.dtype) for t in tensors]} on "
                          f"{sorted({t.device.type for t in tensors})}")
+    for arg, t in (("block_tables", block_tables), ("context_lens", context_lens)):
+        if t.device.type != "cpu":
+            raise ValueError(f"{name}: {arg} must be on the CPU, got {t.device}")
+    heads = check_layout(name, q, q_rope, k, r, v, block_tables, context_lens)
+    check_values(name, k, block_tables, context_lens)
+    return heads
+
+
+def check_layout(name: str, q: Tensor, q_rope: Optional[Tensor], k: Tensor, r: Optional[Tensor], v: Tensor,
+                 block_tables: Tensor, context_lens: Tensor) -> tuple[int, int]:
+    """The decode ops' shape, stride and index-dtype checks (any device): ``(Hk, Hq / Hk)``, or
+    ValueError naming the argument that is off."""
     ok = (q.dim() == 3 and k.dim() == 4 and v.dim() == 4 and k.shape[:3] == v.shape[:3]
           and q.shape[-1] == k.shape[-1] and k.shape[2] >= 1 and q.shape[1] % k.shape[2] == 0)
     ops.check_shapes(name, ok, "q [B, Hq, Dk], k_cache [N, S, Hk, Dk] and v_cache [N, S, Hk, Dv], Hq a multiple "
@@ -94,8 +106,13 @@ def _check(name: str, q: Tensor, q_rope: Optional[Tensor], k: Tensor, r: Optiona
                      and context_lens.shape == (q.shape[0],), "block_tables [B, W] and context_lens [B]",
                      q, block_tables, context_lens)
     for arg, t in (("block_tables", block_tables), ("context_lens", context_lens)):
-        if t.dtype not in (torch.int32, torch.int64) or t.device.type != "cpu":
-            raise ValueError(f"{name}: {arg} must be int32 or int64 on the CPU, got {t.dtype} on {t.device}")
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name}: {arg} must be int32 or int64, got {t.dtype}")
+    return k.shape[2], q.shape[1] // k.shape[2]
+
+
+def check_values(name: str, k: Tensor, block_tables: Tensor, context_lens: Tensor) -> None:
+    """The decode ops' range checks (read on the host: CPU tensors), ValueError naming the argument."""
     slots = block_tables.shape[1] * k.shape[1]
     if context_lens.numel() and not 0 <= int(context_lens.min()) <= int(context_lens.max()) <= slots:
         raise ValueError(f"{name}: context_lens must lie in [0, {slots}] (block_tables' {block_tables.shape[1]} "
@@ -103,4 +120,3 @@ def _check(name: str, q: Tensor, q_rope: Optional[Tensor], k: Tensor, r: Optiona
     if block_tables.numel() and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < k.shape[0]:
         raise ValueError(f"{name}: block_tables ids must lie in [0, {k.shape[0]}), got "
                          f"{int(block_tables.min())}..{int(block_tables.max())}")
-    return k.shape[2], q.shape[1] // k.shape[2]

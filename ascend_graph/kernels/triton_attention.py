@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import ops
+from .attention import check_layout, check_values
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_H = 16  # query heads per program: tl.dot's least M; a GQA group below it is padded
@@ -165,38 +165,7 @@ def _check(name: str, q: Tensor, q_rope: Optional[Tensor], k: Tensor, r: Optiona
     if q.device.type != "cuda" and not (q.device.type == "cpu" and interpreted()):
         raise ValueError(f"{name}: expected CUDA tensors (CPU ones only under Triton's interpreter, "
                          f"TRITON_INTERPRET=1 before the first call); got {q.device}")
-    ok = (q.dim() == 3 and k.dim() == 4 and v.dim() == 4 and k.shape[:3] == v.shape[:3]
-          and q.shape[-1] == k.shape[-1] and k.shape[2] >= 1 and q.shape[1] % k.shape[2] == 0)
-    ops.check_shapes(name, ok, "q [B, Hq, Dk], k_cache [N, S, Hk, Dk] and v_cache [N, S, Hk, Dv], Hq a multiple "
-                     "of Hk", q, k, v)
-    if (q_rope is None) != (r is None):
-        raise ValueError(f"{name}: q_rope and rope_cache go together; got q_rope "
-                         f"{'None' if q_rope is None else tuple(q_rope.shape)}, rope_cache "
-                         f"{'None' if r is None else tuple(r.shape)}")
-    if r is not None:
-        ops.check_shapes(name, q_rope.dim() == 3 and q_rope.shape[:2] == q.shape[:2] and r.dim() == 4
-                         and r.shape[:3] == k.shape[:3] and q_rope.shape[-1] == r.shape[-1],
-                         "q_rope [B, Hq, R] and rope_cache [N, S, Hk, R]", q_rope, r)
-    for arg, t in (("k_cache", k), ("rope_cache", r), ("v_cache", v)):
-        if t is not None and t.stride(-1) != 1:
-            raise ValueError(f"{name}: {arg}'s last dimension must be contiguous, got strides {tuple(t.stride())}")
-    ops.check_shapes(name, block_tables.dim() == 2 and block_tables.shape[0] == q.shape[0]
-                     and context_lens.shape == (q.shape[0],), "block_tables [B, W] and context_lens [B]",
-                     q, block_tables, context_lens)
-    for arg, t in (("block_tables", block_tables), ("context_lens", context_lens)):
-        if t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name}: {arg} must be int32 or int64, got {t.dtype}")
-    if q.device.type == "cpu":
-        _check_values(name, k, block_tables, context_lens)
-    return k.shape[2], q.shape[1] // k.shape[2]
-
-
-def _check_values(name: str, k: Tensor, block_tables: Tensor, context_lens: Tensor) -> None:
-    """``decode_attention``'s range checks, where they cost no device sync."""
-    slots = block_tables.shape[1] * k.shape[1]
-    if context_lens.numel() and not 0 <= int(context_lens.min()) <= int(context_lens.max()) <= slots:
-        raise ValueError(f"{name}: context_lens must lie in [0, {slots}] (block_tables' {block_tables.shape[1]} "
-                         f"blocks of {k.shape[1]}), got {int(context_lens.min())}..{int(context_lens.max())}")
-    if block_tables.numel() and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < k.shape[0]:
-        raise ValueError(f"{name}: block_tables ids must lie in [0, {k.shape[0]}), got "
-                         f"{int(block_tables.min())}..{int(block_tables.max())}")
+    heads = check_layout(name, q, q_rope, k, r, v, block_tables, context_lens)
+    if q.device.type == "cpu":  # on CUDA the ranges would cost a device sync: the kernel clamps lengths instead
+        check_values(name, k, block_tables, context_lens)
+    return heads
