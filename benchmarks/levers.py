@@ -7,8 +7,9 @@ kernel's AVX2 build runs, single-row bf16 matmuls over row-major weights as ``ro
 token's routed experts as ``expert_rows_mm``; the cache write generated), with the other choice for
 those single-row matmuls and that token (``ONE_ROW``), without that pass, without its split of long
 reductions, with the few-row
-matmuls left to aten, without the C++ wrapper, with the cache write called as the custom op (as before
-``inline_cache_writes``), with the weights of long rows row-major instead of chunk-major (``ChunkedLinear``; in
+matmuls left to aten, without the C++ wrapper, with the C++ wrapper compiled in one -O3 unit with
+its kernels (``WRAPPER_WITH_KERNELS``; the default builds them apart, the wrapper at -O1), with the
+cache write called as the custom op (as before ``inline_cache_writes``), with the weights of long rows row-major instead of chunk-major (``ChunkedLinear``; in
 graph and in eager mode), and with Inductor's freezing (``GraphConfig.inductor.freezing_min_batch``: the weights
 become graph constants, pre-packed for oneDNN). Freezing has to be on while dynamo traces, not only while Inductor compiles: passed as a
 compile option alone it finds no constant to fold (parameters are graph inputs) and changes
@@ -65,6 +66,7 @@ BATCHED = "attention products in aten"
 GATHERED = "attention over gathered KV"  # the reference attention backend
 MOE_GATHERED = "MoE experts gathered"  # the gathered MoE backend (one token: a fused reduction)
 NO_PASS = "without decode-matmul pass"
+WRAPPER_WITH_KERNELS = "C++ wrapper built with its kernels"  # one -O3 unit, as before the separate build
 ONE_ROW = {True: "one-row products in the kernel", False: "one-row products as reductions"}
 
 
@@ -101,6 +103,7 @@ def variants(config: GraphConfig, package_dir: str) -> dict[str, Variant]:
             MOE_GATHERED: Variant(config, default, backends=(None, "gathered")),
             ONE_ROW[not one_row_in_kernel()]: Variant(config, one_row),
             "without C++ wrapper": Variant(config, {**default, "cpp_wrapper": False}),
+            WRAPPER_WITH_KERNELS: Variant(config, {**default, "cpp_wrapper_build_separate": False}),
             OP_WRITE: Variant(config, default, inline_writes=False),
             ROW_MAJOR: Variant(config, default, row_major=True), "with freezing": Variant(frozen, default),
             AOT: Variant(replace(config, inductor=replace(config.inductor, aot=True), compile_cache_dir=package_dir),

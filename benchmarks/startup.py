@@ -159,6 +159,9 @@ def measure(model: str, sizes: tuple[int, ...], quick: bool, portable: bool = Tr
         if aot:
             res["aot_cold"] = run_child(model, s, os.path.join(tmp, "aot"), quick, aot=True)
             res["aot_warm"] = run_child(model, s, os.path.join(tmp, "aot"), quick, aot=True)
+    for run in res.values():  # the phases per size are kept for the demo (measure_demo)
+        if isinstance(run, dict):
+            run.pop("phases_by_size", None)
     print(f"  start-up {model}: capture cold {cold['capture_s']:.1f} s, warm {warm['capture_s']:.1f} s "
           f"({res['warm_speedup_capture']:.1f}x)", flush=True)
     return res

@@ -36,7 +36,8 @@ TRUST_CPU_VECTOR_FLAGS = {"cpu": True, "cuda": False, "npu": False}
 # wrapper's calls at -O1 (torch's level for code that only calls), the kernels at -O3 on their
 # own precompiled header, instead of one -O3 unit that parses the kernels' headers again for
 # every capture size. The C++ compiler is most of a cold capture; this cuts its time per size,
-# and the step time stayed within noise (``benchmarks/startup.py``, ``benchmarks/decode_step.py``).
+# and the step time stayed within noise (``benchmarks/startup.py``; ``benchmarks/levers.py``'s
+# "C++ wrapper built with its kernels").
 SEPARATE_WRAPPER_BUILD = {"cpu": True, "cuda": False, "npu": False}
 
 
