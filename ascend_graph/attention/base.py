@@ -25,6 +25,8 @@ from torch import Tensor
 
 from ..kv_cache import KVCache, MLACache, write_slots
 from .metadata import DecodeMetadata, PrefillMetadata
+from .mla import mla_prefill
+from .paged import paged_prefill
 
 
 class AttentionBackend:
@@ -76,3 +78,44 @@ class PagedBackend(AttentionBackend):
     def prefill(self, q: Tensor, cache: KVCache, prefill: PrefillMetadata, scale: float) -> Tensor:
         """``[sum Q, Hq, D]`` -> ``[sum Q, Hq, D]``."""
         raise NotImplementedError
+
+
+class LiveOpMLA(MLABackend):
+    """MLA decode through an op with ``kernels.attention.decode_attention``'s contract (named by
+    ``op``, under ``torch.ops.ascend_graph``): the latent query against ``kv_c`` and ``k_pe`` (read
+    apart), the same ``kv_c`` rows giving the latent output; each row's live blocks only."""
+
+    op: ClassVar[str]
+    reads_live_only = True
+
+    def __init__(self) -> None:
+        self._op = getattr(torch.ops.ascend_graph, self.op)
+
+    def decode(self, q_nope: Tensor, q_pe: Tensor, cache: MLACache, decode: DecodeMetadata,
+               w_uk: Tensor, w_uv: Tensor, scale: float) -> Tensor:
+        dtype = cache.kv_c.dtype
+        q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w_uk).to(dtype)  # [B, H, C]
+        o_lat = self._op(q_lat, q_pe.to(dtype), cache.kv_c, cache.k_pe, cache.kv_c, decode.block_tables,
+                         decode.context_lens, scale)  # [B, H, C]
+        return torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
+
+    def prefill(self, q_nope, q_pe, cache, prefill, w_uk, w_uv, scale):
+        return mla_prefill(q_nope, q_pe, cache, prefill, w_uk, w_uv, scale)  # the reference form: live blocks only
+
+
+class LiveOpPaged(PagedBackend):
+    """Standard attention's decode through an op with ``decode_attention``'s contract (``op``), the
+    query heads of each kv head together; each row's live blocks only."""
+
+    op: ClassVar[str]
+    reads_live_only = True
+
+    def __init__(self) -> None:
+        self._op = getattr(torch.ops.ascend_graph, self.op)
+
+    def decode(self, q: Tensor, cache: KVCache, decode: DecodeMetadata, scale: float) -> Tensor:
+        return self._op(q.to(cache.k.dtype), None, cache.k, None, cache.v, decode.block_tables,
+                        decode.context_lens, scale)
+
+    def prefill(self, q, cache, prefill, scale):
+        return paged_prefill(q, cache, prefill, scale)

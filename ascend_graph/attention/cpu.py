@@ -10,14 +10,9 @@ Prefill is compute-bound and runs the reference forms (they read each sequence's
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from .. import kernels
-from ..kv_cache import KVCache, MLACache
-from .base import MLABackend, PagedBackend
-from .metadata import DecodeMetadata
-from .mla import mla_prefill
-from .paged import paged_prefill
+from .base import LiveOpMLA, LiveOpPaged
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -26,44 +21,25 @@ def _kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
     return torch.device(device).type == "cpu" and dtype in _KERNEL_DTYPES and kernels.available()
 
 
-class CpuMLA(MLABackend):
-    """MLA decode in the kernel: float32 or bfloat16 caches on a CPU where the kernel builds. The
-    latent query runs against ``kv_c`` and ``k_pe`` (read apart) and the same ``kv_c`` rows give the
-    latent output."""
+class CpuMLA(LiveOpMLA):
+    """MLA decode in the kernel (``decode_attention``): float32 or bfloat16 caches on a CPU where
+    the kernel builds."""
 
     name = "cpu_kernel"
-    reads_live_only = True
+    op = "decode_attention"
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
         return _kernel_runs(device, dtype)
 
-    def decode(self, q_nope: Tensor, q_pe: Tensor, cache: MLACache, decode: DecodeMetadata,
-               w_uk: Tensor, w_uv: Tensor, scale: float) -> Tensor:
-        dtype = cache.kv_c.dtype
-        q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w_uk).to(dtype)  # [B, H, C]
-        o_lat = torch.ops.ascend_graph.decode_attention(q_lat, q_pe.to(dtype), cache.kv_c, cache.k_pe, cache.kv_c,
-                                                        decode.block_tables, decode.context_lens, scale)  # [B, H, C]
-        return torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
 
-    def prefill(self, q_nope, q_pe, cache, prefill, w_uk, w_uv, scale):
-        return mla_prefill(q_nope, q_pe, cache, prefill, w_uk, w_uv, scale)
-
-
-class CpuPaged(PagedBackend):
+class CpuPaged(LiveOpPaged):
     """Standard attention's decode in the kernel, each kv head's rows read in place: float32 or
     bfloat16 caches on a CPU where the kernel builds."""
 
     name = "cpu_kernel"
-    reads_live_only = True
+    op = "decode_attention"
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
         return _kernel_runs(device, dtype)
-
-    def decode(self, q: Tensor, cache: KVCache, decode: DecodeMetadata, scale: float) -> Tensor:
-        return torch.ops.ascend_graph.decode_attention(q.to(cache.k.dtype), None, cache.k, None, cache.v,
-                                                       decode.block_tables, decode.context_lens, scale)
-
-    def prefill(self, q, cache, prefill, scale):
-        return paged_prefill(q, cache, prefill, scale)
