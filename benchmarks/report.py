@@ -5,7 +5,7 @@
     python -m benchmarks.report FILE.json           # one suite's tables on stdout (e.g. a --quick run)
 
 The fixed text (what each column means, the conditions) is ``report_template.md``; its
-``{{suite PATH}}``, ``{{cuda DIR}}``, ``{{before_after PATH}}`` and ``{{toy PATH...}}`` lines become the
+``{{suite PATH}}``, ``{{cuda DIR}}``, ``{{before_after PATH}}`` and ``{{vllm_peer PATH}}`` and ``{{toy PATH...}}`` lines become the
 tables of those files.
 """
 
@@ -213,6 +213,18 @@ def before_after_markdown(path: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def vllm_peer_markdown(path: str) -> str:
+    """A ``benchmarks.vllm_peer`` run: its table, the conditions and the command."""
+    from benchmarks.vllm_peer import render
+
+    d, rel = load(path), os.path.relpath(os.path.join(ROOT, path), ROOT)
+    c, s, v = d["conditions"], d["settings"], d["versions"]["vllm_side"] or {}
+    return "\n".join(render(d["rows"]) + [
+        "", f"{machine(c)}, {s['threads']} threads, {c['when'][:10]}; vLLM {v.get('vllm')}, torch {c['torch']}; "
+        f"{s['new_tokens']} new tokens, max_model_len {s['max_model_len']}, {s['rounds']} rounds · "
+        f"`{d['command']}` → `{rel}`"]) + "\n"
+
+
 def toy_markdown(paths: list[str]) -> str:
     """The toy step's µs per call under each option set (``levers.toy_options``), one row per batch."""
     lines, body, names = [], [], []
@@ -244,6 +256,9 @@ def render(template: str = TEMPLATE) -> str:
             return cuda_markdown(os.path.join(ROOT, args[0])).rstrip()
         if kind == "before_after":
             return before_after_markdown(args[0]).rstrip() if os.path.exists(os.path.join(ROOT, args[0])) else (
+                "Not measured yet.")
+        if kind == "vllm_peer":
+            return vllm_peer_markdown(args[0]).rstrip() if os.path.exists(os.path.join(ROOT, args[0])) else (
                 "Not measured yet.")
         return toy_markdown([a for a in args if os.path.exists(os.path.join(ROOT, a))]).rstrip()
     return re.sub(r"^\{\{(.+?)\}\}$", expand, text, flags=re.M)

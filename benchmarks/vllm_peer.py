@@ -18,8 +18,12 @@ mode on, every batch size captured, compile failures raising) runs in this inter
 Decode ms per step is measured the same way on both sides, their rounds interleaved
 (``vllm_peer_sides.interleaved_decode``: per round, ``(t(N new tokens) - t(1 new token)) / (N - 1)``;
 the median over rounds). A row's ratio is ``vllm_ms / engine_ms`` (> 1: the Engine is faster),
-and is left out where the tokens differ; there transformers in float32 on the same checkpoint
-referees the first difference (its choice, and its logits of both sides' tokens).
+and is left out where the tokens differ. There transformers on the same checkpoint referees each
+differing request's first difference (``Referee.verdict``): its float32 choice, the float32 gap
+between the two sides' tokens, and its own bfloat16 error at that point. Where every difference
+is such a near-tie (gap within that error), ``ratio_near_ties`` gives the ratio all the same: both
+sides computed the same model up to bfloat16 rounding, and a step's cost does not depend on which
+token was chosen.
 
 The vLLM venv (outside any repository; vLLM is a benchmark dependency only)::
 
@@ -175,37 +179,92 @@ def compare(model: str, dtype: str, batch: int, vllm_row: dict, engine_row: dict
             "tokens_stable": {"vllm": vllm_row["tokens_stable"], "engine": engine_row["tokens_stable"]}}
 
 
-def referee(path: str, prompt: list[int], prefix: list[int], candidates: list[int | None]) -> dict:
-    """transformers' float32 logits (on the checkpoint at ``path``) of the ``candidates`` after
-    ``prompt + prefix``, and its own choice there: which side a token difference agrees with,
-    and how near a tie it was."""
-    import transformers
+class Referee:
+    """transformers on the checkpoint at ``path`` in float32 and in bfloat16 (each loaded on first
+    use): which side a token difference agrees with, and whether it is a near-tie, one that
+    bfloat16 rounding alone can decide (``verdict``)."""
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt + prefix])).logits[0, -1]  # [V]
-    del model
-    gc.collect()
-    return {"argmax": int(logits.argmax()),
-            "logits": {str(t): float(logits[t]) for t in candidates if t is not None}}
+    def __init__(self, path: str) -> None:
+        self.path, self.models = path, {}
+
+    def logits(self, dtype: torch.dtype, tokens: list[int]) -> torch.Tensor:
+        """The float32 logits ``[V]`` after ``tokens`` of the model in ``dtype``."""
+        import transformers
+
+        if dtype not in self.models:
+            self.models[dtype] = transformers.AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype).eval()
+        with torch.inference_mode():
+            return self.models[dtype](torch.tensor([tokens])).logits[0, -1].float()
+
+    def verdict(self, prompt: list[int], prefix: list[int], candidates: list[int | None]) -> dict:
+        """After ``prompt + prefix``: transformers' float32 choice and its logits of the
+        ``candidates``; their gap, and transformers' own bfloat16 error there (the largest
+        ``|bf16 - fp32|`` logit over the vocabulary). ``near_tie``: the gap is within that error,
+        so a bfloat16 implementation may take either token without computing anything wrong."""
+        ref = self.logits(torch.float32, prompt + prefix)
+        found = [t for t in candidates if t is not None]
+        out = {"argmax": int(ref.argmax()), "logits": {str(t): float(ref[t]) for t in found}}
+        if len(found) == 2:
+            error = float((self.logits(torch.bfloat16, prompt + prefix) - ref).abs().max())
+            gap = abs(float(ref[found[0]] - ref[found[1]]))
+            out.update(gap=gap, bf16_error=error, near_tie=gap <= error)
+        return out
+
+    def close(self) -> None:
+        self.models.clear()
+        gc.collect()
 
 
-def with_referee(row: dict, path: str, prompts: list[list[int]], vllm_tokens: list[list[int]]) -> dict:
-    """``row`` with transformers' float32 verdict on its first token difference, if any."""
+def request_differences(a: list[list[int]], b: list[list[int]]) -> list[tuple[int, int]]:
+    """``(request, position)`` of each request's first token difference between two batches of
+    equal length."""
+    out = []
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            out.append((i, next((j for j, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))))
+    return out
+
+
+def with_referee(row: dict, referee: Referee, prompts: list[list[int]], vllm_tokens: list[list[int]],
+                 engine_tokens: list[list[int]]) -> dict:
+    """``row`` with transformers' verdict on each differing request's first difference
+    (``differences``), and, where every one is a near-tie, the ratio all the same
+    (``ratio_near_ties``: the sides computed the same model up to bfloat16 rounding)."""
     diff = row["first_difference"]
-    if diff is not None and diff["vllm"] is not None:
-        i, pos = diff["request"], diff["position"]
-        diff["transformers_float32"] = referee(path, prompts[i], vllm_tokens[i][:pos], [diff["vllm"], diff["engine"]])
+    if diff is None or len(vllm_tokens) != len(engine_tokens):
+        return row
+    verdicts = []
+    for i, pos in request_differences(vllm_tokens, engine_tokens):
+        at = lambda seq: seq[pos] if pos < len(seq) else None  # noqa: E731
+        verdicts.append({"request": i, "position": pos, "vllm": at(vllm_tokens[i]), "engine": at(engine_tokens[i]),
+                         **referee.verdict(prompts[i], vllm_tokens[i][:pos], [at(vllm_tokens[i]),
+                                                                             at(engine_tokens[i])])})
+    diff["transformers_float32"] = {k: v for k, v in verdicts[0].items()
+                                    if k not in ("request", "position", "vllm", "engine")}
+    row["differences"] = verdicts
+    near = all(v.get("near_tie", False) for v in verdicts)
+    row["near_ties_only"] = near
+    row["ratio_near_ties"] = row["vllm_ms"] / row["engine_ms"] if near else None
     return row
+
+
+def ratio_cell(row: dict) -> str:
+    """``row``'s ratio; where tokens differ only at near-ties, that ratio marked so; else empty."""
+    if row["ratio"] is not None:
+        return fmt(row["ratio"]) + "x"
+    if row.get("ratio_near_ties") is not None:
+        return fmt(row["ratio_near_ties"]) + "x (near-ties)"
+    return fmt(None)
 
 
 def render(rows: list[dict]) -> list[str]:
     """The markdown table of ``rows``."""
     return table(["model", "dtype", "batch", "vLLM ms", "Engine ms", "vLLM / Engine", "tokens equal"],
                  [[r["model"], r["dtype"], r["batch"], fmt(r["vllm_ms"]), fmt(r["engine_ms"]),
-                   fmt(r["ratio"]) + ("x" if r["ratio"] is not None else ""),
+                   ratio_cell(r),
                    "yes" if r["tokens_equal"] else
-                   f"no (request {r['first_difference']['request']}, token {r['first_difference']['position']})"]
+                   f"no (request {r['first_difference']['request']}, token {r['first_difference']['position']})"
+                   + (", near-ties only" if r.get("near_ties_only") else "")]
                   for r in rows])
 
 
@@ -242,8 +301,11 @@ def main(argv: list[str] | None = None) -> dict:
                 spec = {"model": path, "dtype": dtype, "batches": args.batches,
                         "prompts": prompts(max(args.batches), config.vocab_size), **dataclasses.asdict(settings)}
                 timed, about[f"{model}/{dtype}"] = measure(args.vllm_python, path, spec, work)
-                rows += [with_referee(compare(model, dtype, b, timed[b]["vllm"], timed[b]["engine"]), path,
-                                      spec["prompts"], timed[b]["vllm"]["tokens"]) for b in args.batches]
+                referee = Referee(path)
+                rows += [with_referee(compare(model, dtype, b, timed[b]["vllm"], timed[b]["engine"]), referee,
+                                      spec["prompts"], timed[b]["vllm"]["tokens"], timed[b]["engine"]["tokens"])
+                         for b in args.batches]
+                referee.close()
             shutil.rmtree(path, ignore_errors=True)  # free its disk before the next model's
     print("\n".join(render(rows)))
     out = result_json(args, settings, rows, about)

@@ -9,6 +9,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from benchmarks import vllm_peer, vllm_peer_sides, vllm_peer_worker
 from benchmarks.vllm_peer_sides import decode_ms_per_step, interleaved_decode
@@ -191,12 +192,41 @@ def test_a_vllm_worker_that_dies_is_reported_with_its_log(tmp_path):
         side.ready()
 
 
-def test_the_referee_sees_the_prompt_and_the_tokens_both_sides_share(monkeypatch):
-    seen = []
-    monkeypatch.setattr(vllm_peer, "referee", lambda *a: seen.append(a) or {"argmax": 6})
+class FakeReferee:
+    """Transformers' stand-in: fixed float32 logits, and a bf16 error of ``error`` everywhere."""
+
+    def __init__(self, logits: dict[int, float], error: float) -> None:
+        self.seen, self.ref, self.error = [], logits, error
+
+    def logits(self, dtype, tokens):
+        self.seen.append((dtype, tokens))
+        out = torch.full((8,), -10.0)
+        for t, v in self.ref.items():
+            out[t] = v
+        return out if dtype == torch.float32 else out + self.error
+
+
+def test_the_referee_sees_the_prompt_and_the_tokens_both_sides_share():
+    ref = FakeReferee({6: 4.03, 5: 4.02}, error=0.05)
+    referee = vllm_peer.Referee("ckpt")
+    referee.logits = ref.logits
     row = vllm_peer.compare("tiny", "bfloat16", 2, side(1.0, [[1, 2], [3, 4, 6]]), side(1.0, [[1, 2], [3, 4, 5]]))
-    out = vllm_peer.with_referee(row, "ckpt", [[10], [20, 21]], [[1, 2], [3, 4, 6]])
-    assert seen == [("ckpt", [20, 21], [3, 4], [6, 5])]
-    assert out["first_difference"]["transformers_float32"] == {"argmax": 6}
+    out = vllm_peer.with_referee(row, referee, [[10], [20, 21]], [[1, 2], [3, 4, 6]], [[1, 2], [3, 4, 5]])
+    assert ref.seen == [(torch.float32, [20, 21, 3, 4]), (torch.bfloat16, [20, 21, 3, 4])]
+    verdict = out["differences"][0]
+    assert (verdict["request"], verdict["position"], verdict["vllm"], verdict["engine"]) == (1, 2, 6, 5)
+    assert verdict["argmax"] == 6 and verdict["near_tie"]
+    assert verdict["gap"] == pytest.approx(0.01, abs=1e-5) and verdict["bf16_error"] == pytest.approx(0.05, abs=1e-5)
+    assert out["near_ties_only"] and out["ratio"] is None and out["ratio_near_ties"] == pytest.approx(1.0)
+    assert out["first_difference"]["transformers_float32"]["argmax"] == 6
     same = vllm_peer.compare("tiny", "float32", 1, side(1.0, [[1]]), side(1.0, [[1]]))
-    assert vllm_peer.with_referee(same, "ckpt", [[10]], [[1]]) is same and len(seen) == 1
+    assert vllm_peer.with_referee(same, referee, [[10]], [[1]], [[1]]) is same and len(ref.seen) == 2
+
+
+def test_a_difference_wider_than_bf16_error_gives_no_ratio():
+    referee = vllm_peer.Referee("ckpt")
+    referee.logits = FakeReferee({6: 4.5, 5: 4.0}, error=0.05).logits
+    row = vllm_peer.compare("tiny", "bfloat16", 1, side(2.0, [[6, 1]]), side(1.0, [[5, 1]]))
+    out = vllm_peer.with_referee(row, referee, [[10]], [[6, 1]], [[5, 1]])
+    assert not out["differences"][0]["near_tie"] and not out["near_ties_only"]
+    assert out["ratio_near_ties"] is None and vllm_peer.ratio_cell(out) == vllm_peer.fmt(None)
