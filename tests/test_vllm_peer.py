@@ -230,3 +230,20 @@ def test_a_difference_wider_than_bf16_error_gives_no_ratio():
     out = vllm_peer.with_referee(row, referee, [[10]], [[6, 1]], [[5, 1]])
     assert not out["differences"][0]["near_tie"] and not out["near_ties_only"]
     assert out["ratio_near_ties"] is None and vllm_peer.ratio_cell(out) == vllm_peer.fmt(None)
+
+
+def test_the_performance_doc_shows_a_run_with_its_command(tmp_path):
+    from benchmarks import report
+
+    rows = [vllm_peer.compare("tiny", "float32", 1, side(2.0, [[1]]), side(1.0, [[1]])),
+            {**vllm_peer.compare("tiny", "bfloat16", 8, side(3.0, [[1]]), side(2.0, [[2]])),
+             "near_ties_only": True, "ratio_near_ties": 1.5}]
+    run = {"conditions": {"cpu": "CPU", "cores": 2, "torch": "2.13.0+cpu", "when": "2026-12-02 00:00:00"},
+           "settings": {"threads": 2, "new_tokens": 32, "max_model_len": 256, "rounds": 5},
+           "versions": {"vllm_side": {"vllm": "0.32.0"}}, "command": "python -m benchmarks.vllm_peer X", "rows": rows}
+    path = tmp_path / "vllm_peer.json"
+    path.write_text(json.dumps(run))
+    text = report.vllm_peer_markdown(str(path))
+    assert "| tiny | float32 | 1 | 2.00 | 1.00 | 2.00x | yes |" in text
+    assert "1.50x (near-ties)" in text and "near-ties only" in text
+    assert "`python -m benchmarks.vllm_peer X`" in text and "vLLM 0.32.0" in text
