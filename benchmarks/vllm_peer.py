@@ -20,8 +20,8 @@ Decode ms per step is measured the same way on both sides, their rounds interlea
 the median over rounds). A row's ratio is ``vllm_ms / engine_ms`` (> 1: the Engine is faster),
 and is left out where the tokens differ. There transformers on the same checkpoint referees each
 differing request's first difference (``Referee.verdict``): its float32 choice, the float32 gap
-between the two sides' tokens, and its own bfloat16 error at that point. Where every difference
-is such a near-tie (gap within that error), ``ratio_near_ties`` gives the ratio all the same: both
+between the two sides' tokens, and its own bfloat16 error on that request so far. Where every
+difference is such a near-tie (gap within that error), ``ratio_near_ties`` gives the ratio all the same: both
 sides computed the same model up to bfloat16 rounding, and a step's cost does not depend on which
 token was chosen.
 
@@ -188,25 +188,27 @@ class Referee:
         self.path, self.models = path, {}
 
     def logits(self, dtype: torch.dtype, tokens: list[int]) -> torch.Tensor:
-        """The float32 logits ``[V]`` after ``tokens`` of the model in ``dtype``."""
+        """The float32 logits ``[T, V]`` at every position of ``tokens``, of the model in ``dtype``."""
         import transformers
 
         if dtype not in self.models:
             self.models[dtype] = transformers.AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype).eval()
         with torch.inference_mode():
-            return self.models[dtype](torch.tensor([tokens])).logits[0, -1].float()
+            return self.models[dtype](torch.tensor([tokens])).logits[0].float()
 
     def verdict(self, prompt: list[int], prefix: list[int], candidates: list[int | None]) -> dict:
         """After ``prompt + prefix``: transformers' float32 choice and its logits of the
-        ``candidates``; their gap, and transformers' own bfloat16 error there (the largest
-        ``|bf16 - fp32|`` logit over the vocabulary). ``near_tie``: the gap is within that error,
-        so a bfloat16 implementation may take either token without computing anything wrong."""
+        ``candidates``; their gap, and transformers' own bfloat16 error on this request (its
+        largest ``|bf16 - fp32|`` logit over the vocabulary, at each of the request's generated
+        positions up to this one). ``near_tie``: the gap is within that error, so a bfloat16
+        implementation may take either token without computing anything wrong."""
         ref = self.logits(torch.float32, prompt + prefix)
         found = [t for t in candidates if t is not None]
-        out = {"argmax": int(ref.argmax()), "logits": {str(t): float(ref[t]) for t in found}}
+        out = {"argmax": int(ref[-1].argmax()), "logits": {str(t): float(ref[-1, t]) for t in found}}
         if len(found) == 2:
-            error = float((self.logits(torch.bfloat16, prompt + prefix) - ref).abs().max())
-            gap = abs(float(ref[found[0]] - ref[found[1]]))
+            first = len(prompt) - 1  # the position that predicts the first generated token
+            error = float((self.logits(torch.bfloat16, prompt + prefix) - ref)[first:].abs().max())
+            gap = abs(float(ref[-1, found[0]] - ref[-1, found[1]]))
             out.update(gap=gap, bf16_error=error, near_tie=gap <= error)
         return out
 

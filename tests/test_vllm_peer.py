@@ -193,17 +193,21 @@ def test_a_vllm_worker_that_dies_is_reported_with_its_log(tmp_path):
 
 
 class FakeReferee:
-    """Transformers' stand-in: fixed float32 logits, and a bf16 error of ``error`` everywhere."""
+    """Transformers' stand-in: fixed float32 logits at the last position; in bf16, an error of
+    ``error`` at one generated position and a larger one inside the prompt (which must not count)."""
 
     def __init__(self, logits: dict[int, float], error: float) -> None:
         self.seen, self.ref, self.error = [], logits, error
 
     def logits(self, dtype, tokens):
         self.seen.append((dtype, tokens))
-        out = torch.full((8,), -10.0)
+        out = torch.full((len(tokens), 8), -10.0)
         for t, v in self.ref.items():
-            out[t] = v
-        return out if dtype == torch.float32 else out + self.error
+            out[-1, t] = v
+        if dtype == torch.bfloat16:
+            out[0, 0] += 100.0  # a prompt position (prompt [20, 21]: only positions 1 on predict new tokens)
+            out[-2, 3] += self.error
+        return out
 
 
 def test_the_referee_sees_the_prompt_and_the_tokens_both_sides_share():
@@ -226,8 +230,8 @@ def test_the_referee_sees_the_prompt_and_the_tokens_both_sides_share():
 def test_a_difference_wider_than_bf16_error_gives_no_ratio():
     referee = vllm_peer.Referee("ckpt")
     referee.logits = FakeReferee({6: 4.5, 5: 4.0}, error=0.05).logits
-    row = vllm_peer.compare("tiny", "bfloat16", 1, side(2.0, [[6, 1]]), side(1.0, [[5, 1]]))
-    out = vllm_peer.with_referee(row, referee, [[10]], [[6, 1]], [[5, 1]])
+    row = vllm_peer.compare("tiny", "bfloat16", 1, side(2.0, [[1, 6]]), side(1.0, [[1, 5]]))
+    out = vllm_peer.with_referee(row, referee, [[10, 11]], [[1, 6]], [[1, 5]])
     assert not out["differences"][0]["near_tie"] and not out["near_ties_only"]
     assert out["ratio_near_ties"] is None and vllm_peer.ratio_cell(out) == vllm_peer.fmt(None)
 
