@@ -30,7 +30,8 @@ def inline_cache_writes(gm: torch.fx.GraphModule) -> int:
         if node.op != "call_function" or node.target not in (op, op.default) or node.kwargs:
             continue
         vals = [a.meta.get("example_value", a.meta.get("val")) for a in node.args]
-        body = _write_body(tuple((tuple(v.shape), tuple(v.stride()), v.dtype) for v in vals))
+        symbolic = any(not isinstance(d, int) for v in vals for d in (*v.shape, *v.stride()))
+        body = _write_body(tuple((_hints(v.shape), _hints(v.stride()), v.dtype) for v in vals), symbolic)
         inputs = [n for n in body.nodes if n.op == "placeholder"]
         with gm.graph.inserting_before(node):
             gm.graph.graph_copy(body, dict(zip(inputs, node.args)))
@@ -41,13 +42,19 @@ def inline_cache_writes(gm: torch.fx.GraphModule) -> int:
     return replaced
 
 
+def _hints(sizes) -> tuple[int, ...]:
+    """Sizes or strides as ints; a symbolic one (a dynamic batch) as its example value."""
+    return tuple(d if isinstance(d, int) else d.node.hint for d in sizes)
+
+
 @functools.lru_cache(maxsize=64)
-def _write_body(signature: tuple) -> torch.fx.Graph:
+def _write_body(signature: tuple, symbolic: bool = False) -> torch.fx.Graph:
     """``write_slots_aten`` traced to aten ops for arguments of ``signature`` ((shape, stride,
-    dtype) each): once per cache layout, not once per layer."""
+    dtype) each): once per cache layout, not once per layer. ``symbolic``: some size is dynamic,
+    so the trace keeps every size as a ``sym_size`` of its input instead of a constant."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from ...kv_cache import write_slots_aten
 
     on_meta = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in signature]
-    return make_fx(write_slots_aten)(*on_meta).graph
+    return make_fx(write_slots_aten, tracing_mode="symbolic" if symbolic else "real")(*on_meta).graph
