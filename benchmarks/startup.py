@@ -127,7 +127,8 @@ def demo_runner(args: argparse.Namespace):
     from ascend_graph.cli.commands import load_model, make_engine
 
     cli = build_parser().parse_args(["demo", "--capture-sizes", args.sizes, "--compile-cache-dir", args.cache_dir]
-                                    + (["--aot-inductor"] if args.aot else []))
+                                    + (["--aot-inductor"] if args.aot else [])
+                                    + (["--graph-config", args.graph_config] if args.graph_config else []))
     torch.set_num_threads(1)  # the command's default for its built-in models (cli.main)
     return make_engine(load_model(cli)[0], cli, graph=True).runner
 
@@ -207,6 +208,7 @@ def main() -> None:
     p.add_argument("--save-artifacts", default=None)
     p.add_argument("--load-artifacts", default=None)
     p.add_argument("--aot", action="store_true", help="GraphConfig.inductor.aot")
+    p.add_argument("--graph-config", default=None, help="with --model demo: the demo's --graph-config (JSON)")
     p.add_argument("--demo", action="store_true", help="the demo's capture cold and warm (measure_demo)")
     p.add_argument("--repeats", type=int, default=1, help="with --demo: cold and warm pairs")
     p.add_argument("--json", default=None, help="also write the result to this file")
