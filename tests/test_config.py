@@ -46,7 +46,8 @@ def test_graph_config_has_ten_top_level_fields_with_backend_options_nested():
     names = [f.name for f in dataclasses.fields(GraphConfig)]
     assert names == ["enabled", "backend", "max_batch_size", "capture_sizes", "fallback_on_compile_error",
                      "on_recompile", "compile_cache_dir", "parity_interval", "inductor", "torchair"]
-    assert [f.name for f in dataclasses.fields(InductorOptions)] == ["cpp_wrapper", "freezing_min_batch", "aot"]
+    assert [f.name for f in dataclasses.fields(InductorOptions)] == [
+        "cpp_wrapper", "freezing_min_batch", "aot", "dynamic_batch"]
 
 
 @pytest.mark.parametrize("max_batch_size, sizes", [

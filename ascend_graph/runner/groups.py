@@ -51,9 +51,11 @@ def dynamic_batch_default(model: nn.Module, config: GraphConfig, device: torch.d
     """What ``inductor.dynamic_batch=None`` means for this runner: on for the runner's own Inductor
     backend on CPU, without ``aot`` or freezing, when no parameter is bf16/fp16 (the decode-matmul
     pass then rewrites nothing by row count, so a shared compile gives the same code per row)."""
-    from ..compile import backend_name
+    from ..compile import AUTO_BACKEND
 
-    if backend_given or device.type not in DYNAMIC_BATCH_PLATFORMS or backend_name(config, device.type) != "inductor":
+    if backend_given or device.type not in DYNAMIC_BATCH_PLATFORMS:
+        return False
+    if (AUTO_BACKEND[device.type] if config.backend == "auto" else config.backend) != "inductor":
         return False
     if config.inductor.aot or config.inductor.freezing_min_batch is not None:
         return False
