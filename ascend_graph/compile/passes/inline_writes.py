@@ -50,11 +50,25 @@ def _hints(sizes) -> tuple[int, ...]:
 @functools.lru_cache(maxsize=64)
 def _write_body(signature: tuple, symbolic: bool = False) -> torch.fx.Graph:
     """``write_slots_aten`` traced to aten ops for arguments of ``signature`` ((shape, stride,
-    dtype) each): once per cache layout, not once per layer. ``symbolic``: some size is dynamic,
-    so the trace keeps every size as a ``sym_size`` of its input instead of a constant."""
+    dtype) each): once per cache layout, not once per layer.
+
+    ``symbolic``: some size is dynamic (a batch of tokens). The body reads only the caches'
+    sizes, so a trace at the example sizes holds no batch-sized constant: it is used when a trace
+    with every entry one token longer gives the same code, else the body is traced symbolically
+    (every size a ``sym_size`` of its input; about 0.3 s more, on every start)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from ...kv_cache import write_slots_aten
 
-    on_meta = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in signature]
-    return make_fx(write_slots_aten, tracing_mode="symbolic" if symbolic else "real")(*on_meta).graph
+    def trace(sig: tuple, mode: str = "real") -> torch.fx.Graph:
+        on_meta = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in sig]
+        return make_fx(write_slots_aten, tracing_mode=mode)(*on_meta).graph
+
+    body = trace(signature)
+    if not symbolic:
+        return body
+    caches, entries = signature[:2], signature[2:]
+    longer = caches + tuple(((shape[0] + 1, *shape[1:]), stride, dtype) for shape, stride, dtype in entries)
+    if body.python_code("self").src == trace(longer).python_code("self").src:
+        return body
+    return trace(signature, "symbolic")
