@@ -133,14 +133,16 @@ def demo_runner(args: argparse.Namespace):
     return make_engine(load_model(cli)[0], cli, graph=True).runner
 
 
-def run_child(model: str, sizes: str, cache_dir: str, quick: bool, **flags) -> dict:
-    """One fresh process; its JSON line."""
+def run_child(model: str, sizes: str, cache_dir: str, quick: bool, checkout: str | None = None, **flags) -> dict:
+    """One fresh process (in ``checkout``, a worktree of this repository, else this one); its JSON line."""
     cmd = [sys.executable, "-m", "benchmarks.startup", "--child", "--model", model, "--sizes", sizes,
            "--cache-dir", cache_dir] + (["--quick"] if quick else [])
     for k, v in flags.items():
         cmd += [f"--{k.replace('_', '-')}"] + ([] if v is True else [v])
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+    if checkout is not None:
+        env["PYTHONPATH"] = os.path.abspath(checkout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True, cwd=checkout)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -174,16 +176,27 @@ def spread(values: list[float]) -> dict:
             "n": len(values)}
 
 
+def demo_pair(sizes: str, checkout: str | None = None, graph_config: str | None = None) -> dict:
+    """One cold capture of the demo (an empty cache directory) and one warm (the directory the
+    cold run filled), each a fresh process."""
+    flags = {"graph_config": graph_config} if graph_config else {}
+    with tempfile.TemporaryDirectory(prefix="ag-startup-demo-") as tmp:
+        cache = os.path.join(tmp, "cache")
+        return {start: run_child("demo", sizes, cache, False, checkout, **flags) for start in ("cold", "warm")}
+
+
 def measure_demo(repeats: int = 1, sizes: tuple[int, ...] = DEMO_SIZES) -> dict:
     """The demo's capture cold (empty cache directory) and warm (the directory the cold run
     filled), each in a fresh process, ``repeats`` times: per size and in total, with phases."""
-    s = ",".join(map(str, sizes))
-    runs = []
-    for _ in range(repeats):
-        with tempfile.TemporaryDirectory(prefix="ag-startup-demo-") as tmp:
-            cache = os.path.join(tmp, "cache")
-            runs.append({"cold": run_child("demo", s, cache, False), "warm": run_child("demo", s, cache, False)})
-    res = {"sizes": list(sizes), "repeats": repeats, "goals": DEMO_GOALS, "runs": runs}
+    runs = [demo_pair(",".join(map(str, sizes))) for _ in range(repeats)]
+    return summarise_demo(runs, sizes)
+
+
+def summarise_demo(runs: list[dict], sizes: tuple[int, ...]) -> dict:
+    """Medians (and ranges) of ``demo_pair`` results: capture seconds, CPU seconds, per size, phases."""
+    s, repeats = ",".join(map(str, sizes)), len(runs)
+    res = {"sizes": list(sizes), "repeats": repeats, "goals": DEMO_GOALS, "runs": runs,
+           "compiles": {start: sorted({r[start]["compiles"] for r in runs}) for start in ("cold", "warm")}}
     for start in ("cold", "warm"):
         res[f"{start}_capture_s"] = spread([r[start]["capture_s"] for r in runs])
         res[f"{start}_capture_cpu_s"] = spread([r[start]["capture_cpu_s"] for r in runs])
@@ -195,6 +208,22 @@ def measure_demo(repeats: int = 1, sizes: tuple[int, ...] = DEMO_SIZES) -> dict:
     print(f"  start-up demo {s}: capture cold {res['cold_capture_s']['median']:.1f} s "
           f"(goal {DEMO_GOALS['cold_capture_s']:.0f}), warm {res['warm_capture_s']['median']:.1f} s "
           f"(goal {DEMO_GOALS['warm_capture_s']:.0f})", flush=True)
+    return res
+
+
+def demo_before_after(old: str, repeats: int, sizes: tuple[int, ...] = DEMO_SIZES) -> dict:
+    """The demo's cold and warm capture in the checkout ``old`` and in this one, taking turns
+    (old, new, old, new, ...): medians of each and the ratios new / old (below 1: faster)."""
+    s = ",".join(map(str, sizes))
+    pairs = {"old": [], "new": []}
+    for _ in range(repeats):
+        for side in pairs:
+            pairs[side].append(demo_pair(s, old if side == "old" else None))
+    res = {side: summarise_demo(runs, sizes) for side, runs in pairs.items()}
+    res["old_checkout"] = os.path.abspath(old)
+    res["ratio_new_over_old"] = {f"{start}_{k}": round(res["new"][f"{start}_{k}"]["median"]
+                                                       / res["old"][f"{start}_{k}"]["median"], 3)
+                                 for start in ("cold", "warm") for k in ("capture_s", "capture_cpu_s")}
     return res
 
 
@@ -212,11 +241,13 @@ def main() -> None:
     p.add_argument("--demo", action="store_true", help="the demo's capture cold and warm (measure_demo)")
     p.add_argument("--repeats", type=int, default=1, help="with --demo: cold and warm pairs")
     p.add_argument("--json", default=None, help="also write the result to this file")
+    p.add_argument("--old", default=None, help="with --demo: also a checkout to compare against, turn about")
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args)))
     elif args.demo:
-        res = measure_demo(args.repeats, tuple(int(s) for s in args.sizes.split(",")) if args.sizes else DEMO_SIZES)
+        sizes = tuple(int(s) for s in args.sizes.split(",")) if args.sizes else DEMO_SIZES
+        res = demo_before_after(args.old, args.repeats, sizes) if args.old else measure_demo(args.repeats, sizes)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=2)

@@ -159,7 +159,7 @@ def test_to_dict_is_json_safe_and_round_trips():
                       compile_cache_dir="/tmp/x", torchair=TorchairOptions(mode="reduce-overhead"),
                       inductor=InductorOptions(cpp_wrapper=False, freezing_min_batch=4))
     d = cfg.to_dict()
-    assert d["inductor"] == {"cpp_wrapper": False, "freezing_min_batch": 4, "aot": False}
+    assert d["inductor"] == {"cpp_wrapper": False, "freezing_min_batch": 4, "aot": False, "dynamic_batch": None}
     assert d["torchair"]["mode"] == "reduce-overhead" and d["capture_sizes"] == [1, 4]
     assert GraphConfig.from_dict(json.loads(json.dumps(d))) == cfg
 
@@ -171,7 +171,7 @@ def test_from_dict_nested_options_change_only_the_keys_given():
     assert cfg.torchair == TorchairOptions(mode="reduce-overhead", use_cached_graph=True)
     with pytest.raises(ValueError, match="unknown key 'cpp' in inductor; known keys: cpp_wrapper, freezing_min"):
         GraphConfig.from_dict({"inductor": {"cpp": True}})
-    with pytest.raises(TypeError, match="inductor must be a dict of cpp_wrapper, freezing_min_batch, aot, got list"):
+    with pytest.raises(TypeError, match="inductor must be a dict of cpp_wrapper, freezing_min_batch, aot, dynamic_batch, got list"):
         GraphConfig.from_dict({"inductor": [True]})
     with pytest.raises(TypeError, match="inductor.freezing_min_batch must be an int"):
         GraphConfig.from_dict({"inductor": {"freezing_min_batch": "8"}})
