@@ -20,6 +20,13 @@ demo's own capture (``ascend-graph demo``: its model, sizes and cache geometry) 
 ``repeats`` times, against the goals ``DEMO_GOALS``:
 
     TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.startup --demo --repeats 3
+
+``--old CHECKOUT`` with ``--demo`` runs the same pairs in another worktree of this repository
+too, turn about (old, new, old, new, ...), and reports both and the ratios new / old:
+
+    git worktree add /tmp/startup_old <commit>
+    TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.startup --demo --repeats 3 --old /tmp/startup_old \
+        --json benchmarks/results/startup_before_after.json
 """
 
 from __future__ import annotations
