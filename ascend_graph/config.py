@@ -90,6 +90,10 @@ class InductorOptions:
     - ``aot``: each capture size compiled ahead of time into an AOTInductor package under the
       compile cache, loaded instead of compiled by a later process (``compile.aot_inductor``).
       Not combinable with ``freezing_min_batch``.
+    - ``dynamic_batch``: capture sizes of 2 rows and more share one compile whose batch
+      dimension is dynamic (size 1 compiles alone); ``None`` = on for a CPU runner's own Inductor
+      backend when the model has no bf16/fp16 parameters (``runner.groups``). CPU only; not
+      combinable with ``aot`` or ``freezing_min_batch``.
 
     Costs and measured effects: docs/configuration.md.
     """
@@ -99,9 +103,13 @@ class InductorOptions:
     cpp_wrapper: Optional[bool] = None
     freezing_min_batch: Optional[PositiveInt] = None
     aot: bool = False
+    dynamic_batch: Optional[bool] = None
 
     def __post_init__(self) -> None:
         check_fields(self, f"{self.KEY}.")
+        if self.dynamic_batch and (self.aot or self.freezing_min_batch is not None):
+            raise ValueError("inductor.dynamic_batch=True cannot be combined with inductor.aot or "
+                             "inductor.freezing_min_batch: both compile each capture size on its own")
         if self.aot and self.freezing_min_batch is not None:
             raise ValueError("inductor.aot=True cannot be combined with inductor.freezing_min_batch: "
                              "a package keeps the weights out of its code, freezing folds them in")

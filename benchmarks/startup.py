@@ -20,6 +20,13 @@ demo's own capture (``ascend-graph demo``: its model, sizes and cache geometry) 
 ``repeats`` times, against the goals ``DEMO_GOALS``:
 
     TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.startup --demo --repeats 3
+
+``--old CHECKOUT`` with ``--demo`` runs the same pairs in another worktree of this repository
+too, turn about (old, new, old, new, ...), and reports both and the ratios new / old:
+
+    git worktree add /tmp/startup_old <commit>
+    TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.startup --demo --repeats 3 --old /tmp/startup_old \
+        --json benchmarks/results/startup_before_after.json
 """
 
 from __future__ import annotations
@@ -127,19 +134,22 @@ def demo_runner(args: argparse.Namespace):
     from ascend_graph.cli.commands import load_model, make_engine
 
     cli = build_parser().parse_args(["demo", "--capture-sizes", args.sizes, "--compile-cache-dir", args.cache_dir]
-                                    + (["--aot-inductor"] if args.aot else []))
+                                    + (["--aot-inductor"] if args.aot else [])
+                                    + (["--graph-config", args.graph_config] if args.graph_config else []))
     torch.set_num_threads(1)  # the command's default for its built-in models (cli.main)
     return make_engine(load_model(cli)[0], cli, graph=True).runner
 
 
-def run_child(model: str, sizes: str, cache_dir: str, quick: bool, **flags) -> dict:
-    """One fresh process; its JSON line."""
+def run_child(model: str, sizes: str, cache_dir: str, quick: bool, checkout: str | None = None, **flags) -> dict:
+    """One fresh process (in ``checkout``, a worktree of this repository, else this one); its JSON line."""
     cmd = [sys.executable, "-m", "benchmarks.startup", "--child", "--model", model, "--sizes", sizes,
            "--cache-dir", cache_dir] + (["--quick"] if quick else [])
     for k, v in flags.items():
         cmd += [f"--{k.replace('_', '-')}"] + ([] if v is True else [v])
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+    if checkout is not None:
+        env["PYTHONPATH"] = os.path.abspath(checkout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True, cwd=checkout)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -173,16 +183,27 @@ def spread(values: list[float]) -> dict:
             "n": len(values)}
 
 
+def demo_pair(sizes: str, checkout: str | None = None, graph_config: str | None = None) -> dict:
+    """One cold capture of the demo (an empty cache directory) and one warm (the directory the
+    cold run filled), each a fresh process."""
+    flags = {"graph_config": graph_config} if graph_config else {}
+    with tempfile.TemporaryDirectory(prefix="ag-startup-demo-") as tmp:
+        cache = os.path.join(tmp, "cache")
+        return {start: run_child("demo", sizes, cache, False, checkout, **flags) for start in ("cold", "warm")}
+
+
 def measure_demo(repeats: int = 1, sizes: tuple[int, ...] = DEMO_SIZES) -> dict:
     """The demo's capture cold (empty cache directory) and warm (the directory the cold run
     filled), each in a fresh process, ``repeats`` times: per size and in total, with phases."""
-    s = ",".join(map(str, sizes))
-    runs = []
-    for _ in range(repeats):
-        with tempfile.TemporaryDirectory(prefix="ag-startup-demo-") as tmp:
-            cache = os.path.join(tmp, "cache")
-            runs.append({"cold": run_child("demo", s, cache, False), "warm": run_child("demo", s, cache, False)})
-    res = {"sizes": list(sizes), "repeats": repeats, "goals": DEMO_GOALS, "runs": runs}
+    runs = [demo_pair(",".join(map(str, sizes))) for _ in range(repeats)]
+    return summarise_demo(runs, sizes)
+
+
+def summarise_demo(runs: list[dict], sizes: tuple[int, ...]) -> dict:
+    """Medians (and ranges) of ``demo_pair`` results: capture seconds, CPU seconds, per size, phases."""
+    s, repeats = ",".join(map(str, sizes)), len(runs)
+    res = {"sizes": list(sizes), "repeats": repeats, "goals": DEMO_GOALS, "runs": runs,
+           "compiles": {start: sorted({r[start]["compiles"] for r in runs}) for start in ("cold", "warm")}}
     for start in ("cold", "warm"):
         res[f"{start}_capture_s"] = spread([r[start]["capture_s"] for r in runs])
         res[f"{start}_capture_cpu_s"] = spread([r[start]["capture_cpu_s"] for r in runs])
@@ -197,6 +218,22 @@ def measure_demo(repeats: int = 1, sizes: tuple[int, ...] = DEMO_SIZES) -> dict:
     return res
 
 
+def demo_before_after(old: str, repeats: int, sizes: tuple[int, ...] = DEMO_SIZES) -> dict:
+    """The demo's cold and warm capture in the checkout ``old`` and in this one, taking turns
+    (old, new, old, new, ...): medians of each and the ratios new / old (below 1: faster)."""
+    s = ",".join(map(str, sizes))
+    pairs = {"old": [], "new": []}
+    for _ in range(repeats):
+        for side in pairs:
+            pairs[side].append(demo_pair(s, old if side == "old" else None))
+    res = {side: summarise_demo(runs, sizes) for side, runs in pairs.items()}
+    res["old_checkout"] = os.path.abspath(old)
+    res["ratio_new_over_old"] = {f"{start}_{k}": round(res["new"][f"{start}_{k}"]["median"]
+                                                       / res["old"][f"{start}_{k}"]["median"], 3)
+                                 for start in ("cold", "warm") for k in ("capture_s", "capture_cpu_s")}
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--child", action="store_true")
@@ -207,14 +244,17 @@ def main() -> None:
     p.add_argument("--save-artifacts", default=None)
     p.add_argument("--load-artifacts", default=None)
     p.add_argument("--aot", action="store_true", help="GraphConfig.inductor.aot")
+    p.add_argument("--graph-config", default=None, help="with --model demo: the demo's --graph-config (JSON)")
     p.add_argument("--demo", action="store_true", help="the demo's capture cold and warm (measure_demo)")
     p.add_argument("--repeats", type=int, default=1, help="with --demo: cold and warm pairs")
     p.add_argument("--json", default=None, help="also write the result to this file")
+    p.add_argument("--old", default=None, help="with --demo: also a checkout to compare against, turn about")
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args)))
     elif args.demo:
-        res = measure_demo(args.repeats, tuple(int(s) for s in args.sizes.split(",")) if args.sizes else DEMO_SIZES)
+        sizes = tuple(int(s) for s in args.sizes.split(",")) if args.sizes else DEMO_SIZES
+        res = demo_before_after(args.old, args.repeats, sizes) if args.old else measure_demo(args.repeats, sizes)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=2)

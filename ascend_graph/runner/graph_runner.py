@@ -11,12 +11,11 @@ V vocabulary.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import math
 import time
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -26,6 +25,8 @@ from ..attention.metadata import DECODE_PADDING
 from ..config import GraphConfig
 from ..kv_cache import allocate_kv_caches
 from ..runtime import StaticAddresses, compile_cache_counts, compile_cache_outcome, memory_in_use, progress
+from .freezing import freezing
+from .groups import CompileGroup, compile_groups, dynamic_batch_default, mark_batch_dynamic
 from .step import (DecodeStep, GraphCompileError, PreparedStep, RecompileError, RunnerStats, SequenceStep,
                    step_for_size)
 
@@ -47,11 +48,17 @@ class GraphRunner:
             raise ValueError(f"inductor.freezing_min_batch is for CPU runners; this one runs on {self.device}")
         if config.enabled and config.inductor.aot:
             self._check_aot_inductor(backend)
+        dynamic = config.inductor.dynamic_batch
+        if dynamic is None:
+            dynamic = config.enabled and dynamic_batch_default(model, config, self.device, backend is not None)
+        elif dynamic and config.enabled and self.device.type != "cpu":
+            raise ValueError(f"inductor.dynamic_batch=True is for CPU runners; this one runs on {self.device}")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         self.table_width = math.ceil(max_model_len / block_size)
         self.capture_sizes = config.resolved_capture_sizes() if config.enabled else ()
+        self.compile_groups: dict[int, CompileGroup] = compile_groups(self.capture_sizes, dynamic)
         self.kv_caches = allocate_kv_caches(model.kv_cache_specs(), num_blocks, block_size, self.device,
                                             huge_pages=self.device.type == "cpu")
         self.stats = RunnerStats()
@@ -62,6 +69,7 @@ class GraphRunner:
         self._copy_logits = not (self.device.type == "cpu" and backend is None)
         self._graphs: dict[int, Callable] = {}
         self._failed: dict[int, str] = {}
+        self._shared: dict[CompileGroup, tuple[Callable, Optional[str]]] = {}  # compiled group -> (graph, cache)
         self._warm = False
         self._graph_steps_since_parity = 0
         self._step = DecodeStep(model)
@@ -225,13 +233,20 @@ class GraphRunner:
                                         self.stats.packages_loaded)
         ids_v, pos_v, meta_v = self._views(size)
         self._fill_padding(size)
+        group = self.compile_groups[size]
+        frozen_inputs = [ids_v, pos_v, meta_v.slot_mapping, *meta_v.decode, *self._cache_tensors_by_name().values()]
         try:
             compiled = self._compile_for_size(size, backend)
-            with torch.inference_mode(), self._freezing(size):
+            with torch.inference_mode(), freezing(self.config.inductor.freezing_min_batch, size, frozen_inputs):
                 for _ in range(2):  # compile, then a warm run (device graphs record on it)
                     compiled(ids_v, pos_v, self.kv_caches, meta_v)
         except Exception as e:  # noqa: BLE001 - any compiler error falls back or is re-raised
             self.stats.compile_failures += 1
+            if group.dynamic:  # e.g. the model chose by row count inside the range: compile each size alone
+                log.warning("the shared compile of sizes %s failed, they compile one by one: %s", group.label, e)
+                self.stats.capture_seconds += time.perf_counter() - start
+                self._split_group(group)
+                return self._capture_size(size, backend)
             if not self.config.fallback_on_compile_error:
                 raise GraphCompileError(f"compiling capture size {size} failed: {e}") from e
             self._failed[size] = f"{type(e).__name__}: {e}"
@@ -240,10 +255,15 @@ class GraphRunner:
         seconds = time.perf_counter() - start
         self._graphs[size] = compiled
         self.stats.capture_seconds += seconds
-        cache = (("hit" if self.stats.packages_loaded > loaded0 else "miss") if self.config.inductor.aot
-                 else compile_cache_outcome(cache0))
+        if group in self._shared:  # compiled with another size of its group: that compile's outcome
+            cache = self._shared[group][1]
+        else:
+            cache = (("hit" if self.stats.packages_loaded > loaded0 else "miss") if self.config.inductor.aot
+                     else compile_cache_outcome(cache0))
+            if group.dynamic:
+                self._shared[group] = (compiled, cache)
         self.stats.capture[size] = {"seconds": round(seconds, 3), "memory_bytes": memory_in_use(self.device) - mem0,
-                                    "compile_cache": cache}
+                                    "compile_cache": cache, "compile_group": group.label}
 
     def _compile_for_size(self, size: int, backend: Optional[Callable]) -> Callable:
         if self.config.inductor.aot:
@@ -254,39 +274,20 @@ class GraphRunner:
                                               self.config, "cpu", on_compile=self._count_compile)
             self.stats.packages_loaded += not compiled
             return model
-        method = step_for_size(self._step, size)
+        group = self.compile_groups[size]
+        if group in self._shared:
+            return self._shared[group][0]
+        method = step_for_size(self._step, group.label)
         if self._uses_torchair_graph_cache():
             from ..compile.torchair import cache_compile
             return cache_compile(method, self.config)
         return torch.compile(method, backend=backend, fullgraph=True, dynamic=False)
 
-    @contextlib.contextmanager
-    def _freezing(self, size: int) -> Iterator[None]:
-        """Inductor's freezing for this capture size, when configured.
-
-        Dynamo reads the flag while tracing and Inductor while compiling, so it is set around
-        the first call, not passed as a compile option. Under it dynamo turns every static
-        input into a graph constant, not only the weights: the caches and the step's input
-        buffers (marked static for the device graphs) would be folded in with the values they
-        held at capture. Their marks are lifted for the trace, so they stay graph inputs.
-        """
-        threshold = self.config.inductor.freezing_min_batch
-        if threshold is None or size < threshold:
-            yield
-            return
-        import torch._inductor.config as inductor_config
-
-        ids_v, pos_v, meta_v = self._views(size)
-        inputs = [ids_v, pos_v, meta_v.slot_mapping, *meta_v.decode, *self._cache_tensors_by_name().values()]
-        marks = {id(t): (t, t._dynamo_static_input_type) for t in inputs if hasattr(t, "_dynamo_static_input_type")}
-        for t, _ in marks.values():
-            del t._dynamo_static_input_type
-        try:
-            with inductor_config.patch(freezing=True):
-                yield
-        finally:
-            for t, mark in marks.values():
-                t._dynamo_static_input_type = mark
+    def _split_group(self, group: CompileGroup) -> None:
+        """Give each size of a failed compile group that has no graph yet its own static compile."""
+        for s in [s for s, g in self.compile_groups.items() if g == group and s not in self._graphs]:
+            self.compile_groups[s] = CompileGroup(s, s)
+            self._view_cache.pop(s, None)  # new views of the same buffers, without the dynamic marks
 
     def _uses_torchair_graph_cache(self) -> bool:
         if self._backend is not None or not self.config.torchair.use_cached_graph:
@@ -342,6 +343,7 @@ class GraphRunner:
             v = {k: t[:size] for k, t in self._static.items()}
             for t in v.values():
                 torch._dynamo.mark_static_address(t)
+            mark_batch_dynamic(list(v.values()), self.compile_groups.get(size))
             meta = AttentionMetadata(v["slot_mapping"], DecodeMetadata(v["block_tables"], v["context_lens"]), None)
             views[size] = (v["input_ids"], v["positions"], meta)
         return views[size]

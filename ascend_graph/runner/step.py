@@ -44,7 +44,9 @@ class RunnerStats:
     compile_failures: int = 0
     packages_loaded: int = 0  # capture sizes loaded from AOTInductor packages without compiling
     capture_seconds: float = 0.0
-    # size -> {"seconds": .., "memory_bytes": .., "compile_cache": "hit" | "miss" | "bypass" | None}
+    # size -> {"seconds": .., "memory_bytes": .., "compile_cache": "hit" | "miss" | "bypass" | None,
+    #          "compile_group": "8" (compiled alone) or "2-8" (one compile shared by sizes 2..8, whose
+    #          outcome every size of the group reports; ``compiles`` counts that compile once)}
     capture: dict = field(default_factory=dict)
     parity_checks: int = 0
     parity_failures: int = 0
@@ -86,13 +88,14 @@ class DecodeStep(nn.Module):
         return self.model.compute_logits(self.model(input_ids, positions, kv_caches, attn_metadata))
 
 
-def step_for_size(step: DecodeStep, size: int) -> Callable:
+def step_for_size(step: DecodeStep, size: int | str) -> Callable:
     """``step.forward`` bound again, with its own code object named ``decode_step_<size>``.
 
     Dynamo keeps compiled entries (and counts its recompile limit) per code object, and
-    torchair's graph cache is per code object too: one copy per capture size gives each size
-    exactly one entry, so a second compile of a size is a real recompile.
+    torchair's graph cache is per code object too: one copy per capture size (or per compile
+    group, ``size`` then its label ``"2-8"``, named ``decode_step_2_8``) gives each exactly one
+    entry, so a second compile of it is a real recompile.
     """
-    code = DecodeStep.forward.__code__.replace(co_name=f"decode_step_{size}")
+    code = DecodeStep.forward.__code__.replace(co_name=f"decode_step_{str(size).replace('-', '_')}")
     fn = types.FunctionType(code, DecodeStep.forward.__globals__, code.co_name)
     return types.MethodType(fn, step)

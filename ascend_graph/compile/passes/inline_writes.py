@@ -30,7 +30,8 @@ def inline_cache_writes(gm: torch.fx.GraphModule) -> int:
         if node.op != "call_function" or node.target not in (op, op.default) or node.kwargs:
             continue
         vals = [a.meta.get("example_value", a.meta.get("val")) for a in node.args]
-        body = _write_body(tuple((tuple(v.shape), tuple(v.stride()), v.dtype) for v in vals))
+        symbolic = any(not isinstance(d, int) for v in vals for d in (*v.shape, *v.stride()))
+        body = _write_body(tuple((_hints(v.shape), _hints(v.stride()), v.dtype) for v in vals), symbolic)
         inputs = [n for n in body.nodes if n.op == "placeholder"]
         with gm.graph.inserting_before(node):
             gm.graph.graph_copy(body, dict(zip(inputs, node.args)))
@@ -41,13 +42,33 @@ def inline_cache_writes(gm: torch.fx.GraphModule) -> int:
     return replaced
 
 
+def _hints(sizes) -> tuple[int, ...]:
+    """Sizes or strides as ints; a symbolic one (a dynamic batch) as its example value."""
+    return tuple(d if isinstance(d, int) else d.node.hint for d in sizes)
+
+
 @functools.lru_cache(maxsize=64)
-def _write_body(signature: tuple) -> torch.fx.Graph:
+def _write_body(signature: tuple, symbolic: bool = False) -> torch.fx.Graph:
     """``write_slots_aten`` traced to aten ops for arguments of ``signature`` ((shape, stride,
-    dtype) each): once per cache layout, not once per layer."""
+    dtype) each): once per cache layout, not once per layer.
+
+    ``symbolic``: some size is dynamic (a batch of tokens). The body reads only the caches'
+    sizes, so a trace at the example sizes holds no batch-sized constant: it is used when a trace
+    with every entry one token longer gives the same code, else the body is traced symbolically
+    (every size a ``sym_size`` of its input; about 0.3 s more, on every start)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from ...kv_cache import write_slots_aten
 
-    on_meta = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in signature]
-    return make_fx(write_slots_aten)(*on_meta).graph
+    def trace(sig: tuple, mode: str = "real") -> torch.fx.Graph:
+        on_meta = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in sig]
+        return make_fx(write_slots_aten, tracing_mode=mode)(*on_meta).graph
+
+    body = trace(signature)
+    if not symbolic:
+        return body
+    caches, entries = signature[:2], signature[2:]
+    longer = caches + tuple(((shape[0] + 1, *shape[1:]), stride, dtype) for shape, stride, dtype in entries)
+    if body.python_code("self").src == trace(longer).python_code("self").src:
+        return body
+    return trace(signature, "symbolic")

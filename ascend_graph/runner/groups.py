@@ -1,0 +1,80 @@
+"""Compile groups: which capture sizes share one compile with a dynamic batch dimension.
+
+A capture size's graph is either its own static compile, or one compile shared by the sizes of
+its group, whose batch dimension is symbolic over the group's range (``InductorOptions.
+dynamic_batch``). Size 1 always compiles alone: dynamo specialises a dimension of size 1, and
+one-row products are rewritten differently (``compile/passes/decode_matmul.py``). Dispatch is
+unchanged: a batch still runs padded to the smallest capture size that holds it, on that size's
+views of the static buffers; only the number of compiles changes.
+
+Shape legend: s capture size, M block-table width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..config import GraphConfig
+
+# Where ``dynamic_batch=None`` may resolve to on (the Inductor backend on these platforms).
+DYNAMIC_BATCH_PLATFORMS = ("cpu",)
+# Parameter dtypes whose matmuls the decode-matmul pass rewrites by row count (bf16/fp16: one-row
+# reductions, few-row kernels); it needs static row counts for that, so by default such models
+# keep a static compile per size.
+ROW_COUNT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class CompileGroup:
+    """Capture sizes ``lo..hi`` (those of them captured) compiled once; static when ``lo == hi``."""
+
+    lo: int
+    hi: int
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether the batch dimension is symbolic (the group spans more than one size)."""
+        return self.lo < self.hi
+
+    @property
+    def label(self) -> str:
+        """``"8"`` for a static size, ``"2-8"`` for a shared one."""
+        return str(self.hi) if not self.dynamic else f"{self.lo}-{self.hi}"
+
+
+def dynamic_batch_default(model: nn.Module, config: GraphConfig, device: torch.device,
+                          backend_given: bool) -> bool:
+    """What ``inductor.dynamic_batch=None`` means for this runner: on for the runner's own Inductor
+    backend on CPU, without ``aot`` or freezing, when no parameter is bf16/fp16 (the decode-matmul
+    pass then rewrites nothing by row count, so a shared compile gives the same code per row)."""
+    from ..compile import AUTO_BACKEND
+
+    if backend_given or device.type not in DYNAMIC_BATCH_PLATFORMS:
+        return False
+    if (AUTO_BACKEND[device.type] if config.backend == "auto" else config.backend) != "inductor":
+        return False
+    if config.inductor.aot or config.inductor.freezing_min_batch is not None:
+        return False
+    return not any(p.dtype in ROW_COUNT_DTYPES for p in model.parameters())
+
+
+def compile_groups(sizes: Sequence[int], dynamic: bool) -> dict[int, CompileGroup]:
+    """Each capture size's group: with ``dynamic``, every size ``>= 2`` in one group ``2..max``
+    (size 1 alone); else each size its own."""
+    shared = [s for s in sizes if s >= 2] if dynamic else []
+    if len(shared) < 2:
+        return {s: CompileGroup(s, s) for s in sizes}
+    group = CompileGroup(min(shared), max(shared))
+    return {s: group if s in shared else CompileGroup(s, s) for s in sizes}
+
+
+def mark_batch_dynamic(tensors: Sequence[Tensor], group: Optional[CompileGroup]) -> None:
+    """Mark dimension 0 of the step's batch inputs symbolic over the group's range (static
+    groups: nothing)."""
+    if group is not None and group.dynamic:
+        for t in tensors:
+            torch._dynamo.mark_dynamic(t, 0, min=group.lo, max=group.hi)
