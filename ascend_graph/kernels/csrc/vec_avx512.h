@@ -50,21 +50,26 @@ AG_INLINE void ag_store_bf16x16(uint16_t *p, ag_f32x16 v, long count) {
     _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(ag_round_lanes16(v)));
 }
 
-#if AG_F32
-/* ---- float32 (AG_F32): the same units over float32 weights and rows, in float32 FMAs ---- */
-#define AG_TILE_STEP 16 /* weight elements per load */
-#define AG_TILE_N 6     /* weight rows per tile: 4 x 6 sums and 6 weight vectors in registers */
-#define AG_TILE_WEIGHTS_FIRST 1
-typedef float ag_xrow_t; /* an input row as the tiles read it: the row, zero to ag_xrow_stride */
+/* ---- the tiles: TM input rows by AG_TILE_N weight rows, a dot product per sum ---- */
+#define AG_TILE_STEP AG_LINE_ELEMS /* weight elements per load: one 64-byte vector */
+#define AG_TILE_N 6     /* weight rows per tile: 4 x 6 sums, 6 weight vectors and one row's in registers */
+#define AG_TILE_WEIGHTS_FIRST 1 /* loop order: the tile's weight vectors, then each input row once against them */
+typedef ag_elem_t ag_xrow_t; /* an input row as the tiles read it: the row, zero to ag_xrow_stride */
 typedef __m512 ag_tile_acc;
-typedef __m512 ag_tile_w;
 
-AG_INLINE long ag_xrow_stride(long k) { return (k + 15) / 16 * 16 + 16; }
+/* elements between input rows as the tiles read them: whole steps plus 64 bytes (rows 4 KiB
+ * apart would share L1 sets) */
+AG_INLINE long ag_xrow_stride(long k) { return (k + AG_TILE_STEP - 1) / AG_TILE_STEP * AG_TILE_STEP + AG_TILE_STEP; }
 static inline void ag_xrow_put(const ag_elem_t *x, long k, ag_xrow_t *dst, long ldx) {
-    memcpy(dst, x, (size_t)k * 4);
-    memset(dst + k, 0, (size_t)(ldx - k) * 4);
+    memcpy(dst, x, (size_t)k * sizeof(ag_elem_t));
+    memset(dst + k, 0, (size_t)(ldx - k) * sizeof(ag_elem_t));
 }
 AG_INLINE ag_tile_acc ag_tile_zero(void) { return _mm512_setzero_ps(); }
+
+#if AG_F32
+/* ---- float32 (AG_F32): the tiles' and the wide form's units over float32, in float32 FMAs ---- */
+typedef __m512 ag_tile_w;
+
 AG_INLINE ag_tile_w ag_tile_load(const float *w) { return _mm512_loadu_ps(w); }
 AG_INLINE ag_tile_w ag_tile_load_part(const float *w, long count) {
     return _mm512_maskz_loadu_ps((__mmask16)((1u << count) - 1), w);
@@ -104,22 +109,9 @@ AG_INLINE void ag_lanes_pack(uint32_t *vec, int lane, float x0, float x1) {
 /* the AG_LANES sums as they are, one per dword at dst (64-byte aligned) */
 AG_INLINE void ag_lanes_round(uint32_t *dst, ag_lanes_acc acc) { _mm512_store_ps((float *)dst, acc); }
 #else
-/* ---- the tiles: TM input rows by AG_TILE_N weight rows, a dot product per sum ---- */
-#define AG_TILE_STEP 32 /* weight elements per load */
-#define AG_TILE_N 6     /* weight rows per tile: 4 x 6 sums, 6 weight vectors and one row's in registers */
-#define AG_TILE_WEIGHTS_FIRST 1 /* loop order: the tile's weight vectors, then each input row once against them */
-typedef uint16_t ag_xrow_t; /* an input row as the tiles read it: the bf16 row, zero to ag_xrow_stride */
-typedef __m512 ag_tile_acc;
+/* ---- bfloat16: the tiles' units in vdpbf16ps ---- */
 typedef __m512bh ag_tile_w;
 
-/* elements between input rows as the tiles read them: whole steps plus 64 bytes (rows 4 KiB
- * apart would share L1 sets) */
-AG_INLINE long ag_xrow_stride(long k) { return (k + 31) / 32 * 32 + 32; }
-static inline void ag_xrow_put(const ag_elem_t *x, long k, ag_xrow_t *dst, long ldx) {
-    memcpy(dst, x, (size_t)k * 2);
-    memset(dst + k, 0, (size_t)(ldx - k) * 2);
-}
-AG_INLINE ag_tile_acc ag_tile_zero(void) { return _mm512_setzero_ps(); }
 AG_INLINE ag_tile_w ag_tile_load(const uint16_t *w) { return (__m512bh)_mm512_loadu_si512(w); }
 AG_INLINE ag_tile_w ag_tile_load_part(const uint16_t *w, long count) {
     return (__m512bh)ag_bf16x32_load_part(w, count);
