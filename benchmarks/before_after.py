@@ -8,7 +8,13 @@ checkouts of this repository in one run, taking turns (old, new, old, new, ...).
 
 Each turn is a fresh process in that checkout (its own package and benchmarks), so the two
 never share a build or a compile cache entry; the alternation spreads the machine's load over
-both. ``--live-context`` turns run the new checkout's ``benchmarks.live_context`` over each
+both. ``--new-benchmarks`` runs the new checkout's ``benchmarks.decode_step`` over each
+checkout's package instead (a model case the old checkout's benchmarks lack, as
+``v2_lite_fp32``):
+
+    python -m benchmarks.before_after --old /tmp/old --model v2_lite_fp32 --new-benchmarks --attention '' \
+        --json benchmarks/results/before_after_fp32.json
+ ``--live-context`` turns run the new checkout's ``benchmarks.live_context`` over each
 checkout's package (an older checkout may not have that module). Ratios are new / old time:
 below 1 is faster.
 """
@@ -76,11 +82,17 @@ def _run(tree: str, argv: list[str], env: dict) -> subprocess.CompletedProcess:
                           capture_output=True, check=True)
 
 
-def decode_turn(tree: str, model: str, sizes: str, rounds: int, env: dict) -> dict:
-    """``{batch: {"graph": s, "eager": s}}`` from one ``benchmarks.decode_step`` run in ``tree``."""
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        _run(tree, ["-m", "benchmarks.decode_step", "--model", model, "--sizes", sizes, "--rounds", str(rounds),
-                    "--calls", "1", "--json", f.name], env)
+def decode_turn(tree: str, model: str, sizes: str, rounds: int, env: dict, benchmarks_of: str | None = None) -> dict:
+    """``{batch: {"graph": s, "eager": s}}`` from one ``benchmarks.decode_step`` run in ``tree``
+    (``benchmarks_of``: that checkout's benchmarks over ``tree``'s package)."""
+    argv = ["-m", "benchmarks.decode_step", "--model", model, "--sizes", sizes, "--rounds", str(rounds), "--calls", "1"]
+    with tempfile.TemporaryDirectory(prefix="ag-before-after-") as farm, \
+            tempfile.NamedTemporaryFile(suffix=".json") as f:
+        if benchmarks_of is not None:
+            os.symlink(os.path.join(tree, "ascend_graph"), os.path.join(farm, "ascend_graph"))
+            os.symlink(os.path.join(benchmarks_of, "benchmarks"), os.path.join(farm, "benchmarks"))
+            tree = farm
+        _run(tree, [*argv, "--json", f.name], env)
         rows = json.load(open(f.name))["rows"]
     return {str(r["batch"]): {"graph": r["graph_s"], "eager": r["eager_s"]} for r in rows}
 
@@ -125,7 +137,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--old", required=True, help="the checkout before the change")
     p.add_argument("--new", default=".", help="the checkout after it (default: this one)")
     p.add_argument("--turns", type=int, default=2, help="turns of each checkout, taken alternately")
-    p.add_argument("--model", default="v2_lite_slice", choices=["small", "v2_lite_slice"])
+    p.add_argument("--model", default="v2_lite_slice", choices=["small", "v2_lite_slice", "v2_lite_fp32"])
+    p.add_argument("--new-benchmarks", action="store_true",
+                   help="decode turns run the new checkout's benchmarks over each checkout's package")
     p.add_argument("--sizes", default="1,8,32")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--attention", default="32,2048", help="batch,context of the attention step ('' to skip)")
@@ -133,15 +147,17 @@ def main(argv: list[str] | None = None) -> dict:
                    help="dtypes of the attention step; more than one: keyed attention/<dtype>/<mode>")
     p.add_argument("--live-context", default=None, metavar="ARGS",
                    help="also benchmarks.live_context with these arguments ('' for its defaults)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of each turn (OMP_NUM_THREADS)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1", "OMP_NUM_THREADS": str(args.threads)}
     trees = {"old": os.path.abspath(args.old), "new": os.path.abspath(args.new)}
     turns, backends = {"old": [], "new": []}, {}
     dtypes = args.attention_dtypes.split(",")
     for i in range(args.turns):
         for side in ("old", "new") if i % 2 == 0 else ("new", "old"):
-            turn = {"decode": decode_turn(trees[side], args.model, args.sizes, args.rounds, env)} if args.sizes else {}
+            bench = trees["new"] if args.new_benchmarks else None
+            turn = {"decode": decode_turn(trees[side], args.model, args.sizes, args.rounds, env, bench)} if args.sizes else {}
             if args.attention:
                 batch, context = (int(v) for v in args.attention.split(","))
                 att = {d: attention_turn(trees[side], batch, context, 2 * args.rounds + 1, env, d) for d in dtypes}
@@ -160,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
     command = " ".join(["python -m benchmarks.before_after", *map(shlex.quote, given)])
     result = {"benchmark": "before_after", "conditions": conditions("cpu"), "trees": trees, "commits": commits,
               "command": command,
-              "model": args.model, "sizes": args.sizes, "rounds": args.rounds, "attention": args.attention,
+              "model": args.model, "new_benchmarks": args.new_benchmarks, "threads": args.threads, "sizes": args.sizes, "rounds": args.rounds, "attention": args.attention,
               "attention_dtypes": dtypes, "live_context": args.live_context, "backends": backends,
               "turns": turns, "table": table}
     write_json(args.json, result)

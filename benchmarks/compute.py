@@ -113,7 +113,7 @@ class StepMatmuls:
     def as_compiled(self, batched_rows_max: int | None = None, batched_min_elements: int | None = None):
         """The replay with each bias-free ``linear`` that the compiled step runs in
         ``ascend_graph::rows_mm`` (``compile.inductor.runs_rows_mm``: bfloat16, 2 to
-        ``ROWS_MM_MAX`` rows, a row-major weight) run in it, and each ``bmm`` it runs in the
+        ``ROWS_MM_MAX`` rows, float32 from one, a row-major weight) run in it, and each ``bmm`` it runs in the
         kernel (``compile.inductor.batched_rows_form``: MLA decode's attention products) in
         ``expert_rows_mm`` or ``rows_bmm``, over the gathered copy of the cache rows that the
         eager step made, as the reference attention backend's compiled step runs them (the

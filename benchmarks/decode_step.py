@@ -169,7 +169,7 @@ def compare(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: boo
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=["small", "v2_lite_slice"], default="small")
+    p.add_argument("--model", choices=sorted(cases(True)), default="small")
     p.add_argument("--sizes", default="1,2,4,8,16,32,64")
     p.add_argument("--backend", default="inductor")
     p.add_argument("--rounds", type=int, default=15)

@@ -56,9 +56,12 @@ def v2_lite_slice(layers: int = 2, vocab_size: int = 102400) -> DeepseekConfig:
 
 
 def cases(quick: bool) -> dict[str, ModelCase]:
-    """The small model (float32, context 64) and the V2-Lite slice (bfloat16)."""
+    """The small model (float32, context 64), the V2-Lite slice (bfloat16), and the slice as
+    ``benchmarks.vllm_peer``'s v2lite checkpoint in float32 (vocabulary 4096, context 32: its
+    16-token prompts and their new tokens)."""
     return {"small": ModelCase("small", DeepseekConfig.small(), torch.float32, 64),
-            "v2_lite_slice": ModelCase("v2_lite_slice", v2_lite_slice(), torch.bfloat16, 128 if quick else 256)}
+            "v2_lite_slice": ModelCase("v2_lite_slice", v2_lite_slice(), torch.bfloat16, 128 if quick else 256),
+            "v2_lite_fp32": ModelCase("v2_lite_fp32", v2_lite_slice(vocab_size=4096), torch.float32, 32)}
 
 
 def build(case: ModelCase, huge_pages: bool = True, device: str = "cpu") -> DeepseekForCausalLM:

@@ -1,6 +1,6 @@
 """The CPU decode-matmul pass keeps the results: a one-row bfloat16 matmul as a reduction, a
-bfloat16 matmul of 2 to ROWS_MM_MAX rows as the project's kernel (``rows_mm``), a batch-1 bmm as
-an mm."""
+bfloat16 matmul of 2 to ROWS_MM_MAX rows (float32: from FLOAT32_ROWS_MM_MIN) as the project's
+kernel (``rows_mm``), a batch-1 bmm as an mm."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from ascend_graph.compile.inductor import InductorBackend
-from ascend_graph.compile.passes.decode_matmul import ROWS_MM_MAX, DecodeMatmulPass, batched_limits
+from ascend_graph.compile.passes.decode_matmul import (FLOAT32_ROWS_MM_MIN, ROWS_MM_MAX, DecodeMatmulPass,
+                                                       batched_limits)
 from ascend_graph import kernels
 
 
@@ -31,7 +32,7 @@ def test_single_row_bfloat16_linear_matches_float32_reference(rows, one_row):
     torch.testing.assert_close(got.float(), reference, atol=2e-2, rtol=2e-2)
 
 
-def test_pass_replaces_only_single_row_low_precision_matmuls():
+def test_pass_reduces_only_single_row_low_precision_matmuls():
     seen = []
 
     def capture(gm, inputs):
@@ -46,7 +47,8 @@ def test_pass_replaces_only_single_row_low_precision_matmuls():
         torch.compile(lambda x: F.linear(x, w.bfloat16()), backend=capture, fullgraph=True)(torch.randn(1, 16).bfloat16())
         torch.compile(lambda x: F.linear(x, w), backend=capture, fullgraph=True)(torch.randn(1, 16))
     assert "aten.mm.default" not in seen[0] and "aten.sum.dim_IntList" in seen[0]
-    assert "aten.mm.default" in seen[1]  # float32 keeps aten's GEMV
+    assert "aten.sum.dim_IntList" not in seen[1]  # float32: the kernel's rows_mm, else aten's GEMV
+    assert ("ascend_graph.rows_mm.default" in seen[1]) == kernels.available() != ("aten.mm.default" in seen[1])
 
 
 class _Recording(DecodeMatmulPass):
@@ -167,7 +169,27 @@ def test_few_row_bfloat16_matmuls_run_the_kernel_and_keep_the_exact_product(rows
     torch.testing.assert_close(got, fn(x, residual), atol=3e-2, rtol=1e-2)
 
 
-def test_few_row_kernel_only_for_bfloat16_row_major_weights_and_not_when_switched_off():
+@pytest.mark.parametrize("rows", [1, 2, 9, 24, ROWS_MM_MAX, ROWS_MM_MAX + 1])
+def test_few_row_float32_matmuls_run_the_kernel_and_keep_the_product(rows):
+    """From FLOAT32_ROWS_MM_MIN (one) to ROWS_MM_MAX rows a float32 linear and the residual add
+    Inductor fuses into an ``addmm`` run ``rows_mm`` (where it runs here), whatever
+    ``one_row_kernel`` says of bfloat16; past it, aten. Float32 sums, as eager's."""
+    from torch._inductor.utils import run_and_get_code
+
+    gen = torch.Generator().manual_seed(rows)
+    w1, w2 = torch.randn(96, 2081, generator=gen) * 0.05, torch.randn(64, 96, generator=gen) * 0.1  # K: a tail
+    x, residual = torch.randn(rows, 2081, generator=gen), torch.randn(rows, 64, generator=gen)
+    fn = lambda x, r: r + F.linear(F.silu(F.linear(x, w1)), w2)  # noqa: E731
+    got, code = run_and_get_code(_compiled(fn, with_pass=True, pass_=DecodeMatmulPass(one_row_kernel=False)),
+                                 x, residual)
+    kernel = kernels.available() and FLOAT32_ROWS_MM_MIN <= rows <= ROWS_MM_MAX
+    assert "".join(code).count("ascend_graph.rows_mm.default(") == (2 if kernel else 0)
+    reference = residual.double() + F.silu(x.double() @ w1.double().T) @ w2.double().T
+    torch.testing.assert_close(got.double(), reference, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, fn(x, residual), atol=1e-4, rtol=1e-4)
+
+
+def test_few_row_kernel_only_for_bfloat16_and_float32_row_major_weights_and_not_when_switched_off():
     def targets(fn, x, pass_):
         seen = []
 
@@ -186,7 +208,9 @@ def test_few_row_kernel_only_for_bfloat16_row_major_weights_and_not_when_switche
     wb, xb = w.bfloat16(), x.bfloat16()
     kernel = "ascend_graph.rows_mm.default"
     assert (kernel in targets(lambda x: F.linear(x, wb), xb, DecodeMatmulPass())) == kernels.available()
-    assert kernel not in targets(lambda x: F.linear(x, w), x, DecodeMatmulPass())  # float32
+    assert (kernel in targets(lambda x: F.linear(x, w), x, DecodeMatmulPass())) == kernels.available()  # float32
+    assert kernel not in targets(lambda x: F.linear(x, w.half()), x.half(), DecodeMatmulPass())
+    assert kernel not in targets(lambda x: x @ w.T.contiguous(), x, DecodeMatmulPass())  # a [K, N] weight
     assert kernel not in targets(lambda x: x @ wb.T.contiguous(), xb, DecodeMatmulPass())  # a [K, N] weight
     assert kernel not in targets(lambda x: F.linear(x, wb), xb, DecodeMatmulPass(few_rows_kernel=False))
     assert DecodeMatmulPass().uuid() != DecodeMatmulPass(few_rows_kernel=False).uuid() or not kernels.available()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ascend_graph import kernels
 
@@ -91,19 +93,20 @@ def test_eager_and_compiled_moe_both_call_the_kernel_and_agree_with_grouped_mm(m
     assert sum("expert_rows_mm" in t for t in targets) == 2, targets
 
 
-def test_the_kernel_moe_backend_runs_only_for_bfloat16_on_cpu_and_not_when_switched_off(monkeypatch):
+def test_the_kernel_moe_backend_runs_for_bfloat16_and_float32_on_cpu_and_not_when_switched_off(monkeypatch):
     from ascend_graph.moe.backend import KernelMoE
 
     cpu = torch.device("cpu")
-    assert not KernelMoE.supports(cpu, torch.float32)
-    assert KernelMoE.supports(cpu, torch.bfloat16) == kernels.available()
+    assert not KernelMoE.supports(cpu, torch.float16)
+    assert KernelMoE.supports(cpu, torch.bfloat16) == KernelMoE.supports(cpu, torch.float32) == kernels.available()
     monkeypatch.setenv("ASCEND_GRAPH_EXPERT_KERNEL", "0")
     assert not kernels.available() and not KernelMoE.supports(cpu, torch.bfloat16)
+    assert not KernelMoE.supports(cpu, torch.float32)
 
 
 @needs_kernel
 @pytest.mark.parametrize("case,message", [
-    ("dtype", "must be bfloat16"), ("shape", "expected x [P, K], w [X, N, K], ends [X]"),
+    ("dtype", "must be bfloat16 or float32 CPU tensors of one dtype, got torch.float32/torch.bfloat16"), ("shape", "expected x [P, K], w [X, N, K], ends [X]"),
     ("ends", "ends[-1] must be the row count 5"),
 ])
 def test_bad_input_is_refused_naming_what_was_expected(case, message):
@@ -167,8 +170,10 @@ def test_rows_mm_wide_forms_keep_nan_and_inf_to_their_rows(rows):
 @needs_kernel
 def test_rows_mm_refuses_bad_input_by_name():
     x, w = torch.zeros(2, 32, dtype=torch.bfloat16), torch.zeros(8, 32, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="rows_mm: x and w must be bfloat16"):
+    with pytest.raises(ValueError, match="rows_mm: x and w must be bfloat16 or float32 CPU tensors of one dtype"):
         torch.ops.ascend_graph.rows_mm(x.float(), w)
+    with pytest.raises(ValueError, match="rows_mm: x and w must be bfloat16 or float32 .* got torch.float16"):
+        torch.ops.ascend_graph.rows_mm(x.half(), w.half())
     with pytest.raises(ValueError, match=r"rows_mm: expected x \[M, K\] and w \[N, K\]; got \(2, 32\), \(8, 16\)"):
         torch.ops.ascend_graph.rows_mm(x, w[:, :16])
 
@@ -216,3 +221,56 @@ def test_rows_bmm_refuses_bad_input_by_name():
         torch.ops.ascend_graph.rows_bmm(x, w.float())
     with pytest.raises(ValueError, match=r"rows_bmm: expected x \[X, M, K\] and w \[X, K, N\]; got \(2, 3, 32\), \(2, 16, 8\)"):
         torch.ops.ascend_graph.rows_bmm(x, w[:, :16])
+
+
+# ---- float32: the same forms over float32 weights (csrc/matmul_f32.c) ----
+
+def _assert_float32_sums(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, exact: torch.Tensor) -> None:
+    """float32 sums of K products: within K * 2^-23 of the sum of |products| (the float32 error
+    bound of any summation order) of the float64 product ``exact``."""
+    bound = (x.double().abs() @ w.double().abs().transpose(-1, -2)) * x.shape[-1] * 2 ** -23
+    assert got.dtype == torch.float32 and got.shape == exact.shape
+    assert ((got.double() - exact).abs() <= bound + 1e-30).all()
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+# rows per expert: the tiles (AVX-512 up to 8, AVX2 up to 15 and the rest past whole chunks of 16),
+# the wide form from 9 rows (AVX2: 16), past one chunk of 64; K with and without a tail of a
+# load's 16, odd (a last pair with 0); N ending in part tiles
+@given(counts=st.lists(st.sampled_from([0, 1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 33, 64, 70]), min_size=1, max_size=4),
+       n=st.sampled_from([1, 5, 7, 13, 121, 250]), k=st.sampled_from([1, 15, 16, 17, 33, 130]),
+       threads=st.sampled_from([1, 2]), seed=st.integers(0, 2 ** 16))
+def test_float32_rows_times_their_experts_weight_within_float32_sums(counts, n, k, threads, seed):
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(len(counts), n, k, generator=gen)
+    x = torch.randn(int(ends[-1]), k, generator=gen)
+    got = _on_threads(threads, lambda: torch.ops.ascend_graph.expert_rows_mm(x, w, ends))
+    starts = [0] + ends[:-1].tolist()
+    for e, (s, t) in enumerate(zip(starts, ends.tolist())):
+        _assert_float32_sums(got[s:t], x[s:t], w[e], x[s:t].double() @ w[e].double().T)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 4, 8, 9, 16, 32, 64, 65])
+def test_float32_rows_mm_is_a_linear_within_float32_sums(rows):
+    """At a checkpoint's width (K = 2048, N past one work item of 120 weight rows)."""
+    gen = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(250, 2048, generator=gen), torch.randn(rows, 2048, generator=gen)
+    got = torch.ops.ascend_graph.rows_mm(x, w)
+    _assert_float32_sums(got, x, w, x.double() @ w.double().T)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w), atol=1e-3, rtol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [3, 8, 24])  # the tiles, and the wide form (AVX2: the tiles)
+def test_float32_forms_keep_nan_and_inf_to_their_rows(rows):
+    """A NaN or an infinity in a row reaches that row's outputs only, as in aten."""
+    x, w = torch.ones(rows, 64), torch.ones(40, 64)
+    x[1, 5], x[rows - 1, 0] = float("nan"), float("inf")
+    got = torch.ops.ascend_graph.rows_mm(x, w)
+    assert got[1].isnan().all() and (got[rows - 1] == float("inf")).all()
+    keep = torch.ones(rows, dtype=torch.bool)
+    keep[[1, rows - 1]] = False
+    assert (got[keep] == 64).all()

@@ -187,7 +187,7 @@ def test_each_build_computes_what_the_kernel_computes(name, tmp_path):
     """Each build as it runs on a CPU that has its instructions, whatever the native build here:
     ``expert_rows`` through the forms that build has (AVX-512: 1-4 rows tiles, 5-8 pairs, 9 and
     more wide; AVX2: its tiles at every count, part tiles of rows and of weight rows), with K
-    tails, and ``kn_rows`` (interleaved panels, a partial column block, an odd K) within one
+    tails, ``expert_rows_f32`` likewise (float32 sums: within K * 2^-23 of the sum of |products|), and ``kn_rows`` (interleaved panels, a partial column block, an odd K) within one
     rounding of float64, as the tests above hold the native build. So a machine with AVX512-BF16
     keeps the AVX2 forms tested too (``decode_attention``'s builds:
     ``test_decode_attention.test_each_instruction_set_build_computes_the_same_attention``)."""
@@ -205,6 +205,13 @@ def test_each_build_computes_what_the_kernel_computes(name, tmp_path):
         out = torch.full((x.shape[0], n), float("nan"), dtype=torch.bfloat16)
         assert dll.expert_rows(x.data_ptr(), w.data_ptr(), ends.data_ptr(), out.data_ptr(), len(counts), n, k, 1) == 0
         _assert_one_rounding(out, _oracle(x, w, ends))
+        xf, wf = x.float() * 1.5, w.float() * 0.75  # values that are not all bf16
+        out = torch.full((x.shape[0], n), float("nan"))
+        assert dll.expert_rows_f32(xf.data_ptr(), wf.data_ptr(), ends.data_ptr(), out.data_ptr(), len(counts), n, k,
+                                   1) == 0
+        exact = _oracle(xf, wf, ends)
+        bound = _oracle(xf.abs(), wf.abs(), ends) * k * 2 ** -23  # float32 sums in any order
+        assert ((out.double() - exact).abs() <= bound).all()
     for e, rows, k, n in [(3, 5, 65, 80), (2, 16, 512, 512)]:
         x = torch.randn(e, rows, k, generator=gen).to(torch.bfloat16)
         w = torch.randn(e, k, n, generator=gen).to(torch.bfloat16)

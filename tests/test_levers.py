@@ -44,6 +44,7 @@ def test_backend_levers_run_on_a_copy_sharing_the_weights():
     assert chosen[levers.MOE_GATHERED].backends == (None, "gathered")
     model = DeepseekForCausalLM(DeepseekConfig.small(), dtype=torch.float32, seed=0)
     copy = with_backends(model, *chosen[levers.MOE_GATHERED].backends)
-    assert copy.backends()["moe"] == "gathered" and model.backends()["moe"] == "grouped_mm"
+    assert copy.backends()["moe"] == "gathered"
+    assert model.backends()["moe"] == ("cpu_kernel" if kernels.available() else "grouped_mm")
     own = {p.data_ptr() for p in model.parameters()}
     assert {p.data_ptr() for p in copy.parameters()} == own

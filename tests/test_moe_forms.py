@@ -38,13 +38,14 @@ def test_each_expert_form_matches_per_token_loop(tokens):
 
 def test_selection_prefers_the_kernel_then_grouped_mm_and_names_bad_requests():
     cpu = torch.device("cpu")
-    assert select_moe_backend(cpu, torch.float32).name == "grouped_mm"
-    assert select_moe_backend(cpu, torch.bfloat16).name == ("cpu_kernel" if kernels.available() else "grouped_mm")
+    for dtype in (torch.float32, torch.bfloat16):
+        assert select_moe_backend(cpu, dtype).name == ("cpu_kernel" if kernels.available() else "grouped_mm")
+    assert select_moe_backend(cpu, torch.float16).name == "grouped_mm"
     assert select_moe_backend(cpu, torch.float32, "gathered").name == "gathered"
     with pytest.raises(ValueError, match="moe backend must be one of"):
         select_moe_backend(cpu, torch.float32, "fused")
-    with pytest.raises(ValueError, match="does not run for torch.float32 weights on cpu"):
-        select_moe_backend(cpu, torch.float32, "cpu_kernel")
+    with pytest.raises(ValueError, match="does not run for torch.float16 weights on cpu"):
+        select_moe_backend(cpu, torch.float16, "cpu_kernel")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -109,10 +109,11 @@ def _library() -> ctypes.CDLL | None:
     return _bind(dll) if dll.expert_rows_available() else None
 
 
-# Each entry point's argument types (every one returns an int status): ``expert_rows``
-# (``csrc/moe.c``), ``kn_rows`` (``csrc/matmul_kn.c``), ``decode_attention`` (``csrc/decode_attention.c``).
+# Each entry point's argument types (every one returns an int status): ``expert_rows`` and
+# ``expert_rows_f32`` (``csrc/moe.c``; float32: ``csrc/matmul_f32.c``), ``kn_rows`` (``csrc/matmul_kn.c``), ``decode_attention`` (``csrc/decode_attention.c``).
 _ENTRIES = (
     ("expert_rows", (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 3 + (ctypes.c_int,)),
+    ("expert_rows_f32", (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 3 + (ctypes.c_int,)),
     ("kn_rows", (ctypes.c_void_p,) * 2 + (ctypes.c_long, ctypes.c_void_p) + (ctypes.c_long,) * 4 + (ctypes.c_int,)),
     ("decode_attention", (ctypes.c_void_p,) * 8 + (ctypes.c_long,) * 6 + (ctypes.c_void_p,) + (ctypes.c_long,) * 2
      + (ctypes.c_float, ctypes.c_int, ctypes.c_int)),

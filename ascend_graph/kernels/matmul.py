@@ -1,5 +1,5 @@
-"""``ascend_graph::rows_mm`` and ``ascend_graph::rows_bmm``: bf16 products of a few rows over
-weights as they are stored, row-major ``[N, K]`` and ``[K, N]``. The compiled decode step runs
+"""``ascend_graph::rows_mm`` and ``ascend_graph::rows_bmm``: products of a few rows over weights
+as they are stored, row-major ``[N, K]`` (bfloat16 or float32) and ``[K, N]`` (bfloat16). The compiled decode step runs
 them (``compile.inductor.DecodeMatmulPass``; graph mode only, eager keeps aten's)."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from . import ops
 
 @torch.library.custom_op("ascend_graph::rows_mm", mutates_args=())
 def rows_mm(x: Tensor, w: Tensor) -> Tensor:
-    """``x [M, K] @ w[N, K].T -> [M, N]``, as ``F.linear(x, w)``, each output the float32 sum
-    rounded once to bf16: ``expert_rows_mm``'s kernel with one "expert". CPU, bfloat16; call only
-    where ``available()``. The compiled step runs it for 2 to ``compile.inductor.ROWS_MM_MAX`` rows
-    (1 where ``one_row_kernel()``)."""
-    ops.check_bf16_cpu("rows_mm", x, w)
+    """``x [M, K] @ w[N, K].T -> [M, N]``, as ``F.linear(x, w)``, each output a float32 sum (bf16:
+    rounded once): ``expert_rows_mm``'s kernel with one "expert". CPU, bfloat16 or float32; call
+    only where ``available()``. The compiled step runs it for the rows ``decode_matmul.runs_rows_mm``
+    names."""
+    ops.check_bf16_cpu("rows_mm", x, w, tuple(ops.ROWS_ENTRIES))
     ops.check_shapes("rows_mm", x.dim() == 2 and w.dim() == 2 and w.shape[1] == x.shape[1],
                      "x [M, K] and w [N, K]", x, w)
     end = ctypes.c_int32(x.shape[0])  # one "expert": no tensor for its row end on every call

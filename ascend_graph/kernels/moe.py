@@ -16,8 +16,9 @@ def expert_rows_mm(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
     """``x [P, K]`` rows sorted by expert, ``w [X, N, K]`` the experts' weights, ``ends [X]``
     int32 the end of each expert's rows (``ends[-1] = P``) -> ``[P, N]``: each row times its
     expert's weight transposed, as ``torch._grouped_mm(x, w.transpose(1, 2), offs=ends)``, each
-    output the float32 sum rounded once to bf16. CPU, bfloat16; call only where ``available()``."""
-    ops.check_bf16_cpu("expert_rows_mm", x, w)
+    output a float32 sum (bf16: rounded once). CPU, bfloat16 or float32; call only where
+    ``available()``."""
+    ops.check_bf16_cpu("expert_rows_mm", x, w, tuple(ops.ROWS_ENTRIES))
     ops.check_shapes("expert_rows_mm", x.dim() == 2 and w.dim() == 3 and w.shape[2] == x.shape[1]
                      and ends.shape == (w.shape[0],), "x [P, K], w [X, N, K], ends [X]", x, w, ends)
     if x.shape[0] and int(ends[-1]) != x.shape[0]:

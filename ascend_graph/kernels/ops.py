@@ -3,7 +3,8 @@ argument and what was expected, raised before anything runs) and their calls int
 library (``build._library()``). The ops themselves: ``matmul`` (``rows_mm``, ``rows_bmm``),
 ``moe`` (``expert_rows_mm``), ``attention`` (``decode_attention``).
 
-CPU, bfloat16 (``decode_attention`` float32 too); each op is called only where ``build.available()``.
+CPU; ``expert_rows_mm``, ``rows_mm`` and ``decode_attention`` bfloat16 or float32, ``rows_bmm``
+bfloat16; each op is called only where ``build.available()``.
 """
 
 from __future__ import annotations
@@ -14,10 +15,16 @@ from torch import Tensor
 from . import build
 
 
-def check_bf16_cpu(name: str, x: Tensor, w: Tensor) -> None:
-    """The ops take bfloat16 CPU tensors only (``x`` and the weight or cache ``w``): ValueError otherwise."""
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu" or w.device.type != "cpu":
-        raise ValueError(f"{name}: x and w must be bfloat16 CPU tensors, got {x.dtype}/{w.dtype} "
+# The element types of the row-major forms' entries (``_run``): bfloat16 and float32.
+ROWS_ENTRIES = {torch.bfloat16: "expert_rows", torch.float32: "expert_rows_f32"}
+
+
+def check_bf16_cpu(name: str, x: Tensor, w: Tensor, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> None:
+    """``x`` and the weight or cache ``w`` must be CPU tensors of one dtype among ``dtypes``
+    (default bfloat16 only): ValueError otherwise."""
+    if x.dtype not in dtypes or w.dtype != x.dtype or x.device.type != "cpu" or w.device.type != "cpu":
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name}: x and w must be {names} CPU tensors of one dtype, got {x.dtype}/{w.dtype} "
                          f"on {x.device}/{w.device}")
 
 
@@ -33,12 +40,14 @@ def _status(name: str, status: int, what: str) -> None:
 
 
 def _run(name: str, x: Tensor, w: Tensor, ends: int) -> Tensor:
-    """``expert_rows`` (``csrc/moe.c``) on checked arguments: ``x [P, K]``, ``w [X, N, K]``,
-    ``ends`` the address of X int32 row ends (kept alive by the caller) -> ``[P, N]``."""
+    """``expert_rows`` (``csrc/moe.c``; ``expert_rows_f32`` for float32) on checked arguments:
+    ``x [P, K]``, ``w [X, N, K]``, ``ends`` the address of X int32 row ends (kept alive by the
+    caller) -> ``[P, N]`` in their dtype."""
     x, w = x.contiguous(), w.contiguous()
-    out = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16)
-    status = build._library().expert_rows(x.data_ptr(), w.data_ptr(), ends, out.data_ptr(),
-                                          w.shape[0], w.shape[1], w.shape[2], torch.get_num_threads())
+    out = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype)
+    entry = getattr(build._library(), ROWS_ENTRIES[x.dtype])
+    status = entry(x.data_ptr(), w.data_ptr(), ends, out.data_ptr(), w.shape[0], w.shape[1], w.shape[2],
+                   torch.get_num_threads())
     _status(name, status, "copied rows")
     return out
 

@@ -44,21 +44,22 @@ class MoEBackend:
 
 
 class KernelMoE(MoEBackend):
-    """Sorted rows through the project's ``expert_rows_mm``: bfloat16 on a CPU where it builds."""
+    """Sorted rows through the project's ``expert_rows_mm``: bfloat16 or float32 on a CPU where it builds."""
 
     name = "cpu_kernel"
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
-        return device.type == "cpu" and dtype == torch.bfloat16 and kernels.available()
+        return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and kernels.available()
 
     def decode(self, experts, x, weights, ids):
         return experts.sorted_by_expert(x, weights, ids, kernel=True)
 
 
 class GroupedMMMoE(MoEBackend):
-    """Sorted rows through ``torch._grouped_mm``: CPU float32 / bfloat16 / float16, and CUDA
-    bfloat16 on compute capability 9.0 or later (where torch's grouped kernels run)."""
+    """Sorted rows through ``torch._grouped_mm``: CPU float32 / bfloat16 / float16 (where the
+    kernel does not run), and CUDA bfloat16 on compute capability 9.0 or later (where torch's
+    grouped kernels run)."""
 
     name = "grouped_mm"
 

@@ -12,8 +12,10 @@ from ... import kernels, runtime
 
 # Where one-row matmuls become reductions (CPU only: elsewhere aten's GEMV is kept).
 SINGLE_ROW_MATMUL_AS_REDUCTION = {"cpu": True, "cuda": False, "npu": False}
-# The most rows a bfloat16 matmul takes the kernel's ``rows_mm`` for (decode batches stop here).
+# The most rows a bfloat16 or float32 matmul takes the kernel's ``rows_mm`` for (decode batches stop here).
 ROWS_MM_MAX = 64
+# The fewest rows a float32 matmul takes ``rows_mm`` for: aten's float32 GEMV streams slower (docs/cpu-kernels.md).
+FLOAT32_ROWS_MM_MIN = 1
 # Batched bf16 products take the kernel where each entry has at most ``rows max`` rows and a
 # matrix of at least ``min elements`` elements, per the kernel's build (docs/cpu-kernels.md).
 BATCHED_LIMITS = {"AVX512-BF16": (32, 1 << 17), "AVX2": (ROWS_MM_MAX, 1 << 13)}
@@ -36,8 +38,9 @@ class DecodeMatmulPass(CustomGraphPass):
       streams the weight once and folds an indexing that produced it (gathered experts) into the
       same loop; a reduction longer than ``runtime.LONG_REDUCTION`` is split into equal chunks.
     - ``mm``/``addmm`` of ``min_rows`` (2; 1 with ``one_row_kernel``) to ``ROWS_MM_MAX`` rows,
-      bfloat16, over a row-major ``[N, K]`` weight transposed -> ``ascend_graph::rows_mm``; a bias
-      or fused residual is added after the product is rounded, as eager's separate add is.
+      bfloat16, or ``FLOAT32_ROWS_MM_MIN`` to ``ROWS_MM_MAX`` rows float32, over a row-major
+      ``[N, K]`` weight transposed -> ``ascend_graph::rows_mm``; a bias or fused residual is added
+      after the product is rounded, as eager's separate add is.
     - ``bmm`` of batch 1 with more rows -> ``mm`` of the two matrices (aten's CPU ``bmm`` copies an
       operand whose size-1 batch has a zero stride).
     - ``bmm(x [B, M, K], w [B, K, N])`` bfloat16 with 2 <= M <= ``batched_rows_max`` and
@@ -73,7 +76,7 @@ class DecodeMatmulPass(CustomGraphPass):
                 continue
             kernel_rows = (self.few_rows_kernel and node.target is not aten.bmm.default
                            and self._few_rows(x, w, 1 if self.one_row_kernel else 2)
-                           and (bias is None or bias.meta["val"].dtype == torch.bfloat16))
+                           and (bias is None or bias.meta["val"].dtype == x.meta["val"].dtype))
             if not kernel_rows and self._applies(x, w):
                 with graph.inserting_before(node):
                     out = self._reduction(graph, x, w, node.meta["val"].dtype, bias)
@@ -208,11 +211,15 @@ class DecodeMatmulPass(CustomGraphPass):
 
 def runs_rows_mm(x: torch.Tensor, w: torch.Tensor, min_rows: int = 2) -> bool:
     """Whether ``DecodeMatmulPass`` has the compiled step compute ``x @ w.T`` (``x [M, K]``,
-    ``w [N, K]``; real or fake tensors) with ``rows_mm``: both bfloat16 on CPU, ``min_rows`` <= M <=
-    ``ROWS_MM_MAX`` (1 with ``DecodeMatmulPass.one_row_kernel``), ``w`` contiguous (a row-major
-    weight), and the kernel runs here."""
-    if x.dim() != 2 or w.dim() != 2 or any(v.dtype != torch.bfloat16 or v.device.type != "cpu" for v in (x, w)):
+    ``w [N, K]``; real or fake tensors) with ``rows_mm``: both bfloat16 on CPU with ``min_rows`` <= M
+    <= ``ROWS_MM_MAX`` (1 with ``DecodeMatmulPass.one_row_kernel``), or both float32 with
+    ``FLOAT32_ROWS_MM_MIN`` <= M <= ``ROWS_MM_MAX``; ``w`` contiguous (a row-major weight), and the
+    kernel runs here."""
+    if (x.dim() != 2 or w.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32) or w.dtype != x.dtype
+            or x.device.type != "cpu" or w.device.type != "cpu"):
         return False
+    if x.dtype == torch.float32:
+        min_rows = FLOAT32_ROWS_MM_MIN
     rows = x.shape[0]
     return isinstance(rows, int) and min_rows <= rows <= ROWS_MM_MAX and w.is_contiguous() and kernels.available()
 

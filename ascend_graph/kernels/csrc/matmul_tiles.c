@@ -8,22 +8,22 @@
 #if AG_VEC_BITS
 #define TM 4 /* input rows per tile */
 
-void ag_put_rows(const uint16_t *x, long k, long rows, ag_xrow_t *dst, long ldx) {
+void ag_put_rows(const ag_elem_t *x, long k, long rows, ag_xrow_t *dst, long ldx) {
     for (long m = 0; m < rows; m++) ag_xrow_put(x + m * k, k, dst + m * ldx, ldx);
 }
 
 /* out[a, i + b] = dot(x row a, w row i + b) for a < tm, b < tn: x rows at stride ldx, w rows at
  * stride k, out rows at stride ldo. pf: tn weight rows to prefetch into L2 alongside (stride k),
  * or NULL. tm and tn are constants where it is inlined (tile_any), so the sums stay in registers. */
-AG_INLINE void tile(const uint16_t *w, long k, const ag_xrow_t *x, long ldx, uint16_t *out, long ldo, long i,
-                    const int tm, const int tn, const uint16_t *pf) {
+AG_INLINE void tile(const ag_elem_t *w, long k, const ag_xrow_t *x, long ldx, ag_elem_t *out, long ldo, long i,
+                    const int tm, const int tn, const ag_elem_t *pf) {
     const long full = k / AG_TILE_STEP * AG_TILE_STEP;
-    const uint16_t *wr = w + i * k;
+    const ag_elem_t *wr = w + i * k;
     ag_tile_acc acc[TM][AG_TILE_N];
     for (int a = 0; a < tm; a++)
         for (int b = 0; b < tn; b++) acc[a][b] = ag_tile_zero();
     for (long c = 0; c < full; c += AG_TILE_STEP) {
-        if (pf && (c & 31) == 0) /* one 64-byte line of each row per 32 elements */
+        if (pf && (c & (AG_LINE_ELEMS - 1)) == 0) /* one 64-byte line of each row per line of elements */
             for (int b = 0; b < tn; b++) ag_prefetch_l2(pf + b * k + c);
 #if AG_TILE_WEIGHTS_FIRST /* the ISAs' one difference of loop order (vec_*.h; docs/cpu-kernels.md) */
         ag_tile_w wv[AG_TILE_N];
@@ -56,8 +56,8 @@ AG_INLINE void tile(const uint16_t *w, long k, const ag_xrow_t *x, long ldx, uin
         default: tile(w, k, x, ldx, out, ldo, i, tm, AG_TILE_N, pf); break;      \
     }
 
-static void tile_any(const uint16_t *w, long k, const ag_xrow_t *x, long ldx, uint16_t *out, long ldo, long i,
-                     int tm, int tn, const uint16_t *pf) {
+static void tile_any(const ag_elem_t *w, long k, const ag_xrow_t *x, long ldx, ag_elem_t *out, long ldo, long i,
+                     int tm, int tn, const ag_elem_t *pf) {
     switch (tm) {
         case 1: TILE_TN(1) break;
         case 2: TILE_TN(2) break;
@@ -66,11 +66,11 @@ static void tile_any(const uint16_t *w, long k, const ag_xrow_t *x, long ldx, ui
     }
 }
 
-void ag_rows_block(const uint16_t *w, long n, long k, const ag_xrow_t *x, long ldx, uint16_t *out, long ldo,
-                   long i0, long i1, long rows, const uint16_t *next) {
+void ag_rows_block(const ag_elem_t *w, long n, long k, const ag_xrow_t *x, long ldx, ag_elem_t *out, long ldo,
+                   long i0, long i1, long rows, const ag_elem_t *next) {
     for (long i = i0; i < i1; i += AG_TILE_N) {
         int tn = i1 - i < AG_TILE_N ? (int)(i1 - i) : AG_TILE_N;
-        const uint16_t *pf = ag_ahead(w, n, k, i + AG_AHEAD * AG_TILE_N, AG_TILE_N, next);
+        const ag_elem_t *pf = ag_ahead(w, n, k, i + AG_AHEAD * AG_TILE_N, AG_TILE_N, next);
         for (long a = 0; a < rows; a += TM)
             tile_any(w, k, x + a * ldx, ldx, out + a * ldo, ldo, i, rows - a < TM ? (int)(rows - a) : TM, tn,
                      a ? NULL : pf);

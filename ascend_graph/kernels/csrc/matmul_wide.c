@@ -37,27 +37,23 @@ long ag_packed_dwords(long rows, long k) {
 /* one chunk: element pair p of row m in vector m / AG_LANES of pair p (an odd k's last pair
  * (x[k - 1], 0)); the pairs form: step s, lanes 2m and 2m + 1, elements 4s .. 4s + 3 of row m.
  * Lanes without a row, and the elements past k, are zero. */
-static void pack_chunk(const uint16_t *x, long k, long rows, uint32_t *xq) {
+static void pack_chunk(const ag_elem_t *x, long k, long rows, uint32_t *xq) {
     memset(xq, 0, (size_t)chunk_dwords(rows, k) * 4);
     const long mq = AG_LANES_DWORDS * chunk_vectors(rows);
     for (long m = 0; m < rows; m++) {
-        const uint16_t *xr = x + m * k;
+        const ag_elem_t *xr = x + m * k;
         if (pairs_form(rows)) {
             for (long s = 0; s < k / 4; s++) memcpy(xq + s * 16 + 2 * m, xr + 4 * s, 8);
             if (k & 3) memcpy(xq + k / 4 * 16 + 2 * m, xr + k / 4 * 4, (size_t)(k & 3) * 2);
             continue;
         }
         uint32_t *vec = xq + m / AG_LANES * AG_LANES_DWORDS;
-        for (long p = 0; p < k / 2; p++) {
-            uint32_t pair;
-            memcpy(&pair, xr + 2 * p, 4);
-            ag_lanes_pack(vec + p * mq, (int)(m % AG_LANES), pair);
-        }
-        if (k & 1) ag_lanes_pack(vec + k / 2 * mq, (int)(m % AG_LANES), xr[k - 1]);
+        for (long p = 0; p < k / 2; p++) ag_lanes_pack(vec + p * mq, (int)(m % AG_LANES), xr[2 * p], xr[2 * p + 1]);
+        if (k & 1) ag_lanes_pack(vec + k / 2 * mq, (int)(m % AG_LANES), xr[k - 1], 0);
     }
 }
 
-void ag_pack_rows(const uint16_t *x, long k, long rows, uint32_t *xq) {
+void ag_pack_rows(const ag_elem_t *x, long k, long rows, uint32_t *xq) {
     for (long m0 = 0; m0 < rows; m0 += AG_WIDE_ROWS) {
         long mr = chunk_rows(rows, m0);
         pack_chunk(x + m0 * k, k, mr, xq);
@@ -67,29 +63,27 @@ void ag_pack_rows(const uint16_t *x, long k, long rows, uint32_t *xq) {
 
 /* out[m, i + b] = dot(x row m, w row i + b) for m < rows, b < nw: xq one packed chunk of mj
  * vectors; pf: nw weight rows to prefetch into L2, or NULL */
-AG_INLINE void lanes_tile(const uint16_t *w, long k, const uint32_t *xq, uint16_t *out, long ldo, long rows, long i,
-                          const int nw, const int mj, const uint16_t *pf) {
+AG_INLINE void lanes_tile(const ag_elem_t *w, long k, const uint32_t *xq, ag_elem_t *out, long ldo, long rows, long i,
+                          const int nw, const int mj, const ag_elem_t *pf) {
     const long pairs = k / 2, mq = AG_LANES_DWORDS * mj;
-    const uint16_t *wr = w + i * k;
+    const ag_elem_t *wr = w + i * k;
     ag_lanes_acc acc[AG_WIDE_NW][MJ_MAX];
     ag_lanes_x xv[MJ_MAX];
     for (int b = 0; b < nw; b++)
         for (int j = 0; j < mj; j++) acc[b][j] = ag_lanes_zero();
     for (long p = 0; p < pairs; p++) {
-        if (pf && (p & 15) == 0) /* one 64-byte line of each row per 16 pairs */
+        if (pf && (p & (AG_LINE_ELEMS / 2 - 1)) == 0) /* one 64-byte line of each row per line of pairs */
             for (int b = 0; b < nw; b++) ag_prefetch_l2(pf + b * k + 2 * p);
         for (int j = 0; j < mj; j++) xv[j] = ag_lanes_load(xq + p * mq + AG_LANES_DWORDS * j);
         for (int b = 0; b < nw; b++) {
-            int32_t pair;
-            memcpy(&pair, wr + b * k + 2 * p, 4);
-            ag_lanes_w wb = ag_lanes_pair(pair);
+            ag_lanes_w wb = ag_lanes_wpair(wr + b * k + 2 * p);
             for (int j = 0; j < mj; j++) acc[b][j] = ag_lanes_dot(acc[b][j], wb, xv[j]);
         }
     }
     if (k & 1) { /* an odd k's last element alone: no read past the row */
         for (int j = 0; j < mj; j++) xv[j] = ag_lanes_load(xq + pairs * mq + AG_LANES_DWORDS * j);
         for (int b = 0; b < nw; b++) {
-            ag_lanes_w wb = ag_lanes_pair((int32_t)wr[b * k + k - 1]);
+            ag_lanes_w wb = ag_lanes_wlast(wr[b * k + k - 1]);
             for (int j = 0; j < mj; j++) acc[b][j] = ag_lanes_dot(acc[b][j], wb, xv[j]);
         }
     }
@@ -97,9 +91,9 @@ AG_INLINE void lanes_tile(const uint16_t *w, long k, const uint32_t *xq, uint16_
     for (int b = 0; b < nw; b++)
         for (int j = 0; j < mj; j++) ag_lanes_round(sums + (b * mj + j) * AG_LANES, acc[b][j]);
     for (long m = 0; m < rows; m++) { /* a row's nw outputs in one store */
-        uint16_t o[AG_WIDE_NW];
-        for (int b = 0; b < nw; b++) o[b] = (uint16_t)sums[b * mj * AG_LANES + m];
-        memcpy(out + m * ldo + i, o, (size_t)nw * 2);
+        ag_elem_t o[AG_WIDE_NW];
+        for (int b = 0; b < nw; b++) o[b] = ag_from_lane(sums[b * mj * AG_LANES + m]);
+        memcpy(out + m * ldo + i, o, (size_t)nw * sizeof(ag_elem_t));
     }
 }
 
@@ -150,8 +144,8 @@ AG_INLINE void pairs_tile(const uint16_t *w, long k, const uint32_t *xq, uint16_
 
 /* weight rows i .. i + nw - 1 against one packed chunk of rows, in the form its size takes; nw
  * is 1, AG_WIDE_NW or chunk_nw(AG_WIDE_ROWS) (PW or 1 in the pairs form) */
-AG_INLINE void chunk_tile(const uint16_t *w, long k, const uint32_t *xq, uint16_t *out, long ldo, long rows, long i,
-                       int nw, const uint16_t *pf) {
+AG_INLINE void chunk_tile(const ag_elem_t *w, long k, const uint32_t *xq, ag_elem_t *out, long ldo, long rows, long i,
+                       int nw, const ag_elem_t *pf) {
 #if AG_PAIRS_FORM
     if (pairs_form(rows)) {
         if (nw == 1) pairs_tile(w, k, xq, out, ldo, rows, i, 1, pf);
@@ -167,11 +161,11 @@ AG_INLINE void chunk_tile(const uint16_t *w, long k, const uint32_t *xq, uint16_
 
 /* Each tile of weight rows against every chunk while its rows are in cache; the tile's size is
  * the first (largest) chunk's; the last few weight rows one at a time. */
-void ag_wide_range(const uint16_t *w, long n, long k, const uint32_t *xq, uint16_t *out, long ldo, long rows,
-                   long i0, long i1, const uint16_t *next) {
+void ag_wide_range(const ag_elem_t *w, long n, long k, const uint32_t *xq, ag_elem_t *out, long ldo, long rows,
+                   long i0, long i1, const ag_elem_t *next) {
     const int nw = chunk_nw(chunk_rows(rows, 0));
     for (long i = i0; i < i1; i += nw) {
-        const uint16_t *pf = ag_ahead(w, n, k, i + AG_AHEAD * nw, nw, next);
+        const ag_elem_t *pf = ag_ahead(w, n, k, i + AG_AHEAD * nw, nw, next);
         const uint32_t *xc = xq;
         for (long m0 = 0; m0 < rows; m0 += AG_WIDE_ROWS) {
             long mr = chunk_rows(rows, m0);

@@ -1,14 +1,17 @@
 /* The MoE entry: each routed expert's few rows times its weight, over the weights as the
  * checkpoint stores them (row-major [n, k] per expert, nothing packed); with one "expert", a dense
  * product of a few rows. An expert's rows go through the tiles, or, from AG_WIDE_MIN rows, the
- * wide forms (matmul_tiles.c, matmul_wide.c). Exported: expert_rows, expert_rows_available. */
+ * wide forms (matmul_tiles.c, matmul_wide.c). Exported: expert_rows, expert_rows_available; and,
+ * compiled again over float32 (matmul_f32.c), expert_rows_f32. */
 #include <stdlib.h>
 
 #include "matmul.h"
 
+#if !AG_F32
 /* The vector width this build's kernel is written in: 512 (AVX512-BF16), 256 (AVX2 and FMA), or
  * 0: no kernel on this CPU (every other entry returns -1). */
 AG_EXPORT int expert_rows_available(void) { return AG_VEC_BITS; }
+#endif
 
 #if AG_VEC_BITS
 /* rows of expert e (ends as for expert_rows) */
@@ -17,10 +20,10 @@ static inline long first_row(const int32_t *ends, long e) { return e ? ends[e - 
 
 /* out[p, :] = x[p, :] @ w[e].T for the rows p of expert e, ends[e-1] <= p < ends[e] (ends
  * non-decreasing, ends[experts-1] = the row count): x [rows, k], w [experts, n, k], out [rows, n],
- * all bfloat16 and contiguous. threads > 1 splits the work (experts by AG_COLS weight rows) over
+ * all bfloat16 (expert_rows_f32: float32) and contiguous. threads > 1 splits the work (experts by AG_COLS weight rows) over
  * OpenMP threads. Returns 0, or -1 where this build lacks the kernel or memory for the copied rows. */
-AG_EXPORT int expert_rows(const uint16_t *x, const uint16_t *w, const int32_t *ends, uint16_t *out, long experts,
-                          long n, long k, int threads) {
+AG_EXPORT int AG_TYPED(expert_rows)(const ag_elem_t *x, const ag_elem_t *w, const int32_t *ends, ag_elem_t *out,
+                                    long experts, long n, long k, int threads) {
 #if AG_VEC_BITS
     long rows = experts ? ends[experts - 1] : 0;
     /* the tiles' rows at xp (stride ldx); each expert's wide rows packed at xq + packed[e];
@@ -49,13 +52,20 @@ AG_EXPORT int expert_rows(const uint16_t *x, const uint16_t *w, const int32_t *e
         ag_put_rows(x + (start + wide) * k, k, count - wide, xp + (start + wide) * ldx, ldx);
     }
     long blocks = (n + AG_COLS - 1) / AG_COLS, items = experts * blocks;
+#if AG_F32
+    /* one row per weight streams it at about one core's read rate: on one thread, no team to wait
+     * for at the end (docs/cpu-kernels.md, "Float32 weights") */
+    long most = 0;
+    for (long e = 0; e < experts; e++) most = ends[e] - first_row(ends, e) > most ? ends[e] - first_row(ends, e) : most;
+    if (most < 2) threads = 1;
+#endif
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
     for (long item = 0; item < items; item++) {
         long e = item / blocks, b = item % blocks;
         long start = first_row(ends, e), count = ends[e] - start, wide = ag_wide_rows(count);
         if (count <= 0) continue;
         long i0 = b * AG_COLS, i1 = i0 + AG_COLS < n ? i0 + AG_COLS : n;
-        const uint16_t *we = w + e * n * k, *next = after[e] >= 0 ? w + after[e] * n * k : NULL;
+        const ag_elem_t *we = w + e * n * k, *next = after[e] >= 0 ? w + after[e] * n * k : NULL;
         if (wide) ag_wide_range(we, n, k, xq + packed[e], out + start * n, n, wide, i0, i1, next);
         if (count > wide)
             ag_rows_block(we, n, k, xp + (start + wide) * ldx, ldx, out + (start + wide) * n, n, i0, i1, count - wide,

@@ -89,8 +89,8 @@ AG_INLINE void ag_store_bf16x16(uint16_t *p, ag_f32x16 v, long count) {
 #define AG_TILE_STEP 16 /* weight elements per load: their odd ones, then their even ones, widened */
 #define AG_TILE_N 3     /* weight rows per tile: 4 x 3 sums of 8 lanes in 12 of the 16 registers */
 #define AG_TILE_WEIGHTS_FIRST 0 /* loop order: one widened weight vector at a time against the input rows */
-/* an input row as the tiles read it: per 16 elements (a weight load's span) the odd ones, then the
- * even ones, as float32; zero to ag_xrow_stride */
+/* an input row as the tiles read it, as float32, zero to ag_xrow_stride: bf16, per 16 elements (a
+ * weight load's span) the odd ones, then the even ones; float32 (AG_F32), the row as it is */
 typedef float ag_xrow_t;
 typedef __m256 ag_tile_acc;
 typedef struct { __m256 odd, even; } ag_tile_w;
@@ -98,22 +98,30 @@ typedef struct { __m256 odd, even; } ag_tile_w;
 /* elements between input rows as the tiles read them: whole steps plus 64 bytes (rows 4 KiB
  * apart would share L1 sets) */
 AG_INLINE long ag_xrow_stride(long k) { return (k + 15) / 16 * 16 + 16; }
-static inline void ag_xrow_put(const uint16_t *x, long k, ag_xrow_t *dst, long ldx) {
+static inline void ag_xrow_put(const ag_elem_t *x, long k, ag_xrow_t *dst, long ldx) {
     memset(dst, 0, (size_t)ldx * sizeof(float));
+#if AG_F32
+    memcpy(dst, x, (size_t)k * 4);
+#else
     for (long e = 0; e < k; e++) {
         uint32_t u = (uint32_t)x[e] << 16;
         memcpy(dst + e / 16 * 16 + (e & 1 ? 0 : 8) + e % 16 / 2, &u, 4);
     }
+#endif
 }
 AG_INLINE ag_tile_acc ag_tile_zero(void) { return _mm256_setzero_ps(); }
 AG_INLINE ag_tile_w ag_tile_widen(__m256i v) {
     return (ag_tile_w){_mm256_castsi256_ps(_mm256_and_si256(v, AG_HIGH16)),
                        _mm256_castsi256_ps(_mm256_slli_epi32(v, 16))};
 }
+#if AG_F32 /* 16 float32 elements as they are: the first 8, then the next 8 (as the input row holds them) */
+AG_INLINE ag_tile_w ag_tile_load(const float *w) { return (ag_tile_w){_mm256_loadu_ps(w), _mm256_loadu_ps(w + 8)}; }
+#else
 AG_INLINE ag_tile_w ag_tile_load(const uint16_t *w) { return ag_tile_widen(_mm256_loadu_si256((const __m256i *)w)); }
-AG_INLINE ag_tile_w ag_tile_load_part(const uint16_t *w, long count) {
-    uint16_t part[16] = {0};
-    memcpy(part, w, (size_t)count * 2);
+#endif
+AG_INLINE ag_tile_w ag_tile_load_part(const ag_elem_t *w, long count) {
+    ag_elem_t part[16] = {0};
+    memcpy(part, w, (size_t)count * sizeof(ag_elem_t));
     return ag_tile_load(part);
 }
 /* acc += AG_TILE_STEP weight elements w times the same span of an input row x */
@@ -127,15 +135,19 @@ AG_INLINE __m128 ag_hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
-/* out[b] = the sum of sums[b]'s lanes, rounded to bf16, for b < n: 4 reduced, rounded and stored together */
-AG_INLINE void ag_tile_store(uint16_t *out, const ag_tile_acc *sums, const int n) {
+/* out[b] = the sum of sums[b]'s lanes (bf16: rounded), for b < n: 4 reduced, rounded and stored together */
+AG_INLINE void ag_tile_store(ag_elem_t *out, const ag_tile_acc *sums, const int n) {
     const __m256 zero = _mm256_setzero_ps();
     for (int b = 0; b < n; b += 4) {
-        uint16_t o[4];
-        _mm_storel_epi64((__m128i *)o, ag_round4(ag_hsum4(sums[b], b + 1 < n ? sums[b + 1] : zero,
-                                                          b + 2 < n ? sums[b + 2] : zero,
-                                                          b + 3 < n ? sums[b + 3] : zero)));
-        memcpy(out + b, o, (size_t)(n - b < 4 ? n - b : 4) * 2);
+        ag_elem_t o[4];
+        __m128 four = ag_hsum4(sums[b], b + 1 < n ? sums[b + 1] : zero, b + 2 < n ? sums[b + 2] : zero,
+                               b + 3 < n ? sums[b + 3] : zero);
+#if AG_F32
+        _mm_storeu_ps(o, four);
+#else
+        _mm_storel_epi64((__m128i *)o, ag_round4(four));
+#endif
+        memcpy(out + b, o, (size_t)(n - b < 4 ? n - b : 4) * sizeof(ag_elem_t));
     }
 }
 
@@ -147,10 +159,10 @@ AG_INLINE void ag_tile_store(uint16_t *out, const ag_tile_acc *sums, const int n
 #define AG_WIDE_MIN 16      /* whole chunks only; part chunks take the tiles (docs/cpu-kernels.md) */
 #define AG_WIDE_WHOLE 1
 #define AG_PAIRS_FORM 0
-#define AG_LANES_DWORDS 16  /* dwords of one packed vector: 8 rows' odd elements, then their even ones */
+#define AG_LANES_DWORDS 16  /* dwords of one packed vector: 8 rows' odd elements, then their even ones, as float32 */
 typedef __m256 ag_lanes_acc;
 typedef struct { __m256 odd, even; } ag_lanes_x;
-typedef ag_tile_w ag_lanes_w; /* a weight pair broadcast and widened */
+typedef ag_tile_w ag_lanes_w; /* a weight pair broadcast (and widened): its odd element, its even one */
 
 AG_INLINE ag_lanes_acc ag_lanes_zero(void) { return _mm256_setzero_ps(); }
 /* (the empty asm keeps each loaded vector in a register: GCC otherwise folds the load into each
@@ -160,17 +172,37 @@ AG_INLINE ag_lanes_x ag_lanes_load(const uint32_t *xq) {
     __asm__("" : "+x"(odd), "+x"(even));
     return (ag_lanes_x){odd, even};
 }
-AG_INLINE ag_lanes_w ag_lanes_pair(int32_t pair) { return ag_tile_widen(_mm256_set1_epi32(pair)); }
+/* the weight pair (w[0], w[1]) broadcast; ag_lanes_wlast: the pair (w, 0) */
+#if AG_F32
+AG_INLINE ag_lanes_w ag_lanes_wpair(const float *w) { return (ag_lanes_w){_mm256_set1_ps(w[1]), _mm256_set1_ps(w[0])}; }
+AG_INLINE ag_lanes_w ag_lanes_wlast(float w) { return (ag_lanes_w){_mm256_setzero_ps(), _mm256_set1_ps(w)}; }
+#else
+AG_INLINE ag_lanes_w ag_lanes_wpair(const uint16_t *w) {
+    int32_t pair;
+    memcpy(&pair, w, 4);
+    return ag_tile_widen(_mm256_set1_epi32(pair));
+}
+AG_INLINE ag_lanes_w ag_lanes_wlast(uint16_t w) { return ag_tile_widen(_mm256_set1_epi32((int32_t)w)); }
+#endif
 AG_INLINE ag_lanes_acc ag_lanes_dot(ag_lanes_acc acc, ag_lanes_w w, ag_lanes_x x) {
     return _mm256_fmadd_ps(w.even, x.even, _mm256_fmadd_ps(w.odd, x.odd, acc));
 }
-/* a packed vector's lanes for input row `lane`: the pair (x[2p], x[2p + 1]) widened, x[2p + 1]
- * among the odd elements, x[2p] among the even ones */
-AG_INLINE void ag_lanes_pack(uint32_t *vec, int lane, uint32_t pair) {
-    vec[lane] = pair & 0xffff0000u;
-    vec[8 + lane] = pair << 16;
+/* a packed vector's lanes for input row `lane`: the pair (x0, x1) = (x[2p], x[2p + 1]) as float32,
+ * x1 among the odd elements, x0 among the even ones */
+AG_INLINE void ag_lanes_pack(uint32_t *vec, int lane, ag_elem_t x0, ag_elem_t x1) {
+#if AG_F32
+    memcpy(vec + lane, &x1, 4);
+    memcpy(vec + 8 + lane, &x0, 4);
+#else
+    vec[lane] = (uint32_t)x1 << 16;
+    vec[8 + lane] = (uint32_t)x0 << 16;
+#endif
 }
-/* the AG_LANES sums rounded to bf16, each in the low half of its dword at dst (32-byte aligned) */
+/* the AG_LANES sums (bf16: rounded, each in the low half of its dword) at dst (32-byte aligned) */
 AG_INLINE void ag_lanes_round(uint32_t *dst, ag_lanes_acc acc) {
+#if AG_F32
+    _mm256_store_ps((float *)dst, acc);
+#else
     _mm256_store_si256((__m256i *)dst, ag_round_lanes8(acc));
+#endif
 }

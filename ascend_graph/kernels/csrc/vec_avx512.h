@@ -51,21 +51,67 @@ AG_INLINE void ag_store_bf16x16(uint16_t *p, ag_f32x16 v, long count) {
 }
 
 /* ---- the tiles: TM input rows by AG_TILE_N weight rows, a dot product per sum ---- */
-#define AG_TILE_STEP 32 /* weight elements per load */
+#define AG_TILE_STEP AG_LINE_ELEMS /* weight elements per load: one 64-byte vector */
 #define AG_TILE_N 6     /* weight rows per tile: 4 x 6 sums, 6 weight vectors and one row's in registers */
 #define AG_TILE_WEIGHTS_FIRST 1 /* loop order: the tile's weight vectors, then each input row once against them */
-typedef uint16_t ag_xrow_t; /* an input row as the tiles read it: the bf16 row, zero to ag_xrow_stride */
+typedef ag_elem_t ag_xrow_t; /* an input row as the tiles read it: the row, zero to ag_xrow_stride */
 typedef __m512 ag_tile_acc;
-typedef __m512bh ag_tile_w;
 
 /* elements between input rows as the tiles read them: whole steps plus 64 bytes (rows 4 KiB
  * apart would share L1 sets) */
-AG_INLINE long ag_xrow_stride(long k) { return (k + 31) / 32 * 32 + 32; }
-static inline void ag_xrow_put(const uint16_t *x, long k, ag_xrow_t *dst, long ldx) {
-    memcpy(dst, x, (size_t)k * 2);
-    memset(dst + k, 0, (size_t)(ldx - k) * 2);
+AG_INLINE long ag_xrow_stride(long k) { return (k + AG_TILE_STEP - 1) / AG_TILE_STEP * AG_TILE_STEP + AG_TILE_STEP; }
+static inline void ag_xrow_put(const ag_elem_t *x, long k, ag_xrow_t *dst, long ldx) {
+    memcpy(dst, x, (size_t)k * sizeof(ag_elem_t));
+    memset(dst + k, 0, (size_t)(ldx - k) * sizeof(ag_elem_t));
 }
 AG_INLINE ag_tile_acc ag_tile_zero(void) { return _mm512_setzero_ps(); }
+
+#if AG_F32
+/* ---- float32 (AG_F32): the tiles' and the wide form's units over float32, in float32 FMAs ---- */
+typedef __m512 ag_tile_w;
+
+AG_INLINE ag_tile_w ag_tile_load(const float *w) { return _mm512_loadu_ps(w); }
+AG_INLINE ag_tile_w ag_tile_load_part(const float *w, long count) {
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << count) - 1), w);
+}
+AG_INLINE ag_tile_acc ag_tile_dot(ag_tile_acc acc, ag_tile_w w, const ag_xrow_t *x) {
+    return _mm512_fmadd_ps(w, _mm512_loadu_ps(x), acc);
+}
+AG_INLINE void ag_tile_store(float *out, const ag_tile_acc *sums, const int n) {
+    for (int b = 0; b < n; b++) out[b] = _mm512_reduce_add_ps(sums[b]);
+}
+
+#define AG_LANES 16         /* input rows per vector */
+#define AG_WIDE_ROWS 64     /* input rows per chunk: 4 vectors */
+#define AG_WIDE_NW 8        /* weight rows per tile */
+#define AG_WIDE_SUMS 24     /* sums in registers at most */
+#define AG_WIDE_MIN 9       /* up to 8 rows the tiles (docs/cpu-kernels.md) */
+#define AG_WIDE_WHOLE 0
+#define AG_PAIRS_FORM 0
+#define AG_LANES_DWORDS 32  /* dwords of one packed vector: 16 rows' odd elements, then their even ones */
+typedef __m512 ag_lanes_acc;
+typedef struct { __m512 odd, even; } ag_lanes_x;
+typedef ag_lanes_x ag_lanes_w; /* a weight pair, each element broadcast */
+
+AG_INLINE ag_lanes_acc ag_lanes_zero(void) { return _mm512_setzero_ps(); }
+AG_INLINE ag_lanes_x ag_lanes_load(const uint32_t *xq) {
+    return (ag_lanes_x){_mm512_load_ps((const float *)xq), _mm512_load_ps((const float *)xq + 16)};
+}
+AG_INLINE ag_lanes_w ag_lanes_wpair(const float *w) { return (ag_lanes_w){_mm512_set1_ps(w[1]), _mm512_set1_ps(w[0])}; }
+AG_INLINE ag_lanes_w ag_lanes_wlast(float w) { return (ag_lanes_w){_mm512_setzero_ps(), _mm512_set1_ps(w)}; }
+AG_INLINE ag_lanes_acc ag_lanes_dot(ag_lanes_acc acc, ag_lanes_w w, ag_lanes_x x) {
+    return _mm512_fmadd_ps(w.even, x.even, _mm512_fmadd_ps(w.odd, x.odd, acc));
+}
+AG_INLINE void ag_lanes_pack(uint32_t *vec, int lane, float x0, float x1) {
+    memcpy(vec + lane, &x1, 4);
+    memcpy(vec + 16 + lane, &x0, 4);
+}
+/* the AG_LANES sums as they are, one per dword at dst (64-byte aligned) */
+AG_INLINE void ag_lanes_round(uint32_t *dst, ag_lanes_acc acc) { _mm512_store_ps((float *)dst, acc); }
+#else
+/* ---- bfloat16: the tiles' units in vdpbf16ps ---- */
+typedef __m512bh ag_tile_w;
+
 AG_INLINE ag_tile_w ag_tile_load(const uint16_t *w) { return (__m512bh)_mm512_loadu_si512(w); }
 AG_INLINE ag_tile_w ag_tile_load_part(const uint16_t *w, long count) {
     return (__m512bh)ag_bf16x32_load_part(w, count);
@@ -94,11 +140,20 @@ typedef __m512bh ag_lanes_w;
 
 AG_INLINE ag_lanes_acc ag_lanes_zero(void) { return _mm512_setzero_ps(); }
 AG_INLINE ag_lanes_x ag_lanes_load(const uint32_t *xq) { return (__m512bh)_mm512_loadu_si512(xq); }
-AG_INLINE ag_lanes_w ag_lanes_pair(int32_t pair) { return (__m512bh)_mm512_set1_epi32(pair); }
+/* the weight pair (w[0], w[1]) broadcast; ag_lanes_wlast: the pair (w, 0) */
+AG_INLINE ag_lanes_w ag_lanes_wpair(const ag_elem_t *w) {
+    int32_t pair;
+    memcpy(&pair, w, 4);
+    return (__m512bh)_mm512_set1_epi32(pair);
+}
+AG_INLINE ag_lanes_w ag_lanes_wlast(ag_elem_t w) { return (__m512bh)_mm512_set1_epi32((int32_t)w); }
 AG_INLINE ag_lanes_acc ag_lanes_dot(ag_lanes_acc acc, ag_lanes_w w, ag_lanes_x x) {
     return _mm512_dpbf16_ps(acc, w, x);
 }
-/* a packed vector's lane for input row `lane`: the pair (x[2p], x[2p + 1]) as one dword */
-AG_INLINE void ag_lanes_pack(uint32_t *vec, int lane, uint32_t pair) { vec[lane] = pair; }
+/* a packed vector's lane for input row `lane`: the pair (x0, x1) = (x[2p], x[2p + 1]) as one dword */
+AG_INLINE void ag_lanes_pack(uint32_t *vec, int lane, ag_elem_t x0, ag_elem_t x1) {
+    vec[lane] = x0 | (uint32_t)x1 << 16;
+}
 /* the AG_LANES sums rounded to bf16, each in the low half of its dword at dst (64-byte aligned) */
 AG_INLINE void ag_lanes_round(uint32_t *dst, ag_lanes_acc acc) { _mm512_store_si512(dst, ag_round_lanes16(acc)); }
+#endif
