@@ -94,6 +94,10 @@ class InductorOptions:
       dimension is dynamic (size 1 compiles alone); ``None`` = on for a CPU runner's own Inductor
       backend when the model has no bf16/fp16 parameters (``runner.groups``). CPU only; not
       combinable with ``aot`` or ``freezing_min_batch``.
+    - ``precompile``: each compiled step (dynamo's trace and Inductor's code) saved under the
+      compile cache and loaded by a later process instead of traced (``compile.precompile``; torch's
+      ``aot_compile``, which torch calls experimental). A CPU runner's own Inductor backend only;
+      not combinable with ``aot`` or ``freezing_min_batch``.
 
     Costs and measured effects: docs/configuration.md.
     """
@@ -104,9 +108,13 @@ class InductorOptions:
     freezing_min_batch: Optional[PositiveInt] = None
     aot: bool = False
     dynamic_batch: Optional[bool] = None
+    precompile: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, f"{self.KEY}.")
+        if self.precompile and (self.aot or self.freezing_min_batch is not None):
+            raise ValueError("inductor.precompile=True cannot be combined with inductor.aot or "
+                             "inductor.freezing_min_batch: those compile their own way")
         if self.dynamic_batch and (self.aot or self.freezing_min_batch is not None):
             raise ValueError("inductor.dynamic_batch=True cannot be combined with inductor.aot or "
                              "inductor.freezing_min_batch: both compile each capture size on its own")

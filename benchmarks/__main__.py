@@ -91,6 +91,8 @@ def run_part(part: str, p: dict, quick: bool, out: dict) -> None:
     elif part == "startup":
         out["startup"] = startup.measure("small", p["startup_sizes"], quick, portable=not quick, aot=not quick)
         out["startup"]["demo"] = startup.measure_demo(repeats=p["startup_demo_repeats"])
+        out["startup"]["demo_precompiled"] = startup.measure_demo(repeats=p["startup_demo_repeats"],
+                                                                  graph_config=startup.PRECOMPILE)
     elif part == "memory":
         out["memory"] = memory.measure(p["memory_model"], p["memory_sizes"], 3, quick, frozen=not quick, aot=not quick)
 

@@ -47,7 +47,7 @@ def test_graph_config_has_ten_top_level_fields_with_backend_options_nested():
     assert names == ["enabled", "backend", "max_batch_size", "capture_sizes", "fallback_on_compile_error",
                      "on_recompile", "compile_cache_dir", "parity_interval", "inductor", "torchair"]
     assert [f.name for f in dataclasses.fields(InductorOptions)] == [
-        "cpp_wrapper", "freezing_min_batch", "aot", "dynamic_batch"]
+        "cpp_wrapper", "freezing_min_batch", "aot", "dynamic_batch", "precompile"]
 
 
 @pytest.mark.parametrize("max_batch_size, sizes", [
@@ -159,7 +159,8 @@ def test_to_dict_is_json_safe_and_round_trips():
                       compile_cache_dir="/tmp/x", torchair=TorchairOptions(mode="reduce-overhead"),
                       inductor=InductorOptions(cpp_wrapper=False, freezing_min_batch=4))
     d = cfg.to_dict()
-    assert d["inductor"] == {"cpp_wrapper": False, "freezing_min_batch": 4, "aot": False, "dynamic_batch": None}
+    assert d["inductor"] == {"cpp_wrapper": False, "freezing_min_batch": 4, "aot": False, "dynamic_batch": None,
+                             "precompile": False}
     assert d["torchair"]["mode"] == "reduce-overhead" and d["capture_sizes"] == [1, 4]
     assert GraphConfig.from_dict(json.loads(json.dumps(d))) == cfg
 
@@ -171,7 +172,8 @@ def test_from_dict_nested_options_change_only_the_keys_given():
     assert cfg.torchair == TorchairOptions(mode="reduce-overhead", use_cached_graph=True)
     with pytest.raises(ValueError, match="unknown key 'cpp' in inductor; known keys: cpp_wrapper, freezing_min"):
         GraphConfig.from_dict({"inductor": {"cpp": True}})
-    with pytest.raises(TypeError, match="inductor must be a dict of cpp_wrapper, freezing_min_batch, aot, dynamic_batch, got list"):
+    with pytest.raises(TypeError, match="inductor must be a dict of cpp_wrapper, freezing_min_batch, aot, "
+                                        "dynamic_batch, precompile, got list"):
         GraphConfig.from_dict({"inductor": [True]})
     with pytest.raises(TypeError, match="inductor.freezing_min_batch must be an int"):
         GraphConfig.from_dict({"inductor": {"freezing_min_batch": "8"}})

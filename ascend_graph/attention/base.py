@@ -88,8 +88,9 @@ class LiveOpMLA(MLABackend):
     op: ClassVar[str]
     reads_live_only = True
 
-    def __init__(self) -> None:
-        self._op = getattr(torch.ops.ascend_graph, self.op)
+    @property
+    def _op(self):
+        return getattr(torch.ops.ascend_graph, self.op)
 
     def decode(self, q_nope: Tensor, q_pe: Tensor, cache: MLACache, decode: DecodeMetadata,
                w_uk: Tensor, w_uv: Tensor, scale: float) -> Tensor:
@@ -110,8 +111,9 @@ class LiveOpPaged(PagedBackend):
     op: ClassVar[str]
     reads_live_only = True
 
-    def __init__(self) -> None:
-        self._op = getattr(torch.ops.ascend_graph, self.op)
+    @property
+    def _op(self):
+        return getattr(torch.ops.ascend_graph, self.op)
 
     def decode(self, q: Tensor, cache: KVCache, decode: DecodeMetadata, scale: float) -> Tensor:
         return self._op(q.to(cache.k.dtype), None, cache.k, None, cache.v, decode.block_tables,

@@ -26,7 +26,7 @@ from ..config import GraphConfig
 from ..kv_cache import allocate_kv_caches
 from ..runtime import StaticAddresses, compile_cache_counts, compile_cache_outcome, memory_in_use, progress
 from .freezing import freezing
-from .groups import CompileGroup, compile_groups, dynamic_batch_default, mark_batch_dynamic
+from .groups import CompileGroup, compile_groups, mark_batch_dynamic, resolve_compile_options
 from .step import (DecodeStep, GraphCompileError, PreparedStep, RecompileError, RunnerStats, SequenceStep,
                    step_for_size)
 
@@ -42,17 +42,7 @@ class GraphRunner:
         self.model = model
         self.config = config
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        if config.enabled and config.inductor.freezing_min_batch is not None and self.device.type != "cpu":
-            # Frozen graphs keep the caches as ordinary inputs (see _freezing): a CUDA graph
-            # would then copy them in on every replay, or not be recorded at all.
-            raise ValueError(f"inductor.freezing_min_batch is for CPU runners; this one runs on {self.device}")
-        if config.enabled and config.inductor.aot:
-            self._check_aot_inductor(backend)
-        dynamic = config.inductor.dynamic_batch
-        if dynamic is None:
-            dynamic = config.enabled and dynamic_batch_default(model, config, self.device, backend is not None)
-        elif dynamic and config.enabled and self.device.type != "cpu":
-            raise ValueError(f"inductor.dynamic_batch=True is for CPU runners; this one runs on {self.device}")
+        dynamic = resolve_compile_options(model, config, self.device, backend)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
@@ -258,7 +248,7 @@ class GraphRunner:
         if group in self._shared:  # compiled with another size of its group: that compile's outcome
             cache = self._shared[group][1]
         else:
-            cache = (("hit" if self.stats.packages_loaded > loaded0 else "miss") if self.config.inductor.aot
+            cache = (("hit" if self.stats.packages_loaded > loaded0 else "miss") if self._loads_files()
                      else compile_cache_outcome(cache0))
             if group.dynamic:
                 self._shared[group] = (compiled, cache)
@@ -278,10 +268,22 @@ class GraphRunner:
         if group in self._shared:
             return self._shared[group][0]
         method = step_for_size(self._step, group.label)
+        if self.config.inductor.precompile:
+            from ..compile.precompile import load_or_precompile
+
+            ids_v, pos_v, meta_v = self._views(size)
+            compiled, loaded = load_or_precompile(method, self._step, (ids_v, pos_v, self.kv_caches, meta_v),
+                                                  self.config, self._resolve_backend(), backend)
+            self.stats.packages_loaded += loaded
+            return compiled
         if self._uses_torchair_graph_cache():
             from ..compile.torchair import cache_compile
             return cache_compile(method, self.config)
         return torch.compile(method, backend=backend, fullgraph=True, dynamic=False)
+
+    def _loads_files(self) -> bool:
+        """Whether capture loads compiled steps from files (AOTInductor packages, precompiled steps)."""
+        return self.config.inductor.aot or self.config.inductor.precompile
 
     def _split_group(self, group: CompileGroup) -> None:
         """Give each size of a failed compile group that has no graph yet its own static compile."""
@@ -316,17 +318,6 @@ class GraphRunner:
             if self.config.on_recompile == "error":
                 raise RecompileError(msg)
             log.warning(msg)
-
-    def _check_aot_inductor(self, backend: Optional[Callable]) -> None:
-        """``inductor.aot`` needs a CPU runner on the Inductor backend (raises ValueError)."""
-        from ..compile import backend_name
-
-        if self.device.type != "cpu":
-            raise ValueError(f"inductor.aot=True is for CPU runners; this one runs on {self.device}")
-        if backend is not None or backend_name(self.config, "cpu") != "inductor":
-            raise ValueError("inductor.aot=True compiles with Inductor: it needs backend 'auto' or 'inductor' "
-                             f"and no backend callable, got backend={self.config.backend!r}"
-                             + (" and a backend callable" if backend is not None else ""))
 
     # -- static inputs --------------------------------------------------------------------
 

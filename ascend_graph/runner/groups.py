@@ -13,7 +13,7 @@ Shape legend: s capture size, M block-table width.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -60,6 +60,40 @@ def dynamic_batch_default(model: nn.Module, config: GraphConfig, device: torch.d
     if config.inductor.aot or config.inductor.freezing_min_batch is not None:
         return False
     return not any(p.dtype in ROW_COUNT_DTYPES for p in model.parameters())
+
+
+def resolve_compile_options(model: nn.Module, config: GraphConfig, device: torch.device,
+                            backend: Optional[Callable]) -> bool:
+    """Check the Inductor options against this runner (ValueError naming the option) and return
+    ``inductor.dynamic_batch`` with its default resolved. ``freezing_min_batch``, ``aot``,
+    ``dynamic_batch=True`` and ``precompile`` are for CPU runners; ``aot`` and ``precompile``
+    compile with the runner's own Inductor backend."""
+    options = config.inductor
+    if not config.enabled:
+        return False
+    if options.freezing_min_batch is not None and device.type != "cpu":
+        # Frozen graphs keep the caches as ordinary inputs (see freezing.py): a CUDA graph
+        # would then copy them in on every replay, or not be recorded at all.
+        raise ValueError(f"inductor.freezing_min_batch is for CPU runners; this one runs on {device}")
+    for name in ("aot", "precompile"):
+        if getattr(options, name):
+            _check_own_inductor(f"inductor.{name}=True", config, device, backend)
+    if options.dynamic_batch is None:
+        return dynamic_batch_default(model, config, device, backend is not None)
+    if options.dynamic_batch and device.type not in DYNAMIC_BATCH_PLATFORMS:
+        raise ValueError(f"inductor.dynamic_batch=True is for CPU runners; this one runs on {device}")
+    return options.dynamic_batch
+
+
+def _check_own_inductor(what: str, config: GraphConfig, device: torch.device, backend: Optional[Callable]) -> None:
+    from ..compile import backend_name
+
+    if device.type != "cpu":
+        raise ValueError(f"{what} is for CPU runners; this one runs on {device}")
+    if backend is not None or backend_name(config, "cpu") != "inductor":
+        raise ValueError(f"{what} compiles with Inductor: it needs backend 'auto' or 'inductor' "
+                         f"and no backend callable, got backend={config.backend!r}"
+                         + (" and a backend callable" if backend is not None else ""))
 
 
 def compile_groups(sizes: Sequence[int], dynamic: bool) -> dict[int, CompileGroup]:
