@@ -337,3 +337,57 @@ def test_batched_kernel_only_for_its_layouts_sizes_and_not_when_switched_off():
     keys = {DecodeMatmulPass().uuid(), DecodeMatmulPass(batched_rows_kernel=False).uuid(),
             DecodeMatmulPass(batched_min_elements=1).uuid(), DecodeMatmulPass(one_row_kernel=True).uuid()}
     assert len(keys) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hi", [8])
+def test_a_dynamic_row_count_takes_the_kernel_where_its_whole_range_would(dtype, hi):
+    """A compile group's graph (``runner.groups``: the batch dimension symbolic over 2..hi) runs
+    ``rows_mm`` where every row count of the range would alone, aten's mm where one would not;
+    one compile serves every size, each product as a static compile's."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(hi)
+    w1 = (torch.randn(96, 2081, generator=gen) * 0.05).to(dtype)
+    w2 = (torch.randn(64, 96, generator=gen) * 0.1).to(dtype)
+
+    def fn(x, r):
+        return r + F.linear(F.silu(F.linear(x, w1)), w2)
+
+    inductor, compiles = InductorBackend({"post_grad_custom_post_pass": DecodeMatmulPass()}), []
+
+    def counted(gm, inputs):
+        compiles.append(1)
+        return inductor(gm, inputs)
+
+    compiled = torch.compile(fn, backend=counted, fullgraph=True, dynamic=False)
+    for i, rows in enumerate((2, 5, hi)):
+        x, residual = torch.randn(rows, 2081, generator=gen).to(dtype), torch.randn(rows, 64, generator=gen).to(dtype)
+        for t in (x, residual):
+            torch._dynamo.mark_dynamic(t, 0, min=2, max=hi)
+        if i == 0:
+            got, code = run_and_get_code(compiled, x, residual)
+            expected = 2 if kernels.available() and hi <= ROWS_MM_MAX else 0
+            assert "".join(code).count("ascend_graph.rows_mm.default(") == expected
+        else:
+            got = compiled(x, residual)
+        torch.testing.assert_close(got.float(), fn(x, residual).float(), atol=3e-2, rtol=1e-2)
+    assert len(compiles) == 1, "one compile for every row count of the range"
+
+
+def test_row_bounds_of_a_symbolic_row_count_are_its_range():
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from ascend_graph.compile.passes.decode_matmul import row_bounds
+
+    env = ShapeEnv()
+    rows = env.create_unbacked_symint()
+    torch._check(rows >= 2)
+    torch._check(rows <= 8)
+    assert row_bounds(rows) == (2, 8) and row_bounds(5) == (5, 5)
+    wide = env.create_unbacked_symint()
+    torch._check(wide >= 2)
+    torch._check(wide <= ROWS_MM_MAX + 1)
+    lo, hi = row_bounds(wide)
+    assert lo == 2 and hi == ROWS_MM_MAX + 1  # past the kernel's limit: runs_rows_mm refuses it

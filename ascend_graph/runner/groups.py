@@ -22,9 +22,9 @@ from ..config import GraphConfig
 
 # Where ``dynamic_batch=None`` may resolve to on (the Inductor backend on these platforms).
 DYNAMIC_BATCH_PLATFORMS = ("cpu",)
-# Parameter dtypes whose matmuls the decode-matmul pass rewrites by row count (bf16/fp16: one-row
-# reductions, few-row kernels); it needs static row counts for that, so by default such models
-# keep a static compile per size.
+# Parameter dtypes whose models keep a static compile per size by default: the decode-matmul pass
+# takes a shared graph's few-row products to the kernel from their row range (``row_bounds``), but
+# a shared bf16/fp16 step has not been measured against static ones.
 ROW_COUNT_DTYPES = (torch.bfloat16, torch.float16)
 
 

@@ -220,24 +220,38 @@ def runs_rows_mm(x: torch.Tensor, w: torch.Tensor, min_rows: int = 2) -> bool:
         return False
     if x.dtype == torch.float32:
         min_rows = FLOAT32_ROWS_MM_MIN
-    rows = x.shape[0]
-    return isinstance(rows, int) and min_rows <= rows <= ROWS_MM_MAX and w.is_contiguous() and kernels.available()
+    lo, hi = row_bounds(x.shape[0])
+    return min_rows <= lo and hi <= ROWS_MM_MAX and w.is_contiguous() and kernels.available()
+
+
+def row_bounds(rows) -> tuple[float, float]:
+    """The least and most a row count can be: itself where static; a symbolic one's range (a
+    compile group's dynamic batch, ``runner.groups``) from its shape environment, so a graph
+    shared by batches 2..8 takes the kernel exactly where each of its sizes would."""
+    if isinstance(rows, int):
+        return rows, rows
+    node = getattr(rows, "node", None)
+    if node is None or getattr(node, "shape_env", None) is None:
+        return float("inf"), float("-inf")  # unknown: fits no range
+    r = node.shape_env.bound_sympy(node.expr)
+    return float(r.lower), float(r.upper)
 
 
 def batched_rows_form(x: torch.Tensor, w: torch.Tensor, rows_max: Optional[int] = None,
                       min_elements: Optional[int] = None) -> Optional[str]:
     """The kernel's op that ``DecodeMatmulPass`` has the compiled step compute ``bmm(x [B, M, K],
-    w [B, K, N])`` with (real or fake tensors), or None (aten's ``bmm``): static shapes, bfloat16
-    on CPU, 2 <= M <= ``rows_max``, K * N at least ``min_elements`` (None: ``batched_limits()``),
+    w [B, K, N])`` with (real or fake tensors), or None (aten's ``bmm``): static shapes but M (whose
+    range ``row_bounds`` reads), bfloat16 on CPU, 2 <= M <= ``rows_max``, K * N at least ``min_elements`` (None: ``batched_limits()``),
     the kernel built here; then
     ``"expert_rows_mm"`` where each ``w[b]`` is a row-major ``[N, K]`` transposed, ``"rows_bmm"``
     where it is a row-major ``[K, N]`` (the entries may lie apart)."""
     if x.dim() != 3 or w.dim() != 3:
         return None
     rows_max, min_elements = rows_max or batched_limits()[0], min_elements or batched_limits()[1]
-    fits = (all(isinstance(d, int) for d in (*x.shape, *w.shape))
+    lo, hi = row_bounds(x.shape[1])
+    fits = (all(isinstance(d, int) for d in (x.shape[0], x.shape[2], *w.shape))
             and all(v.dtype == torch.bfloat16 and v.device.type == "cpu" for v in (x, w))
-            and 2 <= x.shape[1] <= rows_max and w.shape[1] * w.shape[2] >= min_elements
+            and 2 <= lo and hi <= rows_max and w.shape[1] * w.shape[2] >= min_elements
             and kernels.available())
     if not fits:
         return None
