@@ -108,10 +108,13 @@ def test_the_config_is_untouched_without_graph_mode(additional):
     assert config.model_config.hf_config.architectures == ["DeepseekV2ForCausalLM"]
 
 
-def test_graph_mode_points_the_model_at_our_class():
+def test_graph_mode_points_the_model_at_our_class_and_turns_vllms_compile_off(monkeypatch):
+    compile_off = []
+    monkeypatch.setattr(plugin, "_no_vllm_compile", compile_off.append)  # needs vLLM's enum
     config = _vllm_config(ON)
     plugin.apply_flag(config)
     assert config.model_config.hf_config.architectures == [flags.ARCHITECTURES["DeepseekV2ForCausalLM"]]
+    assert compile_off == [config]
 
 
 def test_bad_flag_fails_before_the_config_is_changed():

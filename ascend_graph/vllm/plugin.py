@@ -64,6 +64,14 @@ def apply_flag(vllm_config: Any) -> None:
         return
     hf_config = vllm_config.model_config.hf_config
     hf_config.architectures = [graph_architecture(getattr(hf_config, "architectures", None))]
+    _no_vllm_compile(vllm_config)
+
+
+def _no_vllm_compile(vllm_config: Any) -> None:
+    """Our model compiles its own per-size graphs: vLLM's compile and its warm-up runs are skipped."""
+    from vllm.config import CompilationMode
+
+    vllm_config.compilation_config.mode = CompilationMode.NONE
 
 
 def _worker_stats(model: Any) -> dict:

@@ -1,0 +1,119 @@
+"""The model classes graph mode switches a DeepSeek checkpoint to (prototype; docs/vllm.md).
+
+vLLM keeps its scheduler, block pool, sampler and weight streaming; the forward pass is
+ascend_graph's ``DeepseekForCausalLM`` run by a ``GraphRunner``: decode-only batches up to the
+largest capture size as per-size graphs over the tuple caches, everything else eagerly on the
+same caches. vLLM calls ``forward`` with the step's flattened tokens under its forward context,
+whose metadata (``layer.TupleCacheMetadataBuilder``) gives each request's query span, sequence
+length and block table; those become the runner's ``SequenceStep``s. ``forward`` returns
+``[T, V]`` logits with each request's row at its last token (the rows vLLM samples), and
+``compute_logits`` passes them through.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import Tensor, nn
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
+
+from ..models import DeepseekConfig, DeepseekForCausalLM
+from ..models.loader import _piece, _target
+from ..runner import GraphRunner, RunnerStats, SequenceStep
+from .flags import parse_additional_config
+from .layer import TupleCacheLayer
+
+
+def sequence_steps(token_ids: list[int], meta: Any, block_size: int) -> list[SequenceStep]:
+    """The runner's view of a vLLM step: per request its new tokens, cached count and blocks."""
+    n = meta.num_reqs
+    starts = meta.query_start_loc_cpu[: n + 1].tolist()
+    seq_lens = meta.seq_lens[:n].tolist()
+    tables = meta.block_table_tensor[:n]
+    steps = []
+    for i in range(n):
+        new = token_ids[starts[i]:starts[i + 1]]
+        blocks = math.ceil(seq_lens[i] / block_size)
+        steps.append(SequenceStep(new, seq_lens[i] - len(new), tables[i, :blocks].tolist()))
+    return steps
+
+
+class AscendGraphDeepseekV2ForCausalLM(nn.Module):
+    """DeepSeek V2 (MLA) served by ascend_graph's model and graph runner inside vLLM."""
+
+    checkpoint_architecture = "DeepseekV2ForCausalLM"
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        hf = vllm_config.model_config.hf_config.to_dict()
+        self.config = DeepseekConfig.from_dict({**hf, "architectures": [self.checkpoint_architecture]})
+        self.graph_config = parse_additional_config(
+            vllm_config.additional_config, max_num_seqs=vllm_config.scheduler_config.max_num_seqs)
+        self.model = DeepseekForCausalLM(self.config, dtype=vllm_config.model_config.dtype, device="cpu",
+                                         init_weights=False)
+        self.cache_layers = nn.ModuleList(
+            TupleCacheLayer(vllm_config, f"{prefix}model.layers.{i}.self_attn.attn", spec)
+            for i, spec in enumerate(self.model.kv_cache_specs()))
+        self.block_size = vllm_config.cache_config.block_size
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.runner: Optional[GraphRunner] = None
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy vLLM's stream of checkpoint tensors into the model (names as the checkpoint's)."""
+        state = self.model.state_dict()
+        for name, tensor in weights:
+            target = _target(name, self.config)
+            if target is None:
+                continue
+            if target.name not in state:
+                raise ValueError(f"checkpoint tensor {name} has no place in {type(self.model).__name__}")
+            _piece(state[target.name], target).copy_(tensor)
+        self.model.process_weights_after_loading()
+        return None  # vLLM's strict check compares parameter names, which stacked experts do not share
+
+    def forward(self, input_ids: Tensor, positions: Tensor, intermediate_tensors: Any = None,
+                inputs_embeds: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
+        meta = self._metadata()
+        vocab = self.config.vocab_size
+        if meta is None:  # vLLM's profiling and dummy runs, before the caches exist
+            return torch.zeros(input_ids.shape[0], vocab, dtype=torch.float32)
+        token_ids = input_ids.tolist()
+        logits = self._runner().execute(sequence_steps(token_ids, meta, self.block_size))  # [n, V]
+        out = logits.new_zeros(len(token_ids), vocab)  # [T, V]
+        out[meta.query_start_loc_cpu[1: meta.num_reqs + 1] - 1] = logits
+        return out
+
+    def embed_input_ids(self, input_ids: Tensor) -> Tensor:
+        """vLLM's text-generation interface asks for it; our steps embed inside the model."""
+        return self.model.model.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden_states: Tensor) -> Tensor:
+        """``forward`` already returns logits: vLLM's selected rows pass through."""
+        return hidden_states
+
+    def runner_stats(self) -> dict:
+        """The runner's counters (all zero before the first step)."""
+        return (self.runner.stats if self.runner is not None else RunnerStats()).to_dict()
+
+    def _metadata(self) -> Any:
+        metadata = get_forward_context().attn_metadata
+        if not isinstance(metadata, dict) or self.cache_layers[0].layer_name not in metadata:
+            return None
+        if self.cache_layers[0].num_blocks is None:
+            return None
+        return metadata[self.cache_layers[0].layer_name]
+
+    def _runner(self) -> GraphRunner:
+        if self.runner is None:
+            self.runner = GraphRunner(self.model, self.graph_config, num_blocks=self.cache_layers[0].num_blocks,
+                                      block_size=self.block_size, max_model_len=self.max_model_len)
+        return self.runner
+
+
+class AscendGraphDeepseekV3ForCausalLM(AscendGraphDeepseekV2ForCausalLM):
+    """DeepSeek V3 (MLA, query low-rank, ``noaux_tc`` routing) inside vLLM."""
+
+    checkpoint_architecture = "DeepseekV3ForCausalLM"
