@@ -3,9 +3,10 @@
 ``python vllm_worker.py SPEC.json OUT.json``: builds ``vllm.LLM`` on ``spec["model"]`` with
 ``spec["llm"]`` as keyword arguments (``additional_config`` included), generates greedily for
 ``spec["prompts"]`` (token ids, ``ignore_eos``), and writes to OUT.json the new tokens, the
-resolved model class, ``ascend_graph.vllm.runner_stats(llm)`` where graph mode is on, and the
-error's type and message where ``LLM(...)`` or a step raised. Standard library, vLLM and
-ascend_graph only.
+model class vLLM resolves (``hf_config.architectures``), ``ascend_graph.vllm.runner_stats(llm)`` where graph mode is on, and the
+error's type and message where ``LLM(...)`` or a step raised. With ``spec["attempts"]`` (a
+list of keyword dicts) it only constructs an ``LLM`` from each and writes each one's error
+(``None`` where it was built). Standard library, vLLM and ascend_graph only.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def run(spec: dict) -> dict:
     try:
         llm = vllm.LLM(model=spec["model"], **spec["llm"])
         out["init_s"] = time.perf_counter() - start
-        out["model_class"] = llm.apply_model(lambda model: type(model).__name__)[0]
+        out["model_class"] = llm.llm_engine.vllm_config.model_config.hf_config.architectures[0]
         params = vllm.SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
                                      detokenize=False)
         for _ in range(spec.get("repeats", 1)):
@@ -36,15 +37,35 @@ def run(spec: dict) -> dict:
 
             out["stats"] = runner_stats(llm)
     except Exception as e:  # the test reads the error; the traceback goes to stderr
-        traceback.print_exc()
-        out["error"] = {"type": type(e).__name__, "message": str(e)}
+        out["error"] = error_of(e)
     out["seconds"] = time.perf_counter() - start
+    out["plugin_loaded"] = "ascend_graph.vllm.plugin" in sys.modules  # vLLM ran our entry point
     return out
+
+
+def error_of(e: Exception) -> dict:
+    traceback.print_exception(e)
+    return {"type": type(e).__name__, "message": str(e)}
+
+
+def attempt(spec: dict) -> dict:
+    """Construct an ``LLM`` from each of ``spec["attempts"]``; their errors, in order."""
+    import vllm
+
+    errors = []
+    for kwargs in spec["attempts"]:
+        try:
+            vllm.LLM(model=spec["model"], **kwargs)
+            errors.append(None)
+        except Exception as e:
+            errors.append(error_of(e))
+    return {"errors": errors}
 
 
 if __name__ == "__main__":  # vLLM may spawn processes: the work must not run on import
     with open(sys.argv[1], encoding="utf-8") as f:
-        result = run(json.load(f))
+        spec = json.load(f)
+    result = attempt(spec) if "attempts" in spec else run(spec)
     with open(sys.argv[2], "w", encoding="utf-8") as f:
         json.dump(result, f)
     sys.stdout.flush()

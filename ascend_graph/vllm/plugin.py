@@ -15,6 +15,7 @@ from typing import Any
 from .flags import ARCHITECTURES, graph_architecture, has_flag, parse_additional_config
 
 MODEL_MODULE = "ascend_graph.vllm.model"
+STATS_METHOD = "ascend_graph_runner_stats"  # added to vLLM's WorkerBase: collective_rpc calls it by name
 _MARK = "_ascend_graph_flag_hook"  # set on our wrapper, so a second install wraps nothing
 
 
@@ -39,6 +40,16 @@ def install() -> None:
         if ours not in known:
             ModelRegistry.register_model(ours, f"{MODEL_MODULE}:{ours}")
     _wrap_check_and_update_config(type(current_platform))
+    _add_worker_method()
+
+
+def _add_worker_method() -> None:
+    """A worker method that returns the runner's counters: callable by name across processes,
+    where a function would need vLLM's insecure serialization."""
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    if not hasattr(WorkerBase, STATS_METHOD):
+        setattr(WorkerBase, STATS_METHOD, lambda worker: _model_stats(worker.get_model()))
 
 
 def _wrap_check_and_update_config(platform_cls: type) -> None:
@@ -74,7 +85,7 @@ def _no_vllm_compile(vllm_config: Any) -> None:
     vllm_config.compilation_config.mode = CompilationMode.NONE
 
 
-def _worker_stats(model: Any) -> dict:
+def _model_stats(model: Any) -> dict:
     stats = getattr(model, "runner_stats", None)
     if stats is None:
         raise ValueError(f"this LLM does not run ascend_graph's graph mode (its model is {type(model).__name__}); "
@@ -84,7 +95,7 @@ def _worker_stats(model: Any) -> dict:
 
 def runner_stats(llm: Any) -> dict:
     """``RunnerStats.to_dict()`` of ``llm``'s runner; counters summed where several workers report."""
-    per_worker = llm.apply_model(_worker_stats)
+    per_worker = llm.collective_rpc(STATS_METHOD)
     return per_worker[0] if len(per_worker) == 1 else _sum(per_worker)
 
 

@@ -1,0 +1,160 @@
+"""ascend_graph inside the real vLLM: the plugin is inert without the flag, a bad flag fails at
+``LLM(...)``, and with the flag on tiny DeepSeek-V2/V3 checkpoints decode as our graphs.
+
+vLLM runs in a subprocess (``tests/vllm_worker.py``, in-process engine) of a python that has
+it: ``$ASCEND_GRAPH_VLLM_PYTHON``, else this interpreter where vLLM is installed (the
+``[vllm]`` extra). The subprocess finds the plugin through an entry point written here and
+this checkout on ``PYTHONPATH``, so the code under test is always this tree's. Without a vLLM
+python the module is skipped, except under CI (``$CI`` set), where that fails.
+
+Oracles: transformers' greedy tokens (float32) on the same checkpoint, and stock vLLM (the same
+``LLM`` without the flag). Counters: one prefill step, then one graph step per further token.
+Checkpoints: ``tests/hf_models.py`` with vLLM's CPU MLA widths (kv_lora_rank 512, rope 64),
+2 layers, block 16. (On the V2 checkpoint the prompt ``[20, 21, 22]`` is left out: there
+transformers' top two first tokens are 0.03 apart and stock vLLM picks the other.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+transformers = pytest.importorskip("transformers", minversion="5.0")
+import torch  # noqa: E402
+
+from hf_models import tiny_hf_model  # noqa: E402
+
+pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.slow]
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "vllm_worker.py"
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14, 15], [30, 31, 32, 33]]
+NEW_TOKENS = 8
+SIZES = [1, 4]  # captured: max_num_seqs 4 is always captured
+LLM_ARGS = dict(dtype="float32", max_model_len=128, block_size=16, max_num_seqs=4, skip_tokenizer_init=True,
+                seed=0, kv_cache_memory_bytes=128 << 20)
+ON = {"torchair_graph_config": {"enabled": True, "graph_batch_sizes": SIZES}}
+
+
+def vllm_python() -> str:
+    """A python that can import vLLM; skips (fails under CI) where there is none."""
+    if os.environ.get("ASCEND_GRAPH_VLLM_PYTHON"):
+        return os.environ["ASCEND_GRAPH_VLLM_PYTHON"]
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    message = "no vLLM: pip install 'ascend-graph[vllm]' or set ASCEND_GRAPH_VLLM_PYTHON to a vLLM venv's python"
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def vllm_run(tmp_path_factory):
+    """``run(spec) -> dict``: one ``tests/vllm_worker.py`` run in the vLLM python."""
+    python, root = vllm_python(), tmp_path_factory.mktemp("vllm")
+    dist = root / "plugin" / "ascend_graph-0.1.0.dist-info"  # the entry point pyproject.toml declares
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ascend-graph\nVersion: 0.1.0\n")
+    (dist / "entry_points.txt").write_text("[vllm.general_plugins]\nascend_graph = ascend_graph.vllm:register\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{root / 'plugin'}", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1", VLLM_CACHE_ROOT=str(root / "cache"),
+               TORCHINDUCTOR_COMPILE_THREADS="1", VLLM_LOGGING_STREAM="ext://sys.stderr")
+
+    def run(spec: dict, **env_overrides: str) -> dict:
+        n = len(list(root.glob("spec*.json")))
+        spec_path, out_path = root / f"spec{n}.json", root / f"out{n}.json"
+        spec_path.write_text(json.dumps(spec))
+        done = subprocess.run([python, str(WORKER), str(spec_path), str(out_path)], env={**env, **env_overrides},
+                              cwd=root,
+                              capture_output=True, text=True, timeout=900)
+        assert out_path.exists(), f"vLLM worker died (rc {done.returncode}):\n{done.stderr[-4000:]}"
+        return json.loads(out_path.read_text())
+
+    return run
+
+
+def transformers_greedy(path: str) -> list[list[int]]:
+    """transformers' float32 greedy tokens for ``PROMPTS`` (the checkpoint at ``path``)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                 do_sample=False)
+            out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Tiny V2 and V3 checkpoints (vLLM's CPU MLA widths) and transformers' tokens on each."""
+    out = {}
+    for flavour in ("v2_greedy", "v3"):
+        path = str(tmp_path_factory.mktemp(flavour))
+        tiny_hf_model(flavour, kv_lora_rank=512, qk_rope_head_dim=64, num_hidden_layers=2).save_pretrained(path)
+        out[flavour] = (path, transformers_greedy(path))
+    return out
+
+
+def generate(vllm_run, path: str, additional_config: dict | None = None, repeats: int = 1, **env: str) -> dict:
+    llm = dict(LLM_ARGS, **({"additional_config": additional_config} if additional_config else {}))
+    result = vllm_run({"model": path, "llm": llm, "prompts": PROMPTS, "max_tokens": NEW_TOKENS,
+                       "repeats": repeats}, **env)
+    assert result["error"] is None, result["error"]
+    return result
+
+
+def assert_graph_counters(stats: dict, generations: int) -> None:
+    """Each generation: one eager prefill step, then a graph step per further token; every
+    capture size compiled once, nothing after."""
+    assert stats["eager_steps"] == {"prefill": generations}
+    assert stats["graph_steps"] == generations * (NEW_TOKENS - 1)
+    assert stats["compiles"] == len(SIZES + [LLM_ARGS["max_num_seqs"]]) - (LLM_ARGS["max_num_seqs"] in SIZES)
+    assert stats["recompiles"] == 0 and stats["compile_failures"] == 0
+
+
+def test_bad_flags_fail_at_llm_construction_naming_the_key(vllm_run, checkpoints):
+    path, _ = checkpoints["v2_greedy"]
+    bad = [({"torchair_graph_config": {"enabled": True, "bogus": 1}}, "bogus"),
+           ({"torchair_graph_config": {"enabled": "yes"}}, "torchair_graph_config.enabled"),
+           ({"torchair_graph_config": {"enabled": True, "graph_batch_sizes": [64]}}, "max_num_seqs=4"),
+           ({"ascend_graph": {"parity_interval": -1}}, "parity_interval")]
+    result = vllm_run({"model": path, "attempts": [dict(LLM_ARGS, additional_config=a) for a, _ in bad]})
+    for (additional, named), error in zip(bad, result["errors"]):
+        assert error is not None, f"LLM(...) accepted {additional}"
+        assert named in error["message"] and "additional_config[" in error["message"], error
+
+
+def test_v2_graph_mode_tokens_equal_stock_vllm_and_transformers(vllm_run, checkpoints):
+    path, expected = checkpoints["v2_greedy"]
+    stock = generate(vllm_run, path)
+    assert stock["plugin_loaded"] and stock["model_class"] == "DeepseekV2ForCausalLM"  # loaded, inert
+    assert stock["tokens"] == expected
+    graph = generate(vllm_run, path, ON, repeats=2)
+    assert graph["model_class"] == "AscendGraphDeepseekV2ForCausalLM"
+    assert graph["tokens"] == expected
+    assert_graph_counters(graph["stats"], generations=2)
+
+
+def test_v3_graph_mode_tokens_equal_transformers_with_parity_checks(vllm_run, checkpoints):
+    path, expected = checkpoints["v3"]
+    graph = generate(vllm_run, path, {**ON, "ascend_graph": {"parity_interval": 3}})
+    assert graph["model_class"] == "AscendGraphDeepseekV3ForCausalLM"
+    assert graph["tokens"] == expected
+    stats = graph["stats"]
+    assert_graph_counters(stats, generations=1)
+    assert stats["parity_checks"] == (NEW_TOKENS - 1) // 3 and stats["parity_failures"] == 0
+
+
+def test_graph_mode_runs_in_vllms_default_multiprocess_engine(vllm_run, checkpoints):
+    path, expected = checkpoints["v2_greedy"]
+    graph = generate(vllm_run, path, ON, VLLM_ENABLE_V1_MULTIPROCESSING="1")  # the engine core in its own process
+    assert graph["tokens"] == expected
+    assert_graph_counters(graph["stats"], generations=1)  # read across processes by runner_stats
