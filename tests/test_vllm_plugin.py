@@ -20,6 +20,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -71,13 +72,27 @@ def vllm_run(tmp_path_factory):
         n = len(list(root.glob("spec*.json")))
         spec_path, out_path = root / f"spec{n}.json", root / f"out{n}.json"
         spec_path.write_text(json.dumps(spec))
-        done = subprocess.run([python, str(WORKER), str(spec_path), str(out_path)], env={**env, **env_overrides},
-                              cwd=root,
-                              capture_output=True, text=True, timeout=900)
-        assert out_path.exists(), f"vLLM worker died (rc {done.returncode}):\n{done.stderr[-4000:]}"
+        log = root / f"log{n}.txt"
+        with open(log, "w") as stderr:  # a file, not a pipe: a leftover engine process cannot hang the test
+            worker = subprocess.Popen([python, str(WORKER), str(spec_path), str(out_path)], cwd=root,
+                                      env={**env, **env_overrides}, stdout=subprocess.DEVNULL, stderr=stderr,
+                                      start_new_session=True)
+            try:
+                rc = worker.wait(timeout=900)
+            finally:
+                _end_group(worker.pid)
+        assert out_path.exists(), f"vLLM worker died (rc {rc}):\n{log.read_text()[-4000:]}"
         return json.loads(out_path.read_text())
 
     return run
+
+
+def _end_group(pid: int) -> None:
+    """End what is left of the worker's session (a multi-process engine's children, if any)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def transformers_greedy(path: str) -> list[list[int]]:
@@ -116,7 +131,7 @@ def assert_graph_counters(stats: dict, generations: int) -> None:
     capture size compiled once, nothing after."""
     assert stats["eager_steps"] == {"prefill": generations}
     assert stats["graph_steps"] == generations * (NEW_TOKENS - 1)
-    assert stats["compiles"] == len(SIZES + [LLM_ARGS["max_num_seqs"]]) - (LLM_ARGS["max_num_seqs"] in SIZES)
+    assert stats["compiles"] == len(set(SIZES) | {LLM_ARGS["max_num_seqs"]})
     assert stats["recompiles"] == 0 and stats["compile_failures"] == 0
 
 
@@ -157,4 +172,8 @@ def test_graph_mode_runs_in_vllms_default_multiprocess_engine(vllm_run, checkpoi
     path, expected = checkpoints["v2_greedy"]
     graph = generate(vllm_run, path, ON, VLLM_ENABLE_V1_MULTIPROCESSING="1")  # the engine core in its own process
     assert graph["tokens"] == expected
-    assert_graph_counters(graph["stats"], generations=1)  # read across processes by runner_stats
+    stats = graph["stats"]  # read across processes by runner_stats
+    # requests reach the engine core one by one: a later one may prefill beside earlier decodes
+    assert set(stats["eager_steps"]) <= {"prefill", "mixed"} and stats["graph_steps"] >= NEW_TOKENS - 2
+    assert stats["compiles"] == len(set(SIZES) | {LLM_ARGS["max_num_seqs"]})
+    assert stats["recompiles"] == 0 and stats["compile_failures"] == 0
