@@ -97,7 +97,9 @@ def _vllm_config(additional, architectures=("DeepseekV2ForCausalLM",)):
     """What ``plugin.apply_flag`` reads of a ``VllmConfig``."""
     hf_config = SimpleNamespace(architectures=list(architectures))
     return SimpleNamespace(additional_config=additional, scheduler_config=SimpleNamespace(max_num_seqs=8),
-                           model_config=SimpleNamespace(hf_config=hf_config))
+                           model_config=SimpleNamespace(hf_config=hf_config), speculative_config=None,
+                           lora_config=None,
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
 
 
 @pytest.mark.parametrize("additional", [{}, {"torchair_graph_config": {"enabled": False}},
@@ -120,6 +122,15 @@ def test_graph_mode_points_the_model_at_our_class_and_turns_vllms_compile_off(mo
 def test_bad_flag_fails_before_the_config_is_changed():
     config = _vllm_config({"torchair_graph_config": {"enabled": True, "bogus": 1}})
     with pytest.raises(ValueError, match="bogus"):
+        plugin.apply_flag(config)
+    assert config.model_config.hf_config.architectures == ["DeepseekV2ForCausalLM"]
+
+
+def test_graph_mode_with_tensor_parallelism_fails_naming_it(monkeypatch):
+    monkeypatch.setattr(plugin, "_no_vllm_compile", lambda config: None)
+    config = _vllm_config(ON)
+    config.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
         plugin.apply_flag(config)
     assert config.model_config.hf_config.architectures == ["DeepseekV2ForCausalLM"]
 

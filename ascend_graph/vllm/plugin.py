@@ -73,9 +73,23 @@ def apply_flag(vllm_config: Any) -> None:
                                      max_num_seqs=vllm_config.scheduler_config.max_num_seqs)
     if not config.enabled or vllm_config.model_config is None:
         return
+    _check_supported(vllm_config)
     hf_config = vllm_config.model_config.hf_config
     hf_config.architectures = [graph_architecture(getattr(hf_config, "architectures", None))]
     _no_vllm_compile(vllm_config)
+
+
+def _check_supported(vllm_config: Any) -> None:
+    """What graph mode's model class does not do yet fails here, by name, not mid-step."""
+    parallel = vllm_config.parallel_config
+    unsupported = {"tensor_parallel_size": parallel.tensor_parallel_size > 1,
+                   "pipeline_parallel_size": parallel.pipeline_parallel_size > 1,
+                   "speculative_config": vllm_config.speculative_config is not None,
+                   "lora_config": vllm_config.lora_config is not None}
+    bad = [name for name, on in unsupported.items() if on]
+    if bad:
+        raise ValueError(f"ascend_graph's graph mode does not support {', '.join(bad)} yet; "
+                         "turn torchair_graph_config.enabled off or drop those settings")
 
 
 def _no_vllm_compile(vllm_config: Any) -> None:
