@@ -135,6 +135,27 @@ def test_graph_mode_with_tensor_parallelism_fails_naming_it(monkeypatch):
     assert config.model_config.hf_config.architectures == ["DeepseekV2ForCausalLM"]
 
 
+class FakeLLM:
+    """``collective_rpc`` by name on one worker whose model is ``model``."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def collective_rpc(self, method: str) -> list:
+        assert method == plugin.STATS_METHOD
+        return [plugin._model_stats(self.model)]
+
+
+def test_runner_stats_reads_the_workers_model_counters():
+    stats = {"graph_steps": 3, "recompiles": 0}
+    assert plugin.runner_stats(FakeLLM(SimpleNamespace(runner_stats=lambda: stats))) == stats
+
+
+def test_runner_stats_of_a_stock_model_says_how_to_turn_graph_mode_on():
+    with pytest.raises(ValueError, match="torchair_graph_config"):
+        plugin.runner_stats(FakeLLM(SimpleNamespace()))
+
+
 def test_without_vllm_the_plugin_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes ``import vllm`` raise ImportError
     with pytest.raises(ImportError, match=r"ascend-graph\[vllm\]"):

@@ -24,7 +24,7 @@ def register() -> None:
 
 
 def runner_stats(llm: Any) -> dict:
-    """The ``RunnerStats.to_dict()`` counters of ``llm``'s graph runner (summed over its workers)."""
+    """The ``RunnerStats.to_dict()`` counters of ``llm``'s graph runner, read from its worker."""
     from .plugin import runner_stats as read
 
     return read(llm)

@@ -108,20 +108,7 @@ def _model_stats(model: Any) -> dict:
 
 
 def runner_stats(llm: Any) -> dict:
-    """``RunnerStats.to_dict()`` of ``llm``'s runner; counters summed where several workers report."""
-    per_worker = llm.collective_rpc(STATS_METHOD)
-    return per_worker[0] if len(per_worker) == 1 else _sum(per_worker)
-
-
-def _sum(dicts: list[dict]) -> dict:
-    out: dict = {}
-    for d in dicts:
-        for key, value in d.items():
-            if isinstance(value, dict):
-                out[key] = _sum([out.get(key, {}), value]) if all(
-                    isinstance(v, (int, float)) for v in value.values()) else value
-            elif isinstance(value, (int, float)):
-                out[key] = out.get(key, 0) + value
-            else:
-                out[key] = value
-    return out
+    """``RunnerStats.to_dict()`` of ``llm``'s runner, read from its worker (graph mode runs one:
+    tensor and pipeline parallelism are rejected by ``_check_supported``)."""
+    (stats,) = llm.collective_rpc(STATS_METHOD)
+    return stats
