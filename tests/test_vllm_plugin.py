@@ -97,14 +97,17 @@ def _end_group(pid: int) -> None:
 
 
 def transformers_greedy(path: str) -> list[list[int]]:
-    """transformers' float32 greedy tokens for ``PROMPTS`` (the checkpoint at ``path``)."""
+    """transformers' float32 greedy tokens for ``PROMPTS`` (the checkpoint at ``path``): the
+    argmax of a full forward pass per token, EOS included as vLLM's ``ignore_eos`` has it
+    (``generate(min_new_tokens=...)`` would mask EOS)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
         for prompt in PROMPTS:
-            ids = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                 do_sample=False)
-            out.append(ids[0, len(prompt):].tolist())
+            ids = list(prompt)
+            for _ in range(NEW_TOKENS):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            out.append(ids[len(prompt):])
     return out
 
 
