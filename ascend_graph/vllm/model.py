@@ -12,7 +12,6 @@ length and block table; those become the runner's ``SequenceStep``s. ``forward``
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable, Optional
 
 import torch
@@ -22,23 +21,10 @@ from vllm.forward_context import get_forward_context
 
 from ..models import DeepseekConfig, DeepseekForCausalLM
 from ..models.loader import _piece, _target
-from ..runner import GraphRunner, RunnerStats, SequenceStep
+from ..runner import GraphRunner, RunnerStats
 from .flags import parse_additional_config
 from .layer import TupleCacheLayer
-
-
-def sequence_steps(token_ids: list[int], meta: Any, block_size: int) -> list[SequenceStep]:
-    """The runner's view of a vLLM step: per request its new tokens, cached count and blocks."""
-    n = meta.num_reqs
-    starts = meta.query_start_loc_cpu[: n + 1].tolist()
-    seq_lens = meta.seq_lens[:n].tolist()
-    tables = meta.block_table_tensor[:n]
-    steps = []
-    for i in range(n):
-        new = token_ids[starts[i]:starts[i + 1]]
-        blocks = math.ceil(seq_lens[i] / block_size)
-        steps.append(SequenceStep(new, seq_lens[i] - len(new), tables[i, :blocks].tolist()))
-    return steps
+from .steps import logits_at_last_tokens, sequence_steps
 
 
 class AscendGraphDeepseekV2ForCausalLM(nn.Module):
@@ -77,14 +63,11 @@ class AscendGraphDeepseekV2ForCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, intermediate_tensors: Any = None,
                 inputs_embeds: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
         meta = self._metadata()
-        vocab = self.config.vocab_size
         if meta is None:  # vLLM's profiling and dummy runs, before the caches exist
-            return torch.zeros(input_ids.shape[0], vocab, dtype=torch.float32)
+            return torch.zeros(input_ids.shape[0], self.config.vocab_size, dtype=torch.float32)
         token_ids = input_ids.tolist()
         logits = self._runner().execute(sequence_steps(token_ids, meta, self.block_size))  # [n, V]
-        out = logits.new_zeros(len(token_ids), vocab)  # [T, V]
-        out[meta.query_start_loc_cpu[1: meta.num_reqs + 1] - 1] = logits
-        return out
+        return logits_at_last_tokens(logits, meta, len(token_ids))  # [T, V]
 
     def embed_input_ids(self, input_ids: Tensor) -> Tensor:
         """vLLM's text-generation interface asks for it; our steps embed inside the model."""
