@@ -36,19 +36,28 @@ def additional_config(args: argparse.Namespace) -> dict:
             "ascend_graph": {"parity_interval": args.parity_interval}}
 
 
+def has_tokenizer(model: str) -> bool:
+    """A hub id, or a local checkpoint with tokenizer files (tiny test checkpoints have none)."""
+    return not os.path.isdir(model) or any(os.path.exists(os.path.join(model, f))
+                                           for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
 def main() -> None:
     args = parse_args()
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: runner_stats reads it directly
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import vllm
 
     from ascend_graph.vllm import runner_stats
 
+    text = has_tokenizer(args.model)
     llm = vllm.LLM(args.model, block_size=16, max_num_seqs=args.max_num_seqs, max_model_len=512,
-                   kv_cache_memory_bytes=256 << 20, additional_config={} if args.stock else additional_config(args))
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    prompts = ["The capital of France is", "def fibonacci(n):", "In 1969, the first"]
+                   kv_cache_memory_bytes=256 << 20, skip_tokenizer_init=not text,
+                   additional_config={} if args.stock else additional_config(args))
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=text)
+    prompts = (["The capital of France is", "def fibonacci(n):", "In 1969, the first"] if text
+               else [{"prompt_token_ids": ids} for ids in ([1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14])])
     for prompt, out in zip(prompts, llm.generate(prompts, params)):
-        print(f"{prompt!r} -> {out.outputs[0].text!r}")
+        print(f"{prompt!r} -> {out.outputs[0].text if text else list(out.outputs[0].token_ids)!r}")
     if not args.stock:
         print(json.dumps(runner_stats(llm), indent=2))
 
