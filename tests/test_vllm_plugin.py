@@ -155,6 +155,19 @@ def test_bad_flags_fail_at_llm_construction_naming_the_key(vllm_run, checkpoints
         assert named in error["message"] and "additional_config[" in error["message"], error
 
 
+def test_a_checkpoint_missing_a_tensor_fails_at_llm_construction_naming_it(vllm_run, checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, _ = checkpoints["v2_greedy"]
+    for name in ("config.json", "generation_config.json"):
+        (tmp_path / name).write_bytes((pathlib.Path(path) / name).read_bytes())
+    tensors = load_file(str(pathlib.Path(path) / "model.safetensors"))
+    missing = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
+    save_file({k: v for k, v in tensors.items() if k != missing}, str(tmp_path / "model.safetensors"))
+    (error,) = vllm_run({"model": str(tmp_path), "attempts": [dict(LLM_ARGS, additional_config=ON)]})["errors"]
+    assert error is not None and missing in error["message"], error
+
+
 def test_v2_graph_mode_tokens_equal_stock_vllm_and_transformers(vllm_run, checkpoints):
     path, expected = checkpoints["v2_greedy"]
     stock = generate(vllm_run, path)

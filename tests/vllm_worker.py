@@ -5,7 +5,8 @@
 ``spec["prompts"]`` (token ids, ``ignore_eos``), and writes to OUT.json the new tokens, the
 model class vLLM resolves (``hf_config.architectures``), ``ascend_graph.vllm.runner_stats(llm)``
 where graph mode is on, and the error's type and message where ``LLM(...)`` or a step raised.
-With ``spec["attempts"]`` (a list of keyword dicts) it only constructs an ``LLM`` from each
+With ``spec["attempts"]`` (a list of keyword dicts, ``model`` among them or not) it only
+constructs an ``LLM`` from each
 and writes each one's error (``None`` where it was built). With ``spec["timing"]``
 (``new_tokens``, ``rounds``) it also times decode steps (``ms_per_step``, one per round).
 Standard library, vLLM and ascend_graph only.
@@ -78,7 +79,7 @@ def attempt(spec: dict) -> dict:
     errors = []
     for kwargs in spec["attempts"]:
         try:
-            vllm.LLM(model=spec["model"], **kwargs)
+            vllm.LLM(**{"model": spec["model"], **kwargs})
             errors.append(None)
         except Exception as e:
             errors.append(error_of(e))

@@ -20,7 +20,7 @@ from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 
 from ..models import DeepseekConfig, DeepseekForCausalLM
-from ..models.loader import _piece, _target
+from ..models.loader import CheckpointError, _check_complete, _piece, _target
 from ..runner import GraphRunner, RunnerStats
 from .flags import parse_additional_config
 from .layer import TupleCacheLayer
@@ -48,15 +48,23 @@ class AscendGraphDeepseekV2ForCausalLM(nn.Module):
         self.runner: Optional[GraphRunner] = None
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Copy vLLM's stream of checkpoint tensors into the model (names as the checkpoint's)."""
-        state = self.model.state_dict()
+        """Copy vLLM's stream of checkpoint tensors into the model (names as the checkpoint's);
+        ``CheckpointError`` naming what is misshapen, unexpected or missing."""
+        state, filled, unexpected = self.model.state_dict(), set(), []
         for name, tensor in weights:
             target = _target(name, self.config)
             if target is None:
                 continue
             if target.name not in state:
-                raise ValueError(f"checkpoint tensor {name} has no place in {type(self.model).__name__}")
-            _piece(state[target.name], target).copy_(tensor)
+                unexpected.append(name)
+                continue
+            piece = _piece(state[target.name], target)
+            if tuple(tensor.shape) != tuple(piece.shape):
+                raise CheckpointError(f"tensor {name} has shape {list(tensor.shape)}, the model expects "
+                                      f"{list(piece.shape)}")
+            piece.copy_(tensor)
+            filled.add(name)
+        _check_complete(self.model, filled, unexpected)
         self.model.process_weights_after_loading()
         return None  # vLLM's strict check compares parameter names, which stacked experts do not share
 
@@ -83,6 +91,8 @@ class AscendGraphDeepseekV2ForCausalLM(nn.Module):
 
     def _metadata(self) -> Any:
         metadata = get_forward_context().attn_metadata
+        if isinstance(metadata, list):
+            raise NotImplementedError("ascend_graph's graph mode does not run vLLM's micro-batches (ubatching)")
         if not isinstance(metadata, dict) or self.cache_layers[0].layer_name not in metadata:
             return None
         if self.cache_layers[0].num_blocks is None:
