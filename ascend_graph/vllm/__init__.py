@@ -1,0 +1,30 @@
+"""ascend_graph as a vLLM plugin: graph mode switched on by vllm-ascend's flag (docs/vllm.md).
+
+``register`` is the ``vllm.general_plugins`` entry point; vLLM calls it once in every
+process. It is inert unless ``LLM(..., additional_config=...)`` holds
+``torchair_graph_config`` or ``ascend_graph``. ``runner_stats(llm)`` reads the runner's
+counters from the LLM's workers. vLLM is imported only inside these functions: importing
+``ascend_graph`` or this package never imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .flags import ARCHITECTURES, OWN_SECTION, has_flag, parse_additional_config
+
+__all__ = ["ARCHITECTURES", "OWN_SECTION", "has_flag", "parse_additional_config", "register", "runner_stats"]
+
+
+def register() -> None:
+    """Register our model classes (lazily, by name) and the flag's check; safe to call repeatedly."""
+    from .plugin import install
+
+    install()
+
+
+def runner_stats(llm: Any) -> dict:
+    """The ``RunnerStats.to_dict()`` counters of ``llm``'s graph runner, read from its worker."""
+    from .plugin import runner_stats as read
+
+    return read(llm)

