@@ -247,11 +247,13 @@ def startup(out: dict) -> list[str]:
                          v.get("packages_loaded", "—")])
     return [f"Start-up: capture sizes {s['sizes']} of the {s['model']} model, fresh process each"] + table(
         ["variant", "capture s", "loading artifacts s", "total process s", "compiles", "C++ compiler runs",
-         "C++ compiler s", "packages loaded"], body) + startup_demo(s.get("demo"))
+         "C++ compiler s", "packages loaded"], body) + startup_demo(s.get("demo")) + startup_demo(
+        s.get("demo_precompiled"), " with `--precompile` (`inductor.precompile`)")
 
 
-def startup_demo(d: dict | None) -> list[str]:
-    """The demo's capture cold and warm, per size and in total, and where it went by phase."""
+def startup_demo(d: dict | None, variant: str = "") -> list[str]:
+    """The demo's capture cold and warm, per size and in total, and where it went by phase;
+    ``variant`` says how the demo ran where not by default."""
     if not d:
         return []
     sizes = d["sizes"]
@@ -261,12 +263,14 @@ def startup_demo(d: dict | None) -> list[str]:
         rows.append([start, *(fmt(d[f"{start}_per_size_s"][str(n)]["median"], 1) for n in sizes),
                      f"{fmt(total['median'], 1)} ({fmt(total['min'], 1)}-{fmt(total['max'], 1)})",
                      fmt(d[f"{start}_capture_cpu_s"]["median"], 1), fmt(d["goals"][f"{start}_capture_s"], 0)])
-    lines = ["", f"The demo's capture (`ascend-graph demo`, sizes {sizes}), medians of {d['repeats']} fresh-process "
+    lines = ["", f"The demo's capture (`ascend-graph demo`{variant}, sizes {sizes}), medians of {d['repeats']} fresh-process "
              "pairs: cold into an empty compile cache directory, then warm from it", ""] + table(
         ["start", *(f"size {n} s" for n in sizes), "total s (min-max)", "total CPU s", "goal s"], rows)
     phases = [[p, fmt(d["cold_phases"].get(p, {}).get("wall_s"), 1), fmt(d["cold_phases"].get(p, {}).get("cpu_s"), 1),
                fmt(d["warm_phases"].get(p, {}).get("wall_s"), 1), fmt(d["warm_phases"].get(p, {}).get("cpu_s"), 1),
                what] for p, what in PHASES.items() if p in d["cold_phases"] or p in d["warm_phases"]]
+    if variant:
+        return lines
     return lines + ["", "Where the demo's capture went, by phase (own seconds, without the phases each calls; CPU: "
                     "the process and the C++ compiler)", ""] + table(
         ["phase", "cold s", "cold CPU s", "warm s", "warm CPU s", "what"], phases)
