@@ -83,7 +83,8 @@ class InductorOptions:
     """How the Inductor backend compiles; ``freezing_min_batch`` and ``aot`` are CPU only.
 
     - ``cpp_wrapper``: Inductor's C++ wrapper on or off; ``None`` = the platform's default
-      (``compile.inductor.DEFAULT_CPP_WRAPPER``).
+      (``compile.inductor.DEFAULT_CPP_WRAPPER``). A graph taking opaque values (vLLM's
+      ``LayerName``) always gets the Python wrapper, which can pass them to its ops.
     - ``freezing_min_batch``: capture sizes of at least this many rows compile with Inductor's
       freezing (weights become graph constants; a weight changed after capture is not seen by
       that graph). ``None`` = off.

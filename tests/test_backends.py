@@ -104,13 +104,14 @@ def test_trusting_the_cpus_vector_flags_picks_the_isa_that_inductors_test_builds
     assert picked[0] == picked[1]
 
 
-def test_an_explicit_vec_isa_setting_of_torch_wins_and_other_devices_get_none(monkeypatch):
+def test_an_explicit_vec_isa_setting_of_torch_wins_and_other_devices_get_none():
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", False)
-    assert "cpp.vec_isa_ok" not in resolve_backend(GraphConfig(), "cpu").config_patches
-    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
-    assert "cpp.vec_isa_ok" not in resolve_backend(GraphConfig(), "cuda").config_patches
+    # torch's own patch: pytest's monkeypatch (9.2) undoes a config-module attribute by deleting it
+    with inductor_config.patch({"cpp.vec_isa_ok": False}):
+        assert "cpp.vec_isa_ok" not in resolve_backend(GraphConfig(), "cpu").config_patches
+    with inductor_config.patch({"cpp.vec_isa_ok": None}):
+        assert "cpp.vec_isa_ok" not in resolve_backend(GraphConfig(), "cuda").config_patches
 
 
 def test_cpu_inductor_takes_configured_options_and_torch_compile_mode():
@@ -120,6 +121,47 @@ def test_cpu_inductor_takes_configured_options_and_torch_compile_mode():
     assert "cpp_wrapper_build_separate" not in backend.config_patches  # nothing to build apart
     assert backend.config_patches["max_autotune"] is True
     assert backend.config_patches["triton.cudagraphs"] is False  # nothing to capture on CPU
+
+
+class LayerNameLike:
+    """A hoisted opaque value type, as vLLM's ``LayerName`` (registered below where torch has them)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return isinstance(other, LayerNameLike) and other.value == self.value
+
+    def __hash__(self):
+        return hash(self.value)
+
+    def __fx_repr__(self):
+        return f"LayerNameLike({self.value!r})", {"LayerNameLike": LayerNameLike}
+
+
+def test_a_graph_taking_an_opaque_value_compiles_with_the_python_wrapper_and_matches_eager():
+    """vLLM hands its attention ops a ``LayerName`` (a hoisted opaque value): Inductor's C++
+    wrapper cannot pass one to an op, so such a graph falls back to the Python wrapper."""
+    opaque = pytest.importorskip("torch._library.opaque_object")
+    if not opaque.is_opaque_type(LayerNameLike):
+        opaque.register_opaque_type(LayerNameLike, typ="value", hoist=True)
+    scales = {"a": 2.0, "b": -3.0}
+
+    @torch.library.custom_op("ascend_graph_test::scaled_by_name", mutates_args=())
+    def scaled(x: torch.Tensor, name: LayerNameLike) -> torch.Tensor:
+        return x * scales[name.value]
+
+    scaled.register_fake(lambda x, name: torch.empty_like(x))
+
+    def step(x, name):
+        return torch.ops.ascend_graph_test.scaled_by_name(x.sin(), name) + 1
+
+    assert resolve_backend(GraphConfig(), "cpu").config_patches["cpp_wrapper"]  # the default it must leave
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="ascend_graph", fullgraph=True)
+    x = torch.randn(8)
+    for name in ("a", "b"):
+        torch.testing.assert_close(compiled(x, LayerNameLike(name)), step(x, LayerNameLike(name)))
 
 
 def test_cuda_auto_is_inductor_with_cuda_graphs():

@@ -66,8 +66,11 @@ class InductorBackend:
 
         if self.inline_writes:
             inline_cache_writes(gm)
+        patches = dict(self.config_patches)
+        if patches.get("cpp_wrapper") and takes_opaque_values(gm, example_inputs):
+            patches.update(cpp_wrapper=False, cpp_wrapper_build_separate=False)
         with cache_dir_for_compile(self.cache_dir):
-            return compile_fx(gm, example_inputs, config_patches=dict(self.config_patches))
+            return compile_fx(gm, example_inputs, config_patches=patches)
 
     def reset(self) -> None:
         """Drop recorded CUDA graphs (torch.compile calls this on ``torch._dynamo.reset()``)."""
@@ -75,6 +78,19 @@ class InductorBackend:
             from torch._inductor.cudagraph_trees import reset_cudagraph_trees
 
             reset_cudagraph_trees()
+
+
+def takes_opaque_values(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
+    """Whether the graph has inputs of a registered opaque type (vLLM's ``LayerName``): the C++
+    wrapper cannot pass those to an op (``custom_op_wrapper`` takes no ``PyObject``), so such a
+    graph is compiled with Inductor's Python wrapper."""
+    try:
+        from torch._library.fake_class_registry import FakeScriptObject
+        from torch._library.opaque_object import is_opaque_value
+    except ImportError:  # torch without opaque types
+        return False
+    metas = (node.meta.get("val") for node in gm.graph.find_nodes(op="placeholder"))
+    return any(isinstance(x, FakeScriptObject) or is_opaque_value(x) for x in (*example_inputs, *metas))
 
 
 def config_patches(config: GraphConfig, platform: str, mode: Optional[str] = None) -> dict[str, Any]:
