@@ -8,6 +8,10 @@ this checkout on ``PYTHONPATH``, so the code under test is always this tree's. W
 python the module is skipped, except where ``$ASCEND_GRAPH_REQUIRE_VLLM`` is set (CI, once it
 installs the extra), where that fails.
 
+The ``ascend_graph`` torch.compile backend also serves as vLLM's own compilation backend
+(``compilation_config={"mode": 2, "backend": "ascend_graph"}``), reached through its
+``torch_dynamo_backends`` entry point.
+
 Oracles: transformers' greedy tokens (float32) on the same checkpoint, and stock vLLM (the same
 ``LLM`` without the flag). Counters: one prefill step, then one graph step per further token.
 Checkpoints: ``tests/hf_models.py`` with vLLM's CPU MLA widths (kv_lora_rank 512, rope 64),
@@ -65,7 +69,9 @@ def vllm_run(tmp_path_factory):
     dist = root / "plugin" / "ascend_graph-0.1.0.dist-info"  # the entry point pyproject.toml declares
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ascend-graph\nVersion: 0.1.0\n")
-    (dist / "entry_points.txt").write_text("[vllm.general_plugins]\nascend_graph = ascend_graph.vllm:register\n")
+    (dist / "entry_points.txt").write_text("[vllm.general_plugins]\nascend_graph = ascend_graph.vllm:register\n\n"
+                                           "[torch_dynamo_backends]\n"
+                                           "ascend_graph = ascend_graph.compile:ascend_graph_backend\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
     env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{root / 'plugin'}", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1", VLLM_CACHE_ROOT=str(root / "cache"),
@@ -126,10 +132,11 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def generate(vllm_run, path: str, additional_config: dict | None = None, repeats: int = 1, **env: str) -> dict:
-    llm = dict(LLM_ARGS, **({"additional_config": additional_config} if additional_config else {}))
+def generate(vllm_run, path: str, additional_config: dict | None = None, repeats: int = 1,
+             llm_args: dict | None = None, **env: str) -> dict:
+    llm = dict(LLM_ARGS, **(llm_args or {}), **({"additional_config": additional_config} if additional_config else {}))
     result = vllm_run({"model": path, "llm": llm, "prompts": PROMPTS, "max_tokens": NEW_TOKENS,
-                       "repeats": repeats}, **env)
+                       "repeats": repeats, "count_backend_calls": True}, **env)
     assert result["error"] is None, result["error"]
     return result
 
@@ -172,7 +179,7 @@ def test_v2_graph_mode_tokens_equal_stock_vllm_and_transformers(vllm_run, checkp
     path, expected = checkpoints["v2_greedy"]
     stock = generate(vllm_run, path)
     assert stock["plugin_loaded"] and stock["model_class"] == "DeepseekV2ForCausalLM"  # loaded, inert
-    assert stock["tokens"] == expected
+    assert stock["tokens"] == expected and stock["backend_calls"] == 0  # vLLM's Inductor, not ours
     graph = generate(vllm_run, path, ON, repeats=2)
     assert graph["model_class"] == "AscendGraphDeepseekV2ForCausalLM"
     assert graph["tokens"] == expected
@@ -198,3 +205,12 @@ def test_graph_mode_runs_in_vllms_default_multiprocess_engine(vllm_run, checkpoi
     assert set(stats["eager_steps"]) <= {"prefill", "mixed"} and stats["graph_steps"] >= NEW_TOKENS - 2
     assert stats["compiles"] == len(set(SIZES) | {LLM_ARGS["max_num_seqs"]})
     assert stats["recompiles"] == 0 and stats["compile_failures"] == 0
+
+
+def test_the_ascend_graph_backend_compiles_vllms_own_graph_with_tokens_equal_transformers(vllm_run, checkpoints):
+    """vLLM's compilation with our backend (mode 2, its graph holds ``LayerName`` inputs)."""
+    path, expected = checkpoints["v2_greedy"]
+    compiled = generate(vllm_run, path, llm_args={"compilation_config": {"mode": 2, "backend": "ascend_graph"}})
+    assert compiled["model_class"] == "DeepseekV2ForCausalLM"  # vLLM's own model, no graph mode
+    assert compiled["backend_calls"] >= 1
+    assert compiled["tokens"] == expected

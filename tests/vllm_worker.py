@@ -8,7 +8,8 @@ where graph mode is on, and the error's type and message where ``LLM(...)`` or a
 With ``spec["attempts"]`` (a list of keyword dicts, ``model`` among them or not) it only
 constructs an ``LLM`` from each
 and writes each one's error (``None`` where it was built). With ``spec["timing"]``
-(``new_tokens``, ``rounds``) it also times decode steps (``ms_per_step``, one per round).
+(``new_tokens``, ``rounds``) it also times decode steps (``ms_per_step``, one per round); with
+``spec["count_backend_calls"]``, ``backend_calls`` counts the ``ascend_graph`` backend's compiles.
 Standard library, vLLM and ascend_graph only.
 """
 
@@ -25,6 +26,7 @@ def run(spec: dict) -> dict:
     import vllm
 
     out: dict = {"tokens": None, "model_class": None, "stats": None, "error": None}
+    backend_calls = count_backend_calls() if spec.get("count_backend_calls") else None
     start, llm = time.perf_counter(), None
     try:
         llm = vllm.LLM(model=spec["model"], **spec["llm"])
@@ -47,8 +49,25 @@ def run(spec: dict) -> dict:
         if llm is not None:  # a multi-process engine's core and workers exit with it
             llm.llm_engine.engine_core.shutdown()
     out["seconds"] = time.perf_counter() - start
+    if backend_calls is not None:
+        out["backend_calls"] = len(backend_calls)
     out["plugin_loaded"] = "ascend_graph.vllm.plugin" in sys.modules  # vLLM ran our entry point
     return out
+
+
+def count_backend_calls() -> list:
+    """Record each call of the ``ascend_graph`` torch.compile backend (looked up by its entry point
+    at compile time, so the module attribute is what runs)."""
+    import ascend_graph.compile as compile_module
+
+    calls, backend = [], compile_module.ascend_graph_backend
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return backend(*args, **kwargs)
+
+    compile_module.ascend_graph_backend = counted
+    return calls
 
 
 def decode_ms(llm, vllm, spec: dict) -> list[float]:
