@@ -85,14 +85,15 @@ def test_a_bad_key_or_value_fails_naming_it_and_its_section(additional, error, n
     (["DeepseekV2ForCausalLM"], "AscendGraphDeepseekV2ForCausalLM"),
     (["DeepseekV3ForCausalLM"], "AscendGraphDeepseekV3ForCausalLM"),
     (["AscendGraphDeepseekV3ForCausalLM"], "AscendGraphDeepseekV3ForCausalLM"),  # a config checked twice
+    (["LlamaForCausalLM"], "AscendGraphLlamaForCausalLM"),
 ])
-def test_graph_mode_switches_deepseek_checkpoints_to_our_classes(architectures, ours):
+def test_graph_mode_switches_deepseek_and_llama_checkpoints_to_our_classes(architectures, ours):
     assert graph_architecture(architectures) == ours
 
 
 def test_graph_mode_on_another_architecture_fails_naming_it():
-    with pytest.raises(ValueError, match="'LlamaForCausalLM'"):
-        graph_architecture(["LlamaForCausalLM"])
+    with pytest.raises(ValueError, match="'MistralForCausalLM'"):
+        graph_architecture(["MistralForCausalLM"])
 
 
 def _vllm_config(additional, architectures=("DeepseekV2ForCausalLM",)):

@@ -173,7 +173,12 @@ class LlamaForCausalLM(ChoosesBackends, nn.Module):
         self.layers = nn.ModuleList(LlamaLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch.float32)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:  # one tensor, as transformers ties them
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With ``tie_word_embeddings`` the head is the embedding, one tensor as in transformers (a
+        move off the meta device, ``to_empty``, makes two: call this again afterwards)."""
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def attention_layers(self):
