@@ -3,19 +3,23 @@ checkpoint decodes as ascend_graph's per-size graphs over ``KVCache(k, v)`` tupl
 
 Harness (a subprocess of the vLLM python, the plugin found by entry point): tests/test_vllm_plugin.py.
 Oracles: transformers' float32 greedy tokens (a full forward per token) and stock vLLM, the same
-``LLM`` without the flag. Two vLLM runs in all.
+``LLM`` without the flag. Three vLLM runs in all (stock, graph, two failing constructions).
 
 The checkpoint: GQA (4 query heads, 2 kv heads), head 32 (vLLM's CPU attention takes heads of 32,
 64, 80, ...: ``CPUAttentionBackend.get_supported_head_sizes``), hidden 64 (so the heads are not
 hidden / heads wide), rope theta 500, tied embeddings. Block 32: stock vLLM's CPU attention takes
 multiples of 32 only (``get_supported_kernel_block_sizes``); ours takes any. Prefix caching and
-chunked prefill stay on (vLLM's CPU defaults for standard attention): the second generation of
-the same prompts finds the 40-token prompt's first block cached and prefills the rest over it.
+chunked prefill stay on (vLLM's CPU defaults for standard attention): in the second generation
+of the same prompts vLLM finds the 40-token prompt's first block cached (in our tensors) and
+the eager step prefills the other 8 tokens over it (seen when writing this test, not counted).
 Three requests decode in the graph of capture size 4: one padded row, which writes only into the
 null block; parity checks run graph and eager on the same step and compare the blocks too.
 """
 
 from __future__ import annotations
+
+import json
+import pathlib
 
 import pytest
 
@@ -92,3 +96,26 @@ def test_llama_graph_mode_tokens_equal_stock_vllm_and_transformers(vllm_run, lla
     stats = graph["stats"]
     assert_graph_counters(stats, generations=2)  # max_num_seqs 4, as test_vllm_plugin's
     assert stats["parity_checks"] == 2 * (NEW_TOKENS - 1) // 3 and stats["parity_failures"] == 0
+
+
+def test_an_unsupported_config_or_a_missing_tensor_fails_at_llm_construction_naming_it(vllm_run, llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    source = pathlib.Path(llama[0])
+    scaled, partial = tmp_path / "llama3_rope", tmp_path / "missing"
+    for path in (scaled, partial):
+        path.mkdir()
+        (path / "generation_config.json").write_bytes((source / "generation_config.json").read_bytes())
+    config = json.loads((source / "config.json").read_text())
+    rope = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    (scaled / "config.json").write_text(json.dumps({**config, "rope_parameters": rope}))
+    (scaled / "model.safetensors").write_bytes((source / "model.safetensors").read_bytes())
+    (partial / "config.json").write_text(json.dumps(config))
+    missing = "model.layers.1.mlp.up_proj.weight"
+    tensors = load_file(str(source / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k != missing}, str(partial / "model.safetensors"))
+    attempts = [dict(LLM_ARGS, model=str(p), additional_config=ON) for p in (scaled, partial)]
+    errors = vllm_run({"model": str(source), "attempts": attempts})["errors"]
+    for error, named in zip(errors, ("rope_parameters.rope_type='llama3'", missing)):
+        assert error is not None and named in error["message"], error
