@@ -91,6 +91,14 @@ def test_graph_mode_switches_deepseek_and_llama_checkpoints_to_our_classes(archi
     assert graph_architecture(architectures) == ours
 
 
+def test_every_class_the_flag_switches_to_is_registered_where_it_is_defined():
+    root = pathlib.Path(plugin.__file__).resolve().parents[2]
+    for ours in flags.ARCHITECTURES.values():
+        module = plugin.MODEL_MODULES.get(ours, plugin.MODEL_MODULE)  # what register_model is given
+        source = (root / (module.replace(".", "/") + ".py")).read_text()
+        assert f"\nclass {ours}(" in source, f"{module} defines no class {ours}"
+
+
 def test_graph_mode_on_another_architecture_fails_naming_it():
     with pytest.raises(ValueError, match="'MistralForCausalLM'"):
         graph_architecture(["MistralForCausalLM"])
