@@ -85,14 +85,23 @@ def test_a_bad_key_or_value_fails_naming_it_and_its_section(additional, error, n
     (["DeepseekV2ForCausalLM"], "AscendGraphDeepseekV2ForCausalLM"),
     (["DeepseekV3ForCausalLM"], "AscendGraphDeepseekV3ForCausalLM"),
     (["AscendGraphDeepseekV3ForCausalLM"], "AscendGraphDeepseekV3ForCausalLM"),  # a config checked twice
+    (["LlamaForCausalLM"], "AscendGraphLlamaForCausalLM"),
 ])
-def test_graph_mode_switches_deepseek_checkpoints_to_our_classes(architectures, ours):
+def test_graph_mode_switches_deepseek_and_llama_checkpoints_to_our_classes(architectures, ours):
     assert graph_architecture(architectures) == ours
 
 
+def test_every_class_the_flag_switches_to_is_registered_where_it_is_defined():
+    root = pathlib.Path(plugin.__file__).resolve().parents[2]
+    for ours in flags.ARCHITECTURES.values():
+        module = plugin.MODEL_MODULES.get(ours, plugin.MODEL_MODULE)  # what register_model is given
+        source = (root / (module.replace(".", "/") + ".py")).read_text()
+        assert f"\nclass {ours}(" in source, f"{module} defines no class {ours}"
+
+
 def test_graph_mode_on_another_architecture_fails_naming_it():
-    with pytest.raises(ValueError, match="'LlamaForCausalLM'"):
-        graph_architecture(["LlamaForCausalLM"])
+    with pytest.raises(ValueError, match="'MistralForCausalLM'"):
+        graph_architecture(["MistralForCausalLM"])
 
 
 def _vllm_config(additional, architectures=("DeepseekV2ForCausalLM",)):

@@ -1,7 +1,10 @@
 """A small Llama-style GQA decoder over the ``KVCache(k, v)`` tuple cache.
 
 It is the paged-attention counterpart of the DeepSeek model: the runner tests and demos use it
-to show that graph mode works for standard attention too. Field names follow Llama's config.json.
+to show that graph mode works for standard attention too, and it serves plain transformers
+``LlamaForCausalLM`` checkpoints (``LlamaConfig.from_dict``, ``models.llama_loader``): rope in
+the half-split (``rotate_half``) layout, RMSNorm in float32, a SiLU-gated MLP, no biases.
+Field names follow Llama's config.json.
 
 Shape legend: T tokens in the step, E hidden size, Hq query heads, Hk kv heads, D head size.
 """
@@ -9,6 +12,7 @@ Shape legend: T tokens in the step, E hidden size, Hq query heads, Hk kv heads, 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +38,59 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "LlamaConfig":
+        """A checkpoint's ``config.json`` (transformers' ``LlamaConfig`` keys); unknown keys are
+        ignored, what this model does not compute is a ``ValueError`` naming the key."""
+        missing = [k for k in _REQUIRED if d.get(k) is None]
+        if missing:
+            raise ValueError(f"Llama config is missing required key(s): {', '.join(missing)}")
+        _check_supported(d)
+        heads = int(d["num_attention_heads"])
+        head_dim = d.get("head_dim") or d["hidden_size"] // heads
+        kv_heads = int(d.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ValueError(f"Llama config: num_attention_heads={heads} is not a multiple of "
+                             f"num_key_value_heads={kv_heads}")
+        optional = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "tie_word_embeddings": False}
+        kwargs = {k: d[k] for k in _REQUIRED} | {k: d[k] if d.get(k) is not None else v for k, v in optional.items()}
+        return cls(**kwargs, num_key_value_heads=kv_heads, head_dim=int(head_dim), rope_theta=_rope_theta(d))
+
+
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+ARCHITECTURE = "LlamaForCausalLM"
+
+
+def _check_supported(d: Mapping[str, Any]) -> None:
+    arch = d.get("architectures")
+    if arch and list(arch) != [ARCHITECTURE]:
+        raise ValueError(f"Llama config: architectures={list(arch)} is not [{ARCHITECTURE!r}]")
+    for key in ("attention_bias", "mlp_bias"):
+        if d.get(key):
+            raise ValueError(f"Llama config: {key}=true is not supported (the model's projections have no biases)")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"Llama config: hidden_act={d['hidden_act']!r} is not supported; the MLP is SiLU-gated")
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = d.get(key)
+        if rope is None:
+            continue
+        if not isinstance(rope, Mapping):
+            raise TypeError(f"Llama config: {key} must be a dict or null, got {type(rope).__name__}")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"Llama config: {key}.rope_type={kind!r} is not supported: only plain rope "
+                             "(rope_type 'default', no rope scaling)")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"Llama config: {key}.partial_rotary_factor={rope['partial_rotary_factor']} "
+                             "is not supported: rope covers the whole head")
+
+
+def _rope_theta(d: Mapping[str, Any]) -> float:
+    """``rope_parameters.rope_theta`` (transformers 5) or the top-level ``rope_theta`` (older)."""
+    theta = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta"))
+    return float(theta if theta is not None else 10000.0)
 
 
 def rotate_neox(x: Tensor, positions: Tensor, theta: float) -> Tensor:
@@ -109,7 +166,6 @@ class LlamaLayer(nn.Module):
 class LlamaForCausalLM(ChoosesBackends, nn.Module):
     """Small Llama-style causal LM following the runner's step contract."""
 
-
     def __init__(self, cfg: LlamaConfig = LlamaConfig()) -> None:
         super().__init__()
         self.config = cfg
@@ -117,6 +173,13 @@ class LlamaForCausalLM(ChoosesBackends, nn.Module):
         self.layers = nn.ModuleList(LlamaLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch.float32)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With ``tie_word_embeddings`` the head is the embedding, one tensor as in transformers (a
+        move off the meta device, ``to_empty``, makes two: call this again afterwards)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def attention_layers(self):
         return (layer.self_attn for layer in self.layers)

@@ -25,6 +25,7 @@ OWN_SECTION = "ascend_graph"
 ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "AscendGraphDeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "AscendGraphDeepseekV3ForCausalLM",
+    "LlamaForCausalLM": "AscendGraphLlamaForCausalLM",
 }
 
 

@@ -3,9 +3,11 @@
 vLLM sizes, allocates and hands out KV blocks for the ``AttentionLayerBase`` modules it finds
 in ``compilation_config.static_forward_context`` (``GPUModelRunner.get_kv_cache_spec``,
 ``v1/worker/utils.py``: ``allocate_kv_cache``, ``bind_kv_cache_to_layers``). ``TupleCacheLayer``
-is such a module with an MLA spec of the width our ``MLACache(kv_c, k_pe)`` takes per token
-(``kv_lora_rank + qk_rope_head_dim``), so vLLM counts the same bytes per block that our two
-tensors take. Its backend's metadata builder hands the model vLLM's
+is such a module whose spec vLLM counts as the same bytes per block that our two tensors take:
+for an ``MLACache(kv_c, k_pe)`` an MLA spec of one head of ``kv_lora_rank + qk_rope_head_dim``,
+for a ``KVCache(k, v)`` a full-attention spec of ``num_kv_heads`` heads of ``head_size`` (keys
+and values). Its backend takes any block size (no kernel-block splitting: vLLM's block table is
+ours). Its backend's metadata builder hands the model vLLM's
 ``CommonAttentionMetadata`` unchanged (block tables, sequence lengths, query starts).
 
 Prototype: the ``GraphRunner`` allocates the tuples itself; vLLM's fused buffer is released
@@ -21,9 +23,9 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import AttentionBackend, AttentionMetadataBuilder, CommonAttentionMetadata
-from vllm.v1.kv_cache_interface import MLAAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-from ..kv_cache import MLACacheSpec
+from ..kv_cache import CacheSpec, KVCacheSpec, MLACacheSpec
 
 
 class TupleCacheMetadataBuilder(AttentionMetadataBuilder):
@@ -62,7 +64,7 @@ class TupleCacheBackend(AttentionBackend):
 class TupleCacheLayer(nn.Module, AttentionLayerBase):
     """Registered under ``name`` in vLLM's forward context; records how many blocks vLLM allocated."""
 
-    def __init__(self, vllm_config: VllmConfig, name: str, spec: MLACacheSpec) -> None:
+    def __init__(self, vllm_config: VllmConfig, name: str, spec: CacheSpec) -> None:
         super().__init__()
         context = vllm_config.compilation_config.static_forward_context
         if name in context:
@@ -76,7 +78,13 @@ class TupleCacheLayer(nn.Module, AttentionLayerBase):
     def get_attn_backend(self) -> type[AttentionBackend]:
         return TupleCacheBackend
 
-    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> MLAAttentionSpec:
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> FullAttentionSpec:
+        if isinstance(self.spec, KVCacheSpec):  # k and v: num_kv_heads x head_size each per token
+            return FullAttentionSpec(block_size=vllm_config.cache_config.block_size, max_tp_shards=1,
+                                     num_kv_heads=self.spec.num_kv_heads, head_size=self.spec.head_size,
+                                     dtype=self.spec.dtype)
+        if not isinstance(self.spec, MLACacheSpec):
+            raise TypeError(f"spec must be an MLACacheSpec or KVCacheSpec, got {type(self.spec).__name__}")
         return MLAAttentionSpec(block_size=vllm_config.cache_config.block_size, num_kv_heads=1, max_tp_shards=1,
                                 head_size=self.spec.kv_lora_rank + self.spec.qk_rope_head_dim,
                                 dtype=self.spec.dtype, cache_dtype_str="auto")

@@ -1,7 +1,8 @@
-"""The model classes graph mode switches a DeepSeek checkpoint to (prototype; docs/vllm.md).
+"""The model classes graph mode switches a checkpoint to: their shared base and DeepSeek's
+(prototype; docs/vllm.md; Llama's are in ``vllm/llama.py``).
 
 vLLM keeps its scheduler, block pool, sampler and weight streaming; the forward pass is
-ascend_graph's ``DeepseekForCausalLM`` run by a ``GraphRunner``: decode-only batches up to the
+ascend_graph's model (here ``DeepseekForCausalLM``) run by a ``GraphRunner``: decode-only batches up to the
 largest capture size as per-size graphs over the tuple caches, everything else eagerly on the
 same caches. vLLM calls ``forward`` with the step's flattened tokens under its forward context,
 whose metadata (``layer.TupleCacheMetadataBuilder``) gives each request's query span, sequence
@@ -27,19 +28,21 @@ from .layer import TupleCacheLayer
 from .steps import logits_at_last_tokens, sequence_steps
 
 
-class AscendGraphDeepseekV2ForCausalLM(nn.Module):
-    """DeepSeek V2 (MLA) served by ascend_graph's model and graph runner inside vLLM."""
+class AscendGraphForCausalLM(nn.Module):
+    """What every architecture shares inside vLLM: the flag, the stand-in cache layers, the step.
 
-    checkpoint_architecture = "DeepseekV2ForCausalLM"
+    A subclass builds ascend_graph's model (``_build_model``: ``(config, model)``, the model
+    with ``kv_cache_specs()`` and the runner's step contract) and loads vLLM's weight stream
+    (``load_weights``).
+    """
+
+    checkpoint_architecture: str
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
-        hf = vllm_config.model_config.hf_config.to_dict()
-        self.config = DeepseekConfig.from_dict({**hf, "architectures": [self.checkpoint_architecture]})
+        self.config, self.model = self._build_model(vllm_config)
         self.graph_config = parse_additional_config(
             vllm_config.additional_config, max_num_seqs=vllm_config.scheduler_config.max_num_seqs)
-        self.model = DeepseekForCausalLM(self.config, dtype=vllm_config.model_config.dtype, device="cpu",
-                                         init_weights=False)
         self.cache_layers = nn.ModuleList(
             TupleCacheLayer(vllm_config, f"{prefix}model.layers.{i}.self_attn.attn", spec)
             for i, spec in enumerate(self.model.kv_cache_specs()))
@@ -47,26 +50,11 @@ class AscendGraphDeepseekV2ForCausalLM(nn.Module):
         self.max_model_len = vllm_config.model_config.max_model_len
         self.runner: Optional[GraphRunner] = None
 
+    def _build_model(self, vllm_config: VllmConfig) -> tuple[Any, nn.Module]:
+        raise NotImplementedError
+
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Copy vLLM's stream of checkpoint tensors into the model (names as the checkpoint's);
-        ``CheckpointError`` naming what is misshapen, unexpected or missing."""
-        state, filled, unexpected = self.model.state_dict(), set(), []
-        for name, tensor in weights:
-            target = _target(name, self.config)
-            if target is None:
-                continue
-            if target.name not in state:
-                unexpected.append(name)
-                continue
-            piece = _piece(state[target.name], target)
-            if tuple(tensor.shape) != tuple(piece.shape):
-                raise CheckpointError(f"tensor {name} has shape {list(tensor.shape)}, the model expects "
-                                      f"{list(piece.shape)}")
-            piece.copy_(tensor)
-            filled.add(name)
-        _check_complete(self.model, filled, unexpected)
-        self.model.process_weights_after_loading()
-        return None  # vLLM's strict check compares parameter names, which stacked experts do not share
+        raise NotImplementedError
 
     def forward(self, input_ids: Tensor, positions: Tensor, intermediate_tensors: Any = None,
                 inputs_embeds: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
@@ -104,6 +92,39 @@ class AscendGraphDeepseekV2ForCausalLM(nn.Module):
             self.runner = GraphRunner(self.model, self.graph_config, num_blocks=self.cache_layers[0].num_blocks,
                                       block_size=self.block_size, max_model_len=self.max_model_len)
         return self.runner
+
+
+class AscendGraphDeepseekV2ForCausalLM(AscendGraphForCausalLM):
+    """DeepSeek V2 (MLA) served by ascend_graph's model and graph runner inside vLLM."""
+
+    checkpoint_architecture = "DeepseekV2ForCausalLM"
+
+    def _build_model(self, vllm_config: VllmConfig) -> tuple[DeepseekConfig, DeepseekForCausalLM]:
+        hf = vllm_config.model_config.hf_config.to_dict()
+        config = DeepseekConfig.from_dict({**hf, "architectures": [self.checkpoint_architecture]})
+        return config, DeepseekForCausalLM(config, dtype=vllm_config.model_config.dtype, device="cpu",
+                                           init_weights=False)
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy vLLM's stream of checkpoint tensors into the model (names as the checkpoint's);
+        ``CheckpointError`` naming what is misshapen, unexpected or missing."""
+        state, filled, unexpected = self.model.state_dict(), set(), []
+        for name, tensor in weights:
+            target = _target(name, self.config)
+            if target is None:
+                continue
+            if target.name not in state:
+                unexpected.append(name)
+                continue
+            piece = _piece(state[target.name], target)
+            if tuple(tensor.shape) != tuple(piece.shape):
+                raise CheckpointError(f"tensor {name} has shape {list(tensor.shape)}, the model expects "
+                                      f"{list(piece.shape)}")
+            piece.copy_(tensor)
+            filled.add(name)
+        _check_complete(self.model, filled, unexpected)
+        self.model.process_weights_after_loading()
+        return None  # vLLM's strict check compares parameter names, which stacked experts do not share
 
 
 class AscendGraphDeepseekV3ForCausalLM(AscendGraphDeepseekV2ForCausalLM):

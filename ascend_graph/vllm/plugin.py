@@ -15,6 +15,7 @@ from typing import Any
 from .flags import ARCHITECTURES, graph_architecture, has_flag, parse_additional_config
 
 MODEL_MODULE = "ascend_graph.vllm.model"
+MODEL_MODULES = {"AscendGraphLlamaForCausalLM": "ascend_graph.vllm.llama"}  # the others: MODEL_MODULE
 STATS_METHOD = "ascend_graph_runner_stats"  # added to vLLM's WorkerBase: collective_rpc calls it by name
 _MARK = "_ascend_graph_flag_hook"  # set on our wrapper, so a second install wraps nothing
 
@@ -38,7 +39,7 @@ def install() -> None:
     known = set(ModelRegistry.get_supported_archs())
     for ours in ARCHITECTURES.values():
         if ours not in known:
-            ModelRegistry.register_model(ours, f"{MODEL_MODULE}:{ours}")
+            ModelRegistry.register_model(ours, f"{MODEL_MODULES.get(ours, MODEL_MODULE)}:{ours}")
     _wrap_check_and_update_config(type(current_platform))
     _add_worker_method()
 
