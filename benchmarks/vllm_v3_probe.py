@@ -13,7 +13,8 @@ captures them. The same prompt goes through transformers (eager attention, float
 same hooks, and a float64 hand computation of layer 1's MoE from the checkpoint's tensors (on
 transformers' MoE input, which equals vLLM's) is the oracle for the router and the MoE output.
 
-``--mode compiled`` is vLLM's default (inductor); ``eager`` is ``enforce_eager`` with every
+``--mode compiled`` is vLLM's default (dynamo + inductor); ``traced`` keeps dynamo's graph but
+runs it with the ``eager`` backend (no inductor); ``eager`` is ``enforce_eager`` with every
 custom op off (native torch, so the CPU rotary op's eager bug is out of the way).
 
 Prints, per module, the largest difference between vLLM's and transformers' outputs, the first
@@ -89,7 +90,8 @@ def run_vllm(path: Path, mode: str) -> tuple[dict, list[float]]:
         return weights, ids
 
     deepseek_v2.DeepseekV2ForCausalLM.__init__, cpu_router._grouped_topk = init, grouped_topk
-    extra = {} if mode == "compiled" else dict(enforce_eager=True, compilation_config={"custom_ops": ["none"]})
+    extra = {"compiled": {}, "traced": dict(compilation_config={"backend": "eager"}),
+             "eager": dict(enforce_eager=True, compilation_config={"custom_ops": ["none"]})}[mode]
     llm = vllm.LLM(model=str(path), dtype="float32", max_model_len=128, block_size=16, max_num_seqs=4,
                    skip_tokenizer_init=True, seed=0, kv_cache_memory_bytes=128 << 20, **extra)
     params = vllm.SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
@@ -153,7 +155,7 @@ def sorted_routing(ids: torch.Tensor, weights: torch.Tensor) -> tuple[list, list
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mode", choices=("compiled", "eager"), default="compiled")
+    ap.add_argument("--mode", choices=("compiled", "traced", "eager"), default="compiled")
     ap.add_argument("--json", default=str(ROOT / "benchmarks/results/vllm_v3_probe.json"))
     args = ap.parse_args()
     path = Path(tempfile.mkdtemp(prefix="vllm_v3_probe_ckpt_"))
