@@ -58,7 +58,7 @@ from ascend_graph.models import DeepseekConfig  # noqa: E402
 from benchmarks.common import conditions, write_json  # noqa: E402
 from benchmarks.models import hf_model, v2_lite_slice  # noqa: E402
 from benchmarks.tables import fmt  # noqa: E402,F401
-from benchmarks.vllm_peer_rows import (BEFORE, ENGINE, GRAPH, STOCK, Referee, capacity_side,  # noqa: E402
+from benchmarks.vllm_peer_rows import (BEFORE, ENGINE, GRAPH, STOCK, Referee, capacity_side,  # noqa: E402,F401
                                        compare, first_difference, render, with_referee)
 from benchmarks.vllm_peer_sides import (EngineSide, VllmSide, check_vllm_python, graph_config,  # noqa: E402
                                         interleaved_decode)
