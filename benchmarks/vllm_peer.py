@@ -9,20 +9,29 @@ weights, stored in bfloat16 as DeepSeek's are) into a temporary directory:
   16 heads, kv_lora_rank 512, rope 64, qk_nope 128, v_head 128, 64 routed experts top-6, 2 shared,
   moe_intermediate 1408, intermediate 10944) but 2 layers (the first dense), vocabulary 4096.
 
-vLLM's CPU MLA needs the 576-wide head (512 + 64) and block size 16; both sides use block 16,
-the same ``max_model_len`` and the same KV cache bytes. For each model and dtype, stock vLLM
-(``vllm.LLM`` with its defaults: the compiled path) serves from a subprocess of the vLLM venv's
-python (``benchmarks/vllm_peer_worker.py``) while the Engine (``Engine.from_pretrained``, graph
-mode on, every batch size captured, compile failures raising) runs in this interpreter; both on
-``--threads`` torch threads, greedy with ``ignore_eos`` on the same seeded prompts of 16 tokens.
-Decode ms per step is measured the same way on both sides, their rounds interleaved
-(``vllm_peer_sides.interleaved_decode``: per round, ``(t(N new tokens) - t(1 new token)) / (N - 1)``;
-the median over rounds). A row's ratio is ``vllm_ms / engine_ms`` (> 1: the Engine is faster),
-and is left out where the tokens differ. There transformers on the same checkpoint referees each
-differing request's first difference (``Referee.verdict``): its float32 choice, the float32 gap
-between the two sides' tokens, and its own bfloat16 error on that request so far. Where every
-difference is such a near-tie (gap within that error), ``ratio_near_ties`` gives the ratio all the same: both
-sides computed the same model up to bfloat16 rounding, and a step's cost does not depend on which
+vLLM's CPU MLA needs the 576-wide head (512 + 64) and block size 16; every side uses block 16,
+the same ``max_model_len`` and the same KV cache bytes. For each model and dtype the sides
+(``--sides``) are: stock vLLM (``vllm.LLM`` with its defaults: the compiled path; always run, the
+reference), ``vllm_graph``: the same vLLM with our graph mode switched on by its flag
+(``additional_config``, ``vllm_peer_sides.graph_config``: ``graph_batch_sizes`` = the measured
+batches, a failed compile raising), and ``engine``: the project's Engine (``Engine.from_pretrained``,
+graph mode on, every batch size captured, compile failures raising). Each vLLM side is a
+subprocess of the vLLM venv's python (``benchmarks/vllm_peer_worker.py``); graph sides see this
+checkout and its plugin's entry point on ``PYTHONPATH`` (``vllm_plugin_env``) and must run every
+decode step as a graph (their runner's counters are checked and kept). Two more vLLM+graph sides
+answer our own questions: ``--capacity K`` (default 8) runs one at K times the KV cache bytes
+(``capacity``: its ms over 1x's; near 1 means no step copies or scans a whole cache), and
+``--graph-before ROOT`` one of an older checkout (``before_after``: this checkout's ms over
+ROOT's). All on ``--threads`` torch threads, greedy with ``ignore_eos`` on the same seeded
+prompts of 16 tokens. Decode ms per step is measured the same way on every side, their rounds
+interleaved (``vllm_peer_sides.interleaved_decode``: per round,
+``(t(N new tokens) - t(1 new token)) / (N - 1)``; the median over rounds). A side's ratio is
+``vllm_ms / side_ms`` (> 1: faster than stock vLLM; ``vllm_peer_rows``), left out where its tokens
+differ from stock vLLM's. There transformers on the same checkpoint referees each differing
+request's first difference (``Referee.verdict``): its float32 choice, the float32 gap between the
+two tokens, and its own bfloat16 error on that request so far. Where every difference is such a
+near-tie (gap within that error), ``ratio_near_ties`` gives the ratio all the same: both sides
+computed the same model up to bfloat16 rounding, and a step's cost does not depend on which
 token was chosen.
 
 The vLLM venv (outside any repository; vLLM is a benchmark dependency only)::
@@ -36,6 +45,7 @@ Then::
 
     TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.vllm_peer --vllm-python /work/venvs/vllm/bin/python \\
         [--models tiny,v2lite] [--dtypes float32,bfloat16] [--batches 1,8,32] [--json PATH]
+        [--sides vllm,vllm_graph,engine] [--capacity 8] [--graph-before ROOT]
 """
 
 from __future__ import annotations
