@@ -28,6 +28,7 @@ import torch
 
 from ascend_graph.config import GraphConfig
 from benchmarks.vllm_peer_worker import REPLY
+from benchmarks.vllm_plugin_env import pythonpath
 
 Side = Callable[[int, int], tuple[float, list[list[int]]]]  # (batch, new tokens) -> (seconds, tokens)
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer_worker.py")
@@ -61,13 +62,30 @@ def interleaved_decode(sides: dict[str, Side], batch: int, new_tokens: int, roun
     return out
 
 
-def vllm_env(cache_root: str, threads: int) -> dict:
+def vllm_env(cache_root: str, threads: int, path: str | None = None) -> dict:
     """The environment of the vLLM subprocess: in-process engine core, no thread binding, logs
-    on stderr, nothing of this project on the path."""
+    on stderr, and on the path only ``path`` (``vllm_plugin_env.pythonpath``: a checkout and its
+    plugin's entry point), by default nothing of this project."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind",
                VLLM_CACHE_ROOT=cache_root, OMP_NUM_THREADS=str(threads), VLLM_LOGGING_STREAM="ext://sys.stderr")
+    if path is not None:
+        env["PYTHONPATH"] = path
     return env
+
+
+def graph_config(batches: list[int]) -> dict:
+    """vLLM's ``additional_config`` for our graph mode: every measured batch captured, a failed
+    compile raising (never timed as eager)."""
+    return {"torchair_graph_config": {"enabled": True, "graph_batch_sizes": sorted(batches)},
+            "ascend_graph": {"fallback_on_compile_error": False}}
+
+
+def check_graph_steps(stats: dict) -> None:
+    """``RuntimeError`` where a runner ran anything but prefills eagerly (a decode step out of graph)."""
+    eager = {k: v for k, v in stats["eager_steps"].items() if k != "prefill"}
+    if eager or not stats["graph_steps"]:
+        raise RuntimeError(f"vLLM+graph ran decode steps eagerly: {stats}")
 
 
 def check_vllm_python(python: str) -> str:
@@ -84,17 +102,20 @@ def check_vllm_python(python: str) -> str:
 
 
 class VllmSide:
-    """Stock vLLM in a worker subprocess of ``python`` on ``spec``; its log goes to ``log_path``."""
+    """vLLM in a worker subprocess of ``python`` on ``spec`` (with its ``additional_config``, if
+    any), the plugin of the checkout at ``root`` visible where given; its log goes to ``log_path``."""
 
-    def __init__(self, python: str, spec: dict, workdir: str) -> None:
-        spec_path = os.path.join(workdir, "spec.json")
+    def __init__(self, python: str, spec: dict, workdir: str, name: str = "vllm", root: str | None = None) -> None:
+        spec_path = os.path.join(workdir, f"spec_{name}.json")
         with open(spec_path, "w", encoding="utf-8") as f:
             json.dump(spec, f)
-        self.log_path = os.path.join(workdir, f"vllm_{spec['dtype']}.log")
+        self.log_path = os.path.join(workdir, f"{name}_{spec['dtype']}.log")
         self.log = open(self.log_path, "w", encoding="utf-8")
+        path = pythonpath(os.path.join(workdir, "plugin"), root) if root is not None else None
         self.proc = subprocess.Popen([python, WORKER, spec_path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True,
-                                     env=vllm_env(os.path.join(workdir, "vllm_cache"), spec["threads"]))
+                                     env=vllm_env(os.path.join(workdir, f"{name}_cache"), spec["threads"], path))
+        self.graph = "additional_config" in spec
         self.about: dict | None = None
 
     def ready(self) -> dict:
@@ -121,10 +142,20 @@ class VllmSide:
         raise RuntimeError(f"the vLLM worker stopped (exit {self.proc.wait()}); its log ends:\n{tail}")
 
     def close(self) -> None:
-        """End the worker (its stdin closes) and wait for it."""
-        self.proc.stdin.close()
-        self.proc.wait(timeout=120)
-        self.log.close()
+        """With graph mode: read the runner's counters into ``about`` and check every decode step
+        ran as a graph. End the worker (its stdin closes) and wait for it."""
+        stats = None
+        try:
+            if self.graph and self.about is not None and self.proc.poll() is None:
+                self.proc.stdin.write(json.dumps({"stats": True}) + "\n")
+                self.proc.stdin.flush()
+                stats = self.about["runner_stats"] = self._answer()["stats"]
+        finally:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+            self.log.close()
+        if stats is not None:
+            check_graph_steps(stats)
 
 
 class EngineSide:

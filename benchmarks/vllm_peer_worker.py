@@ -4,9 +4,12 @@
 dtype with vLLM's defaults (the compiled path; CPU MLA), says it is ready, then serves requests
 until its stdin closes: each stdin line ``{"batch": b, "new_tokens": n}`` generates greedily
 (``ignore_eos``) for the spec's first ``b`` prompts and answers with the seconds
-``LLM.generate`` took and the new tokens of each prompt. Answers are stdout lines that start
-with ``REPLY`` (anything else on stdout is a log line). Standard library and vLLM only: the
-project is not importable in the vLLM venv, nor needed.
+``LLM.generate`` took and the new tokens of each prompt; ``{"stats": true}`` answers with the
+graph runner's counters. A spec's ``additional_config`` goes to ``vllm.LLM``: with our graph
+mode's flag in it, the parent has put a checkout and its plugin's entry point on
+``PYTHONPATH`` (``vllm_plugin_env``). Answers are stdout lines that start with ``REPLY``
+(anything else on stdout is a log line). Standard library and vLLM only: the counters are
+read through the worker method the plugin adds, by name.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ def build(spec: dict):
     start = time.perf_counter()
     llm = vllm.LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
                    block_size=16, max_num_seqs=max(spec["batches"]), skip_tokenizer_init=True, seed=0,
-                   kv_cache_memory_bytes=spec["kv_cache_memory_bytes"])
+                   kv_cache_memory_bytes=spec["kv_cache_memory_bytes"],
+                   **({"additional_config": spec["additional_config"]} if "additional_config" in spec else {}))
     about = {"init_s": time.perf_counter() - start, "torch_threads": torch.get_num_threads(),
              "versions": {"vllm": vllm.__version__, "torch": torch.__version__,
                           "transformers": transformers.__version__}}
@@ -50,6 +54,10 @@ def serve(spec: dict) -> None:
     reply({"ready": True, **about})
     for line in sys.stdin:
         request = json.loads(line)
+        if request.get("stats"):
+            (stats,) = llm.collective_rpc("ascend_graph_runner_stats")  # the plugin's worker method
+            reply({"stats": stats})
+            continue
         prompts = [{"prompt_token_ids": p} for p in spec["prompts"][:request["batch"]]]
         params = vllm.SamplingParams(temperature=0.0, max_tokens=request["new_tokens"], ignore_eos=True,
                                      detokenize=False)

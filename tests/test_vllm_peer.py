@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from benchmarks import vllm_peer, vllm_peer_sides, vllm_peer_worker
+from benchmarks import vllm_peer, vllm_peer_rows, vllm_peer_sides, vllm_peer_worker, vllm_plugin_env
 from benchmarks.vllm_peer_sides import decode_ms_per_step, interleaved_decode
 
 
@@ -19,6 +19,7 @@ def test_arguments_default_to_every_model_dtype_and_batch():
     args = vllm_peer.parse_args(["--vllm-python", "/x/python"])
     assert (args.models, args.dtypes, args.batches) == (["tiny", "v2lite"], ["float32", "bfloat16"], [1, 8, 32])
     assert args.json.endswith(os.path.join("benchmarks", "results", "vllm_peer.json"))
+    assert (args.sides, args.capacity, args.graph_before) == (["vllm", "vllm_graph", "engine"], 8, None)
 
 
 def test_arguments_take_comma_separated_lists():
@@ -90,13 +91,13 @@ def test_equal_tokens_have_no_difference():
 def test_first_difference_names_request_position_and_both_tokens():
     vllm = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
     engine = [[1, 2, 3], [4, 5, 0], [7, 0, 9]]
-    assert vllm_peer.first_difference(vllm, engine) == {"request": 1, "position": 2, "vllm": 6, "engine": 0,
+    assert vllm_peer.first_difference(vllm, engine) == {"request": 1, "position": 2, "vllm": 6, "side": 0,
                                                          "requests_differing": 2}
 
 
 def test_first_difference_of_a_shorter_output_points_past_its_end():
     assert vllm_peer.first_difference([[1, 2, 3]], [[1, 2]]) == {"request": 0, "position": 2, "vllm": 3,
-                                                                  "engine": None, "requests_differing": 1}
+                                                                  "side": None, "requests_differing": 1}
 
 
 def side(ms: float, tokens: list[list[int]]) -> dict:
@@ -105,27 +106,55 @@ def side(ms: float, tokens: list[list[int]]) -> dict:
 
 
 def test_a_row_claims_a_ratio_only_where_the_tokens_agree():
-    same = vllm_peer.compare("tiny", "float32", 8, side(6.0, [[1, 2]]), side(3.0, [[1, 2]]))
-    assert same["ratio"] == pytest.approx(2.0) and same["tokens_equal"] and same["first_difference"] is None
-    differ = vllm_peer.compare("tiny", "bfloat16", 8, side(6.0, [[1, 2]]), side(3.0, [[1, 5]]))
-    assert differ["ratio"] is None and not differ["tokens_equal"]
-    assert differ["first_difference"]["position"] == 1
-    lines = vllm_peer.render([same, differ])
-    assert "| 2.00x | yes |" in lines[2] and "| — | no (request 0, token 1) |" in lines[3]
+    row = vllm_peer.compare("tiny", "float32", 8, {"vllm": side(6.0, [[1, 2]]), "vllm_graph": side(4.0, [[1, 2]]),
+                                                   "engine": side(3.0, [[1, 5]])})
+    assert row["ms"] == {"vllm": 6.0, "vllm_graph": 4.0, "engine": 3.0}
+    graph, engine = row["vs_vllm"]["vllm_graph"], row["vs_vllm"]["engine"]
+    assert graph["ratio"] == pytest.approx(1.5) and graph["tokens_equal"] and graph["first_difference"] is None
+    assert engine["ratio"] is None and not engine["tokens_equal"] and engine["first_difference"]["position"] == 1
+    assert "vllm" not in row["vs_vllm"] and "capacity" not in row and "before_after" not in row
+    head, _, line = vllm_peer.render([row])
+    assert head == ("| model | dtype | batch | vLLM ms | vLLM+graph ms | Engine ms | vLLM / vLLM+graph | vLLM / Engine "
+                    "| tokens equal to vLLM |")
+    assert line == ("| tiny | float32 | 8 | 6.00 | 4.00 | 3.00 | 1.50x | — "
+                    "| vLLM+graph: yes; Engine: no (request 0, token 1) |")
 
 
-def test_result_json_holds_rows_settings_machine_and_both_sides_versions():
-    args = vllm_peer.parse_args(["--vllm-python", "p", "--models", "tiny"])
-    row = vllm_peer.compare("tiny", "float32", 1, side(4.0, [[1]]), side(2.0, [[1]]))
+def test_capacity_and_before_after_are_measured_against_vllm_graph():
+    # 8x the cache: 2.2 ms against 2.0 (1.10x slower); the older checkout 2.5 ms (after / before 0.80x)
+    timed = {"vllm": side(3.0, [[1, 2]]), "vllm_graph": side(2.0, [[1, 2]]),
+             "vllm_graph_before": side(2.5, [[1, 2]]), "vllm_graph_8x": side(2.2, [[1, 3]])}
+    row = vllm_peer.compare("tiny", "bfloat16", 1, timed)
+    assert row["capacity"] == {"multiplier": 8, "ratio": pytest.approx(1.1), "tokens_equal": False}
+    assert row["before_after"] == {"ratio": pytest.approx(0.8), "tokens_equal": True}
+    assert row["vs_vllm"]["vllm_graph_8x"]["ratio"] is None  # its tokens differ from vLLM's too
+    head, _, line = vllm_peer.render([row])
+    assert ("| vLLM+graph before ms | vLLM+graph 8x cache ms | vLLM / vLLM+graph | 8x cache / 1x "
+            "| after / before |") in head
+    assert "| 1.50x | 1.10x | 0.80x |" in line and line.endswith("; 8x = 1x: no |")
+
+
+def test_side_names_and_labels():
+    assert vllm_peer.capacity_side(8) == "vllm_graph_8x"
+    assert vllm_peer_rows.label("vllm_graph_8x") == "vLLM+graph 8x cache"
+    assert [vllm_peer_rows.label(s) for s in ("vllm", "vllm_graph", "engine")] == ["vLLM", "vLLM+graph", "Engine"]
+
+
+def test_result_json_holds_rows_settings_machine_and_every_sides_versions():
+    args = vllm_peer.parse_args(["--vllm-python", "p", "--models", "tiny", "--batches", "1,8"])
+    row = vllm_peer.compare("tiny", "float32", 1, {"vllm": side(4.0, [[1]]), "engine": side(2.0, [[1]])})
     about = {"tiny/float32": {"vllm": {"init_s": 30.0, "torch_threads": 2, "versions": {"vllm": "0.32.0"}},
                               "engine": {"init_s": 20.0}}}
     out = json.loads(json.dumps(vllm_peer.result_json(args, vllm_peer.Settings(), [row], about)))
-    assert out["benchmark"] == "vllm_peer" and out["rows"][0]["ratio"] == pytest.approx(2.0)
+    assert out["benchmark"] == "vllm_peer" and out["rows"][0]["vs_vllm"]["engine"]["ratio"] == pytest.approx(2.0)
     assert {"cpu", "cores", "torch", "when"} <= set(out["conditions"])
     assert out["versions"]["vllm_side"] == {"vllm": "0.32.0"} and "torch" in out["versions"]["engine_side"]
     assert out["models"]["tiny"]["kv_lora_rank"] + out["models"]["tiny"]["qk_rope_head_dim"] == 576
     assert out["settings"]["block_size"] == 16 and "ratio" in out["note"]
     assert out["sides"] == {"tiny/float32": {"vllm": {"init_s": 30.0, "torch_threads": 2}, "engine": {"init_s": 20.0}}}
+    assert out["compared"]["capacity"] == 8 and out["compared"]["graph_before"] is None
+    assert out["compared"]["additional_config"]["torchair_graph_config"] == {"enabled": True,
+                                                                            "graph_batch_sizes": [1, 8]}
 
 
 def test_the_v2lite_slice_has_v2_lite_widths_and_vllm_cpu_mla_head():
@@ -214,40 +243,89 @@ def test_the_referee_sees_the_prompt_and_the_tokens_both_sides_share():
     ref = FakeReferee({6: 4.03, 5: 4.02}, error=0.05)
     referee = vllm_peer.Referee("ckpt")
     referee.logits = ref.logits
-    row = vllm_peer.compare("tiny", "bfloat16", 2, side(1.0, [[1, 2], [3, 4, 6]]), side(1.0, [[1, 2], [3, 4, 5]]))
-    out = vllm_peer.with_referee(row, referee, [[10], [20, 21]], [[1, 2], [3, 4, 6]], [[1, 2], [3, 4, 5]])
+    timed = {"vllm": side(1.0, [[1, 2], [3, 4, 6]]), "engine": side(1.0, [[1, 2], [3, 4, 5]])}
+    out = vllm_peer.with_referee(vllm_peer.compare("tiny", "bfloat16", 2, timed), referee, [[10], [20, 21]], timed)
     assert ref.seen == [(torch.float32, [20, 21, 3, 4]), (torch.bfloat16, [20, 21, 3, 4])]
-    verdict = out["differences"][0]
-    assert (verdict["request"], verdict["position"], verdict["vllm"], verdict["engine"]) == (1, 2, 6, 5)
+    engine = out["vs_vllm"]["engine"]
+    verdict = engine["differences"][0]
+    assert (verdict["request"], verdict["position"], verdict["vllm"], verdict["side"]) == (1, 2, 6, 5)
     assert verdict["argmax"] == 6 and verdict["near_tie"]
     assert verdict["gap"] == pytest.approx(0.01, abs=1e-5) and verdict["bf16_error"] == pytest.approx(0.05, abs=1e-5)
-    assert out["near_ties_only"] and out["ratio"] is None and out["ratio_near_ties"] == pytest.approx(1.0)
-    assert out["first_difference"]["transformers_float32"]["argmax"] == 6
-    same = vllm_peer.compare("tiny", "float32", 1, side(1.0, [[1]]), side(1.0, [[1]]))
-    assert vllm_peer.with_referee(same, referee, [[10]], [[1]], [[1]]) is same and len(ref.seen) == 2
+    assert engine["near_ties_only"] and engine["ratio"] is None and engine["ratio_near_ties"] == pytest.approx(1.0)
+    same = {"vllm": side(1.0, [[1]]), "vllm_graph": side(1.0, [[1]])}
+    row = vllm_peer.compare("tiny", "float32", 1, same)
+    assert "differences" not in vllm_peer.with_referee(row, referee, [[10]], same)["vs_vllm"]["vllm_graph"]
+    assert len(ref.seen) == 2
 
 
 def test_a_difference_wider_than_bf16_error_gives_no_ratio():
     referee = vllm_peer.Referee("ckpt")
     referee.logits = FakeReferee({6: 4.5, 5: 4.0}, error=0.05).logits
-    row = vllm_peer.compare("tiny", "bfloat16", 1, side(2.0, [[1, 6]]), side(1.0, [[1, 5]]))
-    out = vllm_peer.with_referee(row, referee, [[10, 11]], [[1, 6]], [[1, 5]])
-    assert not out["differences"][0]["near_tie"] and not out["near_ties_only"]
-    assert out["ratio_near_ties"] is None and vllm_peer.ratio_cell(out) == vllm_peer.fmt(None)
+    timed = {"vllm": side(2.0, [[1, 6]]), "vllm_graph": side(1.0, [[1, 5]])}
+    out = vllm_peer.with_referee(vllm_peer.compare("tiny", "bfloat16", 1, timed), referee, [[10, 11]], timed)
+    graph = out["vs_vllm"]["vllm_graph"]
+    assert not graph["differences"][0]["near_tie"] and not graph["near_ties_only"]
+    assert graph["ratio_near_ties"] is None and vllm_peer_rows.ratio_cell(graph) == vllm_peer.fmt(None)
 
 
 def test_the_performance_doc_shows_a_run_with_its_command(tmp_path):
     from benchmarks import report
 
-    rows = [vllm_peer.compare("tiny", "float32", 1, side(2.0, [[1]]), side(1.0, [[1]])),
-            {**vllm_peer.compare("tiny", "bfloat16", 8, side(3.0, [[1]]), side(2.0, [[2]])),
-             "near_ties_only": True, "ratio_near_ties": 1.5}]
+    near = vllm_peer.compare("tiny", "bfloat16", 8, {"vllm": side(3.0, [[1]]), "vllm_graph": side(2.0, [[2]]),
+                                                     "vllm_graph_8x": side(2.0, [[2]])})
+    near["vs_vllm"]["vllm_graph"].update(near_ties_only=True, ratio_near_ties=1.5)
+    rows = [vllm_peer.compare("tiny", "float32", 1, {"vllm": side(2.0, [[1]]), "vllm_graph": side(1.0, [[1]]),
+                                                     "vllm_graph_8x": side(1.1, [[1]])}), near]
     run = {"conditions": {"cpu": "CPU", "cores": 2, "torch": "2.13.0+cpu", "when": "2026-12-02 00:00:00"},
-           "settings": {"threads": 2, "new_tokens": 32, "max_model_len": 256, "rounds": 5},
-           "versions": {"vllm_side": {"vllm": "0.32.0"}}, "command": "python -m benchmarks.vllm_peer X", "rows": rows}
+           "settings": {"threads": 2, "new_tokens": 32, "max_model_len": 256, "rounds": 5,
+                        "kv_cache_memory_bytes": 128 << 20},
+           "compared": {"capacity": 8}, "versions": {"vllm_side": {"vllm": "0.32.0"}},
+           "command": "python -m benchmarks.vllm_peer X", "rows": rows}
     path = tmp_path / "vllm_peer.json"
     path.write_text(json.dumps(run))
     text = report.vllm_peer_markdown(str(path))
-    assert "| tiny | float32 | 1 | 2.00 | 1.00 | 2.00x | yes |" in text
+    assert ("| tiny | float32 | 1 | 2.00 | 1.00 | 1.10 | 2.00x | 1.10x "
+            "| vLLM+graph: yes; vLLM+graph 8x cache: yes |") in text
     assert "1.50x (near-ties)" in text and "near-ties only" in text
     assert "`python -m benchmarks.vllm_peer X`" in text and "vLLM 0.32.0" in text
+    assert "KV cache 128 MiB (8x: 1024 MiB)" in text
+
+
+def test_the_plugin_entry_point_is_written_beside_the_checkout(tmp_path):
+    path = vllm_plugin_env.pythonpath(str(tmp_path / "plugin"), "/src/checkout")
+    assert path.split(os.pathsep) == ["/src/checkout", str(tmp_path / "plugin")]
+    dist = tmp_path / "plugin" / "ascend_graph-0.1.0.dist-info"
+    assert (dist / "entry_points.txt").read_text() == ("[vllm.general_plugins]\n"
+                                                       "ascend_graph = ascend_graph.vllm:register\n")
+    assert "Name: ascend-graph" in (dist / "METADATA").read_text()
+
+
+def test_the_vllm_graph_side_captures_every_batch_and_never_times_eager():
+    assert vllm_peer_sides.graph_config([8, 1, 32]) == {
+        "torchair_graph_config": {"enabled": True, "graph_batch_sizes": [1, 8, 32]},
+        "ascend_graph": {"fallback_on_compile_error": False}}
+    vllm_peer_sides.check_graph_steps({"graph_steps": 10, "eager_steps": {"prefill": 3}})
+    for stats in ({"graph_steps": 10, "eager_steps": {"prefill": 3, "oversize": 1}},
+                  {"graph_steps": 0, "eager_steps": {"prefill": 3}}):
+        with pytest.raises(RuntimeError, match="eagerly"):
+            vllm_peer_sides.check_graph_steps(stats)
+
+
+@pytest.mark.parametrize("argv, sides", [([], ["vllm", "vllm_graph", "engine"]),
+                                         (["--sides", "engine,vllm_graph", "--capacity", "0"],
+                                          ["vllm", "vllm_graph", "engine"]),
+                                         (["--sides", "engine", "--capacity", "0"], ["vllm", "engine"])])
+def test_sides_always_include_stock_vllm_in_a_fixed_order(argv, sides):
+    assert vllm_peer.parse_args(["--vllm-python", "p"] + argv).sides == sides
+
+
+@pytest.mark.parametrize("argv", [["--capacity", "1"], ["--sides", "engine"],
+                                  ["--sides", "engine", "--capacity", "0", "--graph-before", "/old"]])
+def test_comparisons_against_vllm_graph_need_that_side(argv):
+    with pytest.raises(SystemExit):
+        vllm_peer.parse_args(["--vllm-python", "p"] + argv)
+
+
+def test_vllm_env_puts_only_the_given_path_on_the_path(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/work/somewhere")
+    assert vllm_peer_sides.vllm_env("/tmp/cache", 2, "/src:/plugin")["PYTHONPATH"] == "/src:/plugin"

@@ -7,7 +7,8 @@ largest capture size as per-size graphs over the tuple caches, everything else e
 same caches. vLLM calls ``forward`` with the step's flattened tokens under its forward context,
 whose metadata (``layer.TupleCacheMetadataBuilder``) gives each request's query span, sequence
 length and block table; those become the runner's ``SequenceStep``s. ``forward`` returns
-``[T, V]`` logits with each request's row at its last token (the rows vLLM samples), and
+``[T, V]`` logits with each request's row at its last token (the rows vLLM samples; in a
+decode-only step, one token per request, the runner's ``[n, V]`` logits themselves), and
 ``compute_logits`` passes them through.
 """
 
