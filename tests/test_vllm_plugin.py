@@ -23,6 +23,7 @@ transformers (and the DeepSeek reference) do (docs/vllm.md).
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import os
@@ -95,6 +96,7 @@ def vllm_run(tmp_path_factory):
         assert out_path.exists(), f"vLLM worker died (rc {rc}):\n{log.read_text()[-4000:]}"
         return json.loads(out_path.read_text())
 
+    run.python, run.env, run.root = python, env, root
     return run
 
 
@@ -106,16 +108,16 @@ def _end_group(pid: int) -> None:
         pass
 
 
-def transformers_greedy(path: str) -> list[list[int]]:
+def transformers_greedy(path: str, prompts: list[list[int]] = PROMPTS, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     """transformers' float32 greedy tokens for ``PROMPTS`` (the checkpoint at ``path``): the
     argmax of a full forward pass per token, EOS included as vLLM's ``ignore_eos`` has it
     (``generate(min_new_tokens=...)`` would mask EOS)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
-        for prompt in PROMPTS:
+        for prompt in prompts:
             ids = list(prompt)
-            for _ in range(NEW_TOKENS):
+            for _ in range(new_tokens):
                 ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
             out.append(ids[len(prompt):])
     return out
@@ -220,3 +222,25 @@ def test_the_ascend_graph_backend_compiles_vllms_own_graph_with_tokens_equal_tra
     assert compiled["model_class"] == "DeepseekV2ForCausalLM"  # vLLM's own model, no graph mode
     assert compiled["backend_calls"] >= 1
     assert compiled["tokens"] == expected
+
+
+def test_the_example_serves_a_checkpoint_in_graph_mode_with_transformers_tokens(vllm_run, checkpoints):
+    """``examples/vllm_graph_mode.py`` as a user runs it (vLLM's default multi-process engine)."""
+    path, _ = checkpoints["v2_greedy"]
+    example = ROOT / "examples" / "vllm_graph_mode.py"
+    env = {**vllm_run.env, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    with open(vllm_run.root / "example_log.txt", "w") as stderr:
+        proc = subprocess.Popen([vllm_run.python, str(example), path, "--max-tokens", "4", "--sizes", "1,4",
+                                 "--max-num-seqs", "4"], cwd=vllm_run.root, env=env, stdout=subprocess.PIPE,
+                                stderr=stderr, text=True, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=900)
+        finally:
+            _end_group(proc.pid)
+    assert proc.returncode == 0, (vllm_run.root / "example_log.txt").read_text()[-4000:]
+    lines = out.splitlines()
+    printed = [ast.literal_eval(line.split(" -> ")[1]) for line in lines if " -> " in line]
+    prompts = [ast.literal_eval(line.split(" -> ")[0])["prompt_token_ids"] for line in lines if " -> " in line]
+    assert printed == transformers_greedy(path, prompts, 4)
+    stats = json.loads("\n".join(lines[lines.index("{"):]))
+    assert stats["graph_steps"] >= 1 and stats["recompiles"] == 0 and stats["compile_failures"] == 0
