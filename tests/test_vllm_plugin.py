@@ -109,10 +109,14 @@ def _end_group(pid: int) -> None:
 
 
 def transformers_greedy(path: str, prompts: list[list[int]] = PROMPTS, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    """transformers' float32 greedy tokens for ``PROMPTS`` (the checkpoint at ``path``): the
-    argmax of a full forward pass per token, EOS included as vLLM's ``ignore_eos`` has it
-    (``generate(min_new_tokens=...)`` would mask EOS)."""
+    """transformers' float32 greedy tokens for ``prompts`` on the checkpoint at ``path``."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return greedy_tokens(model, prompts, new_tokens)
+
+
+def greedy_tokens(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """A transformers model's greedy tokens: the argmax of a full forward pass per token, EOS
+    included as vLLM's ``ignore_eos`` has it (``generate(min_new_tokens=...)`` would mask EOS)."""
     out = []
     with torch.no_grad():
         for prompt in prompts:

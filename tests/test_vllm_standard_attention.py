@@ -26,7 +26,7 @@ import pytest
 transformers = pytest.importorskip("transformers", minversion="5.0")
 import torch  # noqa: E402
 
-from test_vllm_plugin import NEW_TOKENS, SIZES, assert_graph_counters, vllm_run  # noqa: E402,F401
+from test_vllm_plugin import NEW_TOKENS, SIZES, assert_graph_counters, greedy_tokens, vllm_run  # noqa: E402,F401
 
 pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.slow]
 
@@ -37,18 +37,6 @@ LLM_ARGS = dict(dtype="float32", max_model_len=128, block_size=32, max_num_seqs=
                 seed=0, kv_cache_memory_bytes=64 << 20)
 ON = {"torchair_graph_config": {"enabled": True, "graph_batch_sizes": SIZES},
       "ascend_graph": {"parity_interval": 3}}
-
-
-def greedy(model, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy tokens, EOS included (as vLLM's ``ignore_eos``)."""
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(NEW_TOKENS):
-                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            out.append(ids[len(prompt):])
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +56,7 @@ def llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
     model.save_pretrained(path)
     assert "lm_head.weight" not in _tensor_names(path)  # tied: the checkpoint has no head
-    return str(path), greedy(model, PROMPTS)
+    return str(path), greedy_tokens(model, PROMPTS)
 
 
 def _tensor_names(path) -> list[str]:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .llama import LlamaForCausalLM
-from .loader import CheckpointError
+from .loader import CheckpointError, raise_on_mismatch
 
 PREFIX = "model."
 
@@ -59,11 +59,4 @@ def load_llama_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, Ten
         with torch.no_grad():
             target.copy_(tensor)
         filled.add(name)
-    missing = [n for n in names if n not in filled]
-    problems = []
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected tensor(s): {', '.join(unexpected[:10])}")
-    if missing:
-        problems.append(f"{len(missing)} missing tensor(s): {', '.join(missing[:10])}")
-    if problems:
-        raise CheckpointError("Llama checkpoint does not match the config: " + "; ".join(problems))
+    raise_on_mismatch([n for n in names if n not in filled], unexpected, what="Llama checkpoint")

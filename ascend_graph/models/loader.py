@@ -204,13 +204,18 @@ def _check_complete(model: DeepseekForCausalLM, filled: set[str], unexpected: li
     """
     missing = [n for tensor, names in _expected_names(model).items() if tensor not in filled
                for n in names if n not in filled]
+    raise_on_mismatch(missing, unexpected)
+
+
+def raise_on_mismatch(missing: list[str], unexpected: list[str], what: str = "checkpoint") -> None:
+    """``CheckpointError`` naming up to 10 unexpected and 10 missing tensors, if there are any."""
     problems = []
     if unexpected:
         problems.append(f"{len(unexpected)} unexpected tensor(s): {', '.join(unexpected[:10])}")
     if missing:
         problems.append(f"{len(missing)} missing tensor(s): {', '.join(missing[:10])}")
     if problems:
-        raise CheckpointError("checkpoint does not match the config: " + "; ".join(problems))
+        raise CheckpointError(f"{what} does not match the config: " + "; ".join(problems))
 
 
 def dequantize_fp8(weight: Tensor, scale_inv: Tensor, block: tuple[int, int] = (128, 128)) -> Tensor:
