@@ -1,4 +1,4 @@
-"""The ``ascend-graph`` command: demo, generate, parity, bench.
+"""The ``ascend-graph`` command: demo, generate, parity, bench, pd-demo.
 
 Every subcommand takes a model (``--model small`` / ``small-v3``: built-in DeepSeek-shaped models
 with seeded random weights, no download; or a DeepSeek V2/V3 checkpoint directory), graph-mode
@@ -21,6 +21,7 @@ import torch
 
 from . import commands
 from .commands import BUILTIN_MODELS, DTYPES
+from .pd import add_pd_demo, run_pd_demo
 from ..config import BACKENDS
 
 EPILOG = """examples:
@@ -31,6 +32,7 @@ EPILOG = """examples:
   ascend-graph parity --model small-v3               # exit code 1 when graph and eager disagree
   ascend-graph bench --batch-sizes 1,2,4,8 --json    # decode tokens/s per batch size
   ascend-graph bench --max-model-len-sweep 4096,32768   # the same steps with wider block tables
+  ascend-graph pd-demo --transport mooncake --json   # prefill and decode in two processes
 """
 
 
@@ -129,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     par = _command(sub, "parity", "graph vs eager step by step (compare_step); exit 1 on mismatch")
     _workload_args(par, requests=6, new_tokens=24)
     _add_bench(_command(sub, "bench", "decode throughput graph vs eager per batch size"))
+    add_pd_demo(_command(sub, "pd-demo", "prefill and decode in two processes: KV blocks moved by a transfer "
+                                         "engine into the decode graphs' static caches"))
     return parser
 
 
@@ -168,8 +172,12 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default=None, metavar="FILE", help="also write the JSON result to FILE")
 
 
+def _run(command: str):
+    return run_pd_demo if command == "pd-demo" else getattr(commands, f"run_{command}")
+
+
 def _doc(command: str) -> str:
-    return inspect.cleandoc(getattr(commands, f"run_{command}").__doc__)
+    return inspect.cleandoc(_run(command).__doc__)
 
 
 @contextlib.contextmanager
@@ -190,7 +198,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.threads = 1  # the tiny built-in models run fastest on one thread
     try:
         with _threads(args.threads):
-            result, text, code = getattr(commands, f"run_{args.command}")(args)
+            result, text, code = _run(args.command)(args)
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"ascend-graph {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -22,11 +22,11 @@ from .. import runtime
 from ..config import GraphConfig, InductorOptions
 from ..config_sources import from_json
 from ..engine.engine import Engine
+from ..models.named import BUILTIN_MODELS, named_model
 from ..runner.parity import ParityReport, allowed_difference, tolerances
 from .report import capture_start, format_bench, format_demo, format_generate, format_parity
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-BUILTIN_MODELS = ("small", "small-v3")
 
 
 # -- model, engines, workload -------------------------------------------------------------------
@@ -34,18 +34,7 @@ BUILTIN_MODELS = ("small", "small-v3")
 
 def load_model(args: argparse.Namespace) -> tuple[nn.Module, dict]:
     """The model ``--model`` names (built-in with seed-0 weights, or a checkpoint) and a description."""
-    from ..models import DeepseekConfig, DeepseekForCausalLM, load_deepseek
-
-    dtype = DTYPES[args.dtype] if args.dtype else None
-    if args.model in BUILTIN_MODELS:
-        config = DeepseekConfig.small() if args.model == "small" else DeepseekConfig.small_v3()
-        model = DeepseekForCausalLM(config, dtype=dtype or torch.float32, device=args.device, seed=0).eval()
-        source = f"built-in '{args.model}' (seeded random weights)"
-    elif os.path.isdir(args.model):
-        model, source = load_deepseek(args.model, dtype=dtype, device=args.device), f"checkpoint {args.model}"
-    else:
-        raise FileNotFoundError(f"--model {args.model!r} is neither a built-in model (small, small-v3) "
-                                "nor a checkpoint directory")
+    model, source = named_model(args.model, DTYPES[args.dtype] if args.dtype else None, args.device)
     return model, describe(model, source)
 
 

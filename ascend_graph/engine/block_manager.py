@@ -58,6 +58,12 @@ class BlockManager:
         """The block table of ``seq_id``."""
         return self._tables[seq_id]
 
+    def rename(self, seq_id: object, new_id: object) -> None:
+        """Move ``seq_id``'s blocks to ``new_id`` (which must own none), leaving ``seq_id`` with none."""
+        if new_id in self._tables:
+            raise ValueError(f"sequence {new_id!r} already owns blocks")
+        self._tables[new_id] = self._tables.pop(seq_id, array(INT32_TYPECODE))
+
     def free(self, seq_id: object) -> None:
         """Return all blocks of ``seq_id``."""
         self._free.extend(self._tables.pop(seq_id, ()))

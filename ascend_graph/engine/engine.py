@@ -262,6 +262,12 @@ class Engine:
         entries = scheduler.prefill_entries(batch) if prefill else scheduler.decode_entries(batch)
         start = time.perf_counter()
         logits = step(entries, batch)  # [n, V]
+        return self._advance(scheduler, batch, logits, prefill, sampler, stops, start)
+
+    def _advance(self, scheduler: Scheduler, batch: list[Request], logits: Tensor, prefill: bool,
+                 sampler: Sampler, stops: frozenset[int], start: float) -> int:
+        """Sample each request's next token from its row of ``logits`` (``[n, V]``, the step begun at
+        ``start``), append it, finish requests that stop; returns the progress count as ``_step`` does."""
         tokens = sampler.sample(logits, [r.index for r in batch])
         self._count(batch, prefill, time.perf_counter() - start)
         advanced = 0

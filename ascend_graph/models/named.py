@@ -1,0 +1,28 @@
+"""A model by name: a built-in DeepSeek-shaped model with seeded weights, or a checkpoint directory."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .deepseek import DeepseekForCausalLM
+from .deepseek_config import DeepseekConfig
+from .loader import load_deepseek
+
+BUILTIN_MODELS = ("small", "small-v3")
+
+
+def named_model(name: str, dtype: Optional[torch.dtype] = None, device: torch.device | str = "cpu") -> tuple[nn.Module, str]:
+    """``(model, description)`` for ``small`` / ``small-v3`` (seed-0 random weights, so every process
+    builds the same one) or a DeepSeek V2/V3 checkpoint directory; ``dtype`` None keeps the default."""
+    if name in BUILTIN_MODELS:
+        config = DeepseekConfig.small() if name == "small" else DeepseekConfig.small_v3()
+        model = DeepseekForCausalLM(config, dtype=dtype or torch.float32, device=device, seed=0).eval()
+        return model, f"built-in '{name}' (seeded random weights)"
+    if os.path.isdir(name):
+        return load_deepseek(name, dtype=dtype, device=device), f"checkpoint {name}"
+    raise FileNotFoundError(f"model {name!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
+                            "nor a checkpoint directory")

@@ -1,0 +1,173 @@
+"""Prefill and decode in two processes: tokens, static caches, handshake, faults, no block leaks.
+
+The oracle is a single-process eager ``Engine`` serving the same requests. The prefill server
+runs as a child process (``PrefillProcess``); the decode engine runs here with graph mode on.
+Mooncake's tests fail instead of skipping where ``$ASCEND_GRAPH_REQUIRE_MOONCAKE`` is set (CI).
+"""
+
+import importlib.util
+import os
+import time
+
+import pytest
+import torch
+
+from ascend_graph.config import GraphConfig
+from ascend_graph.engine.engine import Engine
+from ascend_graph.models.named import named_model
+from ascend_graph.pd import LayoutMismatch, TransferError
+from ascend_graph.pd.decode import DecodeEngine
+from ascend_graph.pd.process import PrefillProcess
+
+pytestmark = [pytest.mark.xdist_group("pd"), pytest.mark.usefixtures("one_torch_thread")]
+
+BLOCK, MAX_LEN, SEATS = 16, 96, 2
+GRAPH = GraphConfig(enabled=True, capture_sizes=(1, 2), max_batch_size=2)
+NUM_BLOCKS = 1 + SEATS * MAX_LEN // BLOCK
+PROMPTS = [[(5 * i + 3 * j) % 250 + 1 for j in range(4 + 9 * i)] for i in range(5)]  # 4..40 tokens
+BUDGETS = [6, 9, 5, 8, 7]
+
+
+def _transports():
+    have = importlib.util.find_spec("mooncake") is not None
+    if not have and os.environ.get("ASCEND_GRAPH_REQUIRE_MOONCAKE"):
+        raise RuntimeError("ASCEND_GRAPH_REQUIRE_MOONCAKE is set but mooncake does not import: "
+                           'pip install "ascend-graph[pd]" and apt-get install libibverbs1')
+    marks = [] if have else [pytest.mark.skip(reason="Mooncake's transfer engine is not installed")]
+    return [pytest.param("mooncake", marks=marks), "gloo"]
+
+
+TRANSPORTS = _transports()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return named_model("small")[0]
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    engine = Engine(model, graph_config=GraphConfig(enabled=False), block_size=BLOCK, max_model_len=MAX_LEN,
+                    max_num_seqs=SEATS, num_blocks=NUM_BLOCKS)
+    return engine.generate(PROMPTS, BUDGETS, ignore_eos=True)
+
+
+def prefill(transport, **kwargs):
+    return PrefillProcess("small", block_size=kwargs.pop("block_size", BLOCK), num_blocks=NUM_BLOCKS,
+                          max_model_len=MAX_LEN, transport=transport, threads=1, **kwargs)
+
+
+def decode(model, server, transport, **kwargs):
+    return DecodeEngine(model, server, transport=transport, graph_config=GRAPH, block_size=BLOCK,
+                        max_model_len=MAX_LEN, max_num_seqs=SEATS, num_blocks=NUM_BLOCKS, **kwargs)
+
+
+def addresses(engine):
+    return [t.data_ptr() for cache in engine.runner.kv_caches for t in cache]
+
+
+def assert_no_leak(engine, server_counters):
+    assert engine.blocks.num_free == NUM_BLOCKS - 1
+    if server_counters is not None:
+        assert server_counters["held"] == 0 and server_counters["free_blocks"] == NUM_BLOCKS - 1
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_decode_tokens_equal_a_single_process_engine(model, reference, transport):
+    with prefill(transport) as server:
+        engine = decode(model, server, transport)
+        try:
+            registered = [r.address for r in engine.layout.regions]
+            assert registered == addresses(engine)
+            engine.capture(show_progress=False)
+            tokens = engine.generate(PROMPTS, BUDGETS, ignore_eos=True)
+            again = engine.generate(PROMPTS[:2], BUDGETS[:2], ignore_eos=True)  # keeps serving
+            counters = engine.prefill_counters()
+        finally:
+            engine.close()
+    assert tokens == reference and again == reference[:2]
+    assert addresses(engine) == registered  # the data landed in the tensors the graphs captured
+    stats = engine.runner.stats.to_dict()
+    assert stats["graph_steps"] > 0 and stats["recompiles"] == 0
+    assert stats["eager_steps_total"] == 0  # no prefill ran here: every prompt's blocks came over
+    assert engine.transfer.transfers == len(PROMPTS) + 2 and engine.transfer.bytes > 0
+    assert counters["prefilled"] == counters["released"] == len(PROMPTS) + 2
+    assert_no_leak(engine, counters)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("on_error", ["recompute", "fail"])
+def test_prefill_killed_mid_transfer(model, reference, transport, on_error):
+    with prefill(transport) as server:
+        engine = decode(model, server, transport, kill_prefill_after=2, max_descriptors=1,
+                        on_transfer_error=on_error, transfer_timeout_s=10.0)
+        try:
+            tokens = engine.generate(PROMPTS, BUDGETS, ignore_eos=True)
+            assert not server.alive
+            after = engine.generate(PROMPTS[:1], BUDGETS[:1], ignore_eos=True)  # still serving, prefill gone
+        finally:
+            engine.close()
+    assert engine.transfer.transfers == 2 and engine.transfer.errors["transfer failed"] == 1
+    if on_error == "recompute":
+        assert tokens == reference and after == reference[:1]
+        assert engine.transfer.recomputed == len(PROMPTS) - 2 + 1 and not engine.failures
+    else:
+        assert set(engine.failures) == {0}  # the last call's failures: its only request
+        assert engine.transfer.failed_requests == len(PROMPTS) - 2 + 1
+        assert tokens[:2] == reference[:2] and all(t == [] for t in tokens[2:]) and after == [[]]
+    assert engine.runner.stats.to_dict()["recompiles"] == 0
+    assert_no_leak(engine, None)
+
+
+def test_a_hung_prefill_misses_its_deadline_and_the_request_is_recomputed(model, reference):
+    with prefill("gloo") as server:
+        engine = decode(model, server, "gloo", prefill_timeout_s=2.0)
+        try:
+            server.suspend()
+            start = time.monotonic()
+            tokens = engine.generate(PROMPTS[:2], BUDGETS[:2], ignore_eos=True)
+            elapsed = time.monotonic() - start
+        finally:
+            server.resume()
+            engine.close()
+    assert tokens == reference[:2]
+    assert engine.transfer.errors["no prefill reply within 2 s"] == 2 and engine.transfer.recomputed == 2
+    assert elapsed < 30
+    assert_no_leak(engine, None)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_failed_batch_fails_only_its_request(model, reference, transport, monkeypatch):
+    with prefill(transport) as server:
+        engine = decode(model, server, transport, on_transfer_error="fail")
+        receive, calls = engine._transport.receive, []
+
+        def flaky(plan, timeout_s):
+            calls.append(plan)
+            if len(calls) == 2:
+                receive(plan, timeout_s)  # the data may land partly: the request must not use it
+                raise TransferError("injected: batch 0 reported failure", batches_done=0)
+            receive(plan, timeout_s)
+
+        monkeypatch.setattr(engine._transport, "receive", flaky)
+        try:
+            tokens = engine.generate(PROMPTS, BUDGETS, ignore_eos=True)
+            counters = engine.prefill_counters()
+        finally:
+            engine.close()
+    failed = [i for i, t in enumerate(tokens) if not t]
+    assert len(failed) == 1 and set(engine.failures) == set(failed)
+    assert "transfer failed: injected" in engine.failures[failed[0]]
+    assert all(tokens[i] == reference[i] for i in range(len(PROMPTS)) if i not in failed)
+    assert_no_leak(engine, counters)
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(block_size=8), "block size differs: 16 here, 8"),
+    (dict(dtype="bfloat16"), "layer 0 kv_c: dtype differs: float32"),
+])
+def test_a_layout_mismatch_is_refused_at_handshake_naming_the_difference(model, change, words):
+    transport = "gloo"
+    with prefill(transport, **change) as server:
+        with pytest.raises(LayoutMismatch, match=words):
+            decode(model, server, transport)
