@@ -30,3 +30,9 @@ def test_generate_example_runs_graph_mode_without_recompiles():
     out = run_example("generate.py", "--backend", "aot_eager", "--capture-sizes", "1,2", "--max-new-tokens", "4")
     assert out.count("  -> [") == 3 and "recompiles 0" in out
     assert int(re.search(r"graph steps (\d+)", out).group(1)) > 0
+
+
+def test_pd_example_decodes_the_prefill_processs_blocks_to_the_single_process_tokens():
+    out = run_example("pd_disaggregation.py", "--capture-sizes", "1,2", "--max-new-tokens", "6", "--temperature", "0.8")
+    assert "tokens equal to a single-process engine: True" in out and "recompiles 0" in out
+    assert "eager steps 0" in out and "0 held" in out

@@ -73,6 +73,8 @@ class Engine:
     - ``num_blocks``: cache blocks (the null block included). Default: from
       ``cache_memory_bytes`` when given, else enough for ``max_num_seqs`` requests of
       ``max_model_len`` tokens.
+    - ``cache_align_bytes``: align each cache tensor's start (a power of two, e.g. 2 MiB, as
+      transfer engines that register memory want; 0 = no constraint).
     - ``tokenizer``: an object with ``encode``/``decode``, or a directory to load one from on
       first use (``load_tokenizer``); needed only for string prompts and ``decode``.
     """
@@ -82,7 +84,7 @@ class Engine:
                  max_model_len: Optional[int] = None, max_num_seqs: Optional[int] = None,
                  device: torch.device | str | None = None,
                  tokenizer: Union[Tokenizer, str, os.PathLike, None] = None,
-                 backend: Optional[Callable] = None) -> None:
+                 backend: Optional[Callable] = None, cache_align_bytes: int = 0) -> None:
         self.model = model
         self.graph_config = graph_config if graph_config is not None else from_env()
         _positive("block_size", block_size)
@@ -93,7 +95,8 @@ class Engine:
         self.num_blocks = self._resolve_num_blocks(num_blocks, cache_memory_bytes)
         self.blocks = BlockManager(self.num_blocks, block_size)
         self.runner = GraphRunner(model, self.graph_config, num_blocks=self.num_blocks, block_size=block_size,
-                                  max_model_len=self.max_model_len, device=device, backend=backend)
+                                  max_model_len=self.max_model_len, device=device, backend=backend,
+                                  cache_align_bytes=cache_align_bytes)
         self.counters = EngineStats()
         is_path = isinstance(tokenizer, (str, os.PathLike))
         self._tokenizer: Optional[Tokenizer] = None if is_path else tokenizer

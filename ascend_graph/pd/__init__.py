@@ -1,8 +1,12 @@
 """Prefill/decode disaggregation: KV blocks move from an eager prefill process into a decode
 process's static tuple caches on an existing transfer engine (docs/pd.md)."""
 
+from .decode import DecodeEngine, TransferStats
 from .layout import CacheLayout, Descriptor, LayoutMismatch, Region, TransferPlan, block_runs, plan_transfer
+from .prefill import PrefillServer
+from .process import PrefillProcess
 from .transport import TransferError, Transport, open_transport, resolve_transport
 
-__all__ = ["CacheLayout", "Descriptor", "LayoutMismatch", "Region", "TransferError", "TransferPlan", "Transport",
-           "block_runs", "open_transport", "plan_transfer", "resolve_transport"]
+__all__ = ["CacheLayout", "DecodeEngine", "Descriptor", "LayoutMismatch", "PrefillProcess", "PrefillServer", "Region",
+           "TransferError", "TransferPlan", "TransferStats", "Transport", "block_runs", "open_transport",
+           "plan_transfer", "resolve_transport"]

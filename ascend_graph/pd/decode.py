@@ -29,7 +29,7 @@ from torch import nn
 from ..engine.engine import Engine
 from ..engine.scheduler import Request, Scheduler
 from .control import Channel, PeerLost, connect
-from .layout import DEFAULT_MAX_DESCRIPTORS, CacheLayout, LayoutMismatch, plan_transfer
+from .layout import DEFAULT_MAX_DESCRIPTORS, REGISTRATION_ALIGN, CacheLayout, LayoutMismatch, plan_transfer
 from .process import PrefillProcess
 from .transport import TransferError, open_transport
 
@@ -70,7 +70,8 @@ class DecodeEngine(Engine):
     - ``max_descriptors`` / ``max_batch_bytes``: how plans are batched (``layout.plan_transfer``).
     - ``kill_prefill_after``: fault injection; kills the prefill process in the middle of the
       transfer after that many requests have landed (needs a ``PrefillProcess``).
-    Other keyword arguments go to ``Engine``. Layouts that differ raise ``LayoutMismatch``.
+    Other keyword arguments go to ``Engine``; its caches start ``REGISTRATION_ALIGN``-aligned
+    unless ``cache_align_bytes`` says otherwise. Layouts that differ raise ``LayoutMismatch``.
     """
 
     def __init__(self, model: nn.Module, prefill: Union[PrefillProcess, tuple[str, int]], *,
@@ -82,6 +83,7 @@ class DecodeEngine(Engine):
             raise ValueError(f"on_transfer_error must be one of {', '.join(ON_ERROR)}, got {on_transfer_error!r}")
         if kill_prefill_after is not None and not isinstance(prefill, PrefillProcess):
             raise ValueError("kill_prefill_after needs prefill to be a PrefillProcess (it kills that process)")
+        engine_kwargs.setdefault("cache_align_bytes", REGISTRATION_ALIGN)
         super().__init__(model, **engine_kwargs)
         self.on_transfer_error = on_transfer_error
         self.prefill_timeout_s = prefill_timeout_s

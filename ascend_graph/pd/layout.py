@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ..kv_cache import NULL_BLOCK, LayerCache, check_layer_cache
 
+REGISTRATION_ALIGN = 2 << 20  # cache tensors start 2 MiB-aligned: what Ascend's registration wants
 DEFAULT_MAX_DESCRIPTORS = 512  # per batch: a TCP lane rejects much more in flight to one peer (docs/pd.md)
 
 

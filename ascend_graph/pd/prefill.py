@@ -28,7 +28,7 @@ from ..config import GraphConfig
 from ..engine.engine import Engine
 from ..runner.step import SequenceStep
 from .control import Channel, PeerLost, accept, listen
-from .layout import CacheLayout, LayoutMismatch, plan_transfer
+from .layout import REGISTRATION_ALIGN, CacheLayout, LayoutMismatch, plan_transfer
 from .transport import TransferError, open_transport
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,8 @@ class PrefillServer:
                  transport: str = "auto", host: str = "127.0.0.1", max_batch: int = 8,
                  hold_timeout_s: float = 120.0, handshake_timeout_s: float = 60.0) -> None:
         self.engine = Engine(model, graph_config=GraphConfig(enabled=False), block_size=block_size,
-                             num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=max_batch)
+                             num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=max_batch,
+                             cache_align_bytes=REGISTRATION_ALIGN)
         self.transport = open_transport(transport, "source", host)
         self.layout = self.transport.register(self.engine.runner.kv_caches)
         self.max_batch = max_batch

@@ -38,7 +38,7 @@ class GraphRunner:
 
     def __init__(self, model: nn.Module, config: GraphConfig, *, num_blocks: int, block_size: int,
                  max_model_len: int, device: torch.device | str | None = None,
-                 backend: Optional[Callable] = None) -> None:
+                 backend: Optional[Callable] = None, cache_align_bytes: int = 0) -> None:
         self.model = model
         self.config = config
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -50,7 +50,7 @@ class GraphRunner:
         self.capture_sizes = config.resolved_capture_sizes() if config.enabled else ()
         self.compile_groups: dict[int, CompileGroup] = compile_groups(self.capture_sizes, dynamic)
         self.kv_caches = allocate_kv_caches(model.kv_cache_specs(), num_blocks, block_size, self.device,
-                                            huge_pages=self.device.type == "cpu")
+                                            align_bytes=cache_align_bytes, huge_pages=self.device.type == "cpu")
         self.stats = RunnerStats()
         self._backend = backend
         # Device graphs (CUDA graphs, NPU graphs) replay into one output buffer, so a step's logits
