@@ -6,6 +6,7 @@ Mooncake's tests fail instead of skipping where ``$ASCEND_GRAPH_REQUIRE_MOONCAKE
 """
 
 import importlib.util
+import json
 import os
 import time
 
@@ -171,3 +172,37 @@ def test_a_layout_mismatch_is_refused_at_handshake_naming_the_difference(model, 
     with prefill(transport, **change) as server:
         with pytest.raises(LayoutMismatch, match=words):
             decode(model, server, transport)
+
+
+def test_pd_demo_reports_tokens_transfer_and_decode_counters_as_json(capsys):
+    from ascend_graph.cli import main
+
+    code = main(["pd-demo", "--capture-sizes", "1,2", "--max-model-len", "96", "--num-requests", "4",
+                 "--max-new-tokens", "5", "--kill-prefill-after", "2", "--json", "--no-progress"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0, result
+    assert {"prompts", "max_new_tokens", "tokens", "transport", "decode_stats", "transfer"} <= set(result)
+    assert result["tokens"] == result["reference_tokens"] and result["tokens_match"]
+    assert result["transfer"]["transfers"] == 2 and result["transfer"]["recomputed"] == 2
+    assert result["transfer"]["bytes"] > 0 and result["transfer"]["seconds"] > 0
+    assert result["decode_stats"]["graph_steps"] > 0 and result["decode_stats"]["recompiles"] == 0
+    assert result["decode_free_blocks"]["before"] == result["decode_free_blocks"]["after"]
+    assert result["prefill_side"] is None  # killed
+
+
+def test_blocks_never_released_by_the_decode_side_are_freed_after_the_hold_timeout(model, reference, monkeypatch):
+    with prefill("gloo", hold_timeout_s=1.0) as server:
+        engine = decode(model, server, "gloo")
+        tell = engine._tell
+        monkeypatch.setattr(engine, "_tell", lambda op, seq_id: None if op == "release" else tell(op, seq_id))
+        try:
+            engine.capture(show_progress=False)
+            tokens = engine.generate(PROMPTS[:3], BUDGETS[:3], ignore_eos=True)
+            held = engine.prefill_counters()["held"]
+            time.sleep(1.5)
+            counters = engine.prefill_counters()
+        finally:
+            engine.close()
+    assert tokens == reference[:3]
+    assert held > 0 and counters["expired"] == 3 and counters["released"] == 0
+    assert_no_leak(engine, counters)
