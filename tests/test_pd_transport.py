@@ -253,3 +253,19 @@ def test_a_missing_engine_names_the_extra_and_the_system_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "mooncake.engine", None)
     with pytest.raises(ImportError, match=r'pip install "ascend-graph\[pd\]".*libibverbs1'):
         mooncake._engine_class()
+
+
+def test_ci_installs_the_pd_extra_and_requires_mooncake():
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    with open(root / "pyproject.toml", "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    assert extras["pd"] == ["mooncake-transfer-engine-non-cuda==0.3.13.post1; platform_machine == 'x86_64' and "
+                            "sys_platform == 'linux'"]
+    ci = (root / ".ci" / "run").read_text()
+    command = [line for line in ci.splitlines() if line.startswith("python -m pip install")]
+    assert len(command) == 1 and '".[test,vllm,pd]"' in command[0]
+    assert command[0] in (root / "README.md").read_text().splitlines()
+    assert "export ASCEND_GRAPH_REQUIRE_MOONCAKE=1" in ci and "libibverbs1" in ci
