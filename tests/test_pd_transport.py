@@ -132,6 +132,18 @@ def wait_settled(transport, limit_s):
     return transport.settled()
 
 
+def stop(pid, limit_s=5.0):
+    """SIGSTOP ``pid`` and wait until it is stopped (the signal lands asynchronously)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {limit_s} s")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_blocks_arrive_bit_exact_in_the_same_tensors(kind, peers, dtype):
     healthy = peers["healthy"]
@@ -183,7 +195,7 @@ def test_a_hung_source_fails_at_the_deadline_and_writes_nothing_late(kind, peers
     connect(transport, victim)
     cmd = send_command(transport, SRC_BLOCKS, DST_BLOCKS, timeout_s=1.5)
     plan = plan_of(victim, cmd)
-    os.kill(victim.proc.pid, signal.SIGSTOP)
+    stop(victim.proc.pid)
     try:
         victim.request(cmd)
         start = time.monotonic()

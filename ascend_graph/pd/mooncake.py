@@ -12,7 +12,9 @@ Its status call blocks until then, and after a failure the engine may still writ
 arrives late into the destination blocks; only destroying the engine ends that. So any failure
 after a batch was submitted breaks the transport: it raises ``TransferError(in_flight=True)``,
 and a helper thread destroys the engine once its status wait has returned; ``settled()`` turns
-true after that. Later calls raise at once; the caller opens a fresh transport.
+true after that. Later calls raise at once; the caller opens a fresh transport. The engine's
+destructor holds the GIL while it runs (~0.3-1 s): the whole process stalls that long after a
+failure (on the helper thread) and in ``close()``.
 
 Environment: ``MC_LOG_LEVEL`` defaults to ``ERROR`` (set process-wide unless set);
 ``MC_TRANSFER_TIMEOUT`` (read by each engine as it starts) is ``engine_timeout_s`` when given,
@@ -125,7 +127,7 @@ class MooncakeTransport(Transport):
         for i, batch in enumerate(batches):
             dsts, srcs, lengths = (list(x) for x in zip(*batch))
             batch_id = self._engine.batch_transfer_async_read(self._peer, dsts, srcs, lengths)
-            status = self._wait(batch_id, deadline)
+            status = self._wait(batch_id, deadline) if batch_id > 0 else batch_id or -1  # <= 0: not submitted
             if status != 0:
                 reason = (f"missed its deadline ({timeout_s:g} s)" if status is None
                           else f"failed (engine status {status})")
