@@ -14,6 +14,7 @@ Shape legend: N num_blocks, S block_size, H heads per token, D dim per head.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -226,3 +227,24 @@ def _batches(pieces: list[Descriptor], max_descriptors: int,
         size += piece.length
     return tuple(tuple(b) for b in batches)
 
+
+
+class BlockMap:
+    """One process's addresses back to whole blocks: which region, which block, how many."""
+
+    def __init__(self, layout: CacheLayout) -> None:
+        self._regions = sorted(enumerate(layout.regions), key=lambda x: x[1].address)
+        self._starts = [r.address for _, r in self._regions]
+
+    def locate(self, address: int, length: int) -> Optional[tuple[int, int, int]]:
+        """``(region index in the layout, first block, block count)`` where ``[address, +length)`` is
+        whole blocks of one region, else None."""
+        k = bisect.bisect_right(self._starts, address) - 1
+        if k < 0:
+            return None
+        index, r = self._regions[k]
+        offset = address - r.address
+        if (offset % r.block_bytes or length <= 0 or length % r.block_bytes
+                or offset + length > r.num_blocks * r.block_bytes):
+            return None
+        return index, offset // r.block_bytes, length // r.block_bytes

@@ -52,7 +52,8 @@ class Transport(ABC):
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         self.role = role
         self.layout: Optional[CacheLayout] = None
-        # called with the index of each batch the destination has completed (tests inject faults here)
+        # called with the index of each batch this side has completed: received (destination) or, on a
+        # pushing transport, sent (source); tests inject faults here
         self.after_batch: Optional[Callable[[int], None]] = None
 
     @abstractmethod
