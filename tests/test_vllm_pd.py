@@ -3,12 +3,14 @@
 Two vLLM processes on 127.0.0.1 (``tests/vllm_pd_worker.py`` in the vLLM python, the harness of
 tests/test_vllm_plugin.py), both with graph mode on and ``kv_transfer_config`` naming
 ``ascend_graph.vllm.kv_connector``: the producer prefills with ``max_tokens=1`` and keeps the
-blocks; the consumer pulls them with Mooncake's transfer engine over TCP and decodes.
+blocks; the consumer (in vLLM's default multi-process engine: the connector's scheduler half in
+the engine core, its counters read across processes) pulls them with Mooncake's transfer engine
+over TCP and decodes.
 
 Oracles: transformers' float32 greedy tokens, and the producer itself as a single vLLM instance
 (the same prompts, no transfer). Proof that the consumer did not recompute the prompts: its
 runner ran no eager step at all (a prompt computed there would be an eager ``prefill``), only
-graph steps, one per new token; its connector loaded exactly the prompts' blocks. (vLLM's
+graph steps; its connector loaded exactly the prompts' blocks. (vLLM's
 ``num_cached_tokens`` is no proof here: on a remote prefill it reports the producer's prefix
 cache hits, ``remote_prefill_cached_tokens``.) Skipped without vLLM or without Mooncake in the vLLM python,
 except where ``$ASCEND_GRAPH_REQUIRE_VLLM`` is set (CI), where that fails.
@@ -38,6 +40,9 @@ BLOCK = LLM_ARGS["block_size"]
 _gen = torch.Generator().manual_seed(7)
 PROMPTS = [torch.randint(3, 100, (n,), generator=_gen).tolist() for n in (40, 17, 16, 5)]
 ON = {"torchair_graph_config": {"enabled": True, "graph_batch_sizes": SIZES}}
+# the producer's engine in its process, the consumer's in vLLM's default engine-core process
+ENV = {"producer": {"MC_LOG_LEVEL": "ERROR"},
+       "consumer": {"MC_LOG_LEVEL": "ERROR", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}}
 
 
 def _free_port() -> int:
@@ -83,7 +88,7 @@ def _pair(vllm_run, path: str, timeout_s: int = 600) -> tuple[dict, dict]:
         logs.append(log)
         with open(log, "w") as stderr:  # a file, not a pipe: a leftover engine process cannot hang the test
             procs.append(subprocess.Popen([vllm_run.python, str(WORKER), str(spec_path), str(out_path)], cwd=root,
-                                          env={**vllm_run.env, "MC_LOG_LEVEL": "ERROR"}, stdout=subprocess.DEVNULL,
+                                          env={**vllm_run.env, **ENV[role]}, stdout=subprocess.DEVNULL,
                                           stderr=stderr, start_new_session=True))
     try:
         for proc in procs:
@@ -110,10 +115,11 @@ def test_decode_instance_pulls_the_prefilled_tuple_blocks_and_decodes_as_one_ins
     assert consumer["tokens"] == expected
     assert producer["first_tokens"] == [t[:1] for t in expected]
 
-    # the consumer computed no prompt: no eager step at all, one graph step per new token
+    # the consumer computed no prompt: no eager step at all, graph steps only; requests reach its
+    # engine core one by one, so a later one may start its first token a step after the others
     stats = consumer["stats"]
     assert stats["eager_steps"] == {}, stats
-    assert stats["graph_steps"] == NEW_TOKENS
+    assert NEW_TOKENS <= stats["graph_steps"] <= NEW_TOKENS + len(PROMPTS) - 1
     assert stats["recompiles"] == 0 and stats["compile_failures"] == 0
     blocks = sum(-(-len(p) // BLOCK) for p in PROMPTS)
     moved = consumer["transfer"]
