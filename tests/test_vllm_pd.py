@@ -14,6 +14,10 @@ graph steps; its connector loaded exactly the prompts' blocks. (vLLM's
 ``num_cached_tokens`` is no proof here: on a remote prefill it reports the producer's prefix
 cache hits, ``remote_prefill_cached_tokens``.) Skipped without vLLM or without Mooncake in the vLLM python,
 except where ``$ASCEND_GRAPH_REQUIRE_VLLM`` is set (CI), where that fails.
+
+Then one failed pull (the producer's address changed to a port nobody listens on): the connector
+counts the failure and reports the blocks invalid, and vLLM (``kv_load_failure_policy:
+recompute``) prefills that prompt itself, to the same tokens.
 """
 
 from __future__ import annotations
@@ -78,9 +82,10 @@ def _pair(vllm_run, path: str, timeout_s: int = 600) -> tuple[dict, dict]:
     procs, outs, logs = [], [], []
     for role in ("producer", "consumer"):
         kv = {"kv_connector": "TupleCacheConnector", "kv_connector_module_path": "ascend_graph.vllm.kv_connector",
-              "kv_role": f"kv_{role}", "kv_port": port, "kv_connector_extra_config": {"host": "127.0.0.1"}}
+              "kv_role": f"kv_{role}", "kv_port": port, "kv_connector_extra_config": {"host": "127.0.0.1"},
+              "kv_load_failure_policy": "recompute"}
         spec = {"role": role, "model": path, "prompts": PROMPTS, "max_tokens": NEW_TOKENS, "timeout_s": timeout_s,
-                "handoff": str(handoff), "release": str(release),
+                "handoff": str(handoff), "release": str(release), "dead_port": _free_port(),
                 "llm": dict(LLM_ARGS, additional_config=ON, kv_transfer_config=kv)}
         spec_path, out_path, log = root / f"pd_{role}.json", root / f"pd_{role}_out.json", root / f"pd_{role}.log"
         spec_path.write_text(json.dumps(spec))
@@ -133,3 +138,10 @@ def test_decode_instance_pulls_the_prefilled_tuple_blocks_and_decodes_as_one_ins
     # the producer freed every held request once the consumer said it had read it
     assert producer["transfer"]["requests_sent"] == len(PROMPTS)
     assert producer["transfer"]["requests_loaded"] == 0
+
+    # a pull that fails (nothing listens at the address) is reported; vLLM recomputes the prompt
+    failure = consumer["after_failure"]
+    assert failure["tokens"] == expected[0]
+    assert failure["transfer"]["load_failures"] == 1
+    assert failure["transfer"]["requests_loaded"] == len(PROMPTS)
+    assert failure["stats"]["eager_steps"] == {"prefill": 1}

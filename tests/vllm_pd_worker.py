@@ -9,7 +9,9 @@
   ``spec["release"]`` (the consumer has finished) and runs one more request, so that the steps
   after the consumer's ``done`` free the held blocks;
 - ``"consumer"``: ``LLM(...)``; waits for the handoff, then generates each prompt with its
-  ``kv_transfer_params`` (the blocks are pulled, the prompt not recomputed); writes ``release``.
+  ``kv_transfer_params`` (the blocks are pulled, the prompt not recomputed); with
+  ``spec["dead_port"]``, then the first prompt once more with its producer's address changed to
+  that port (the pull fails: ``after_failure``); writes ``release``.
 
 OUT.json: tokens, ``num_cached_tokens`` per request, the runner's counters, the connector's
 counters (``transfer_stats``), seconds, and the error (type, message) where one was raised.
@@ -74,6 +76,11 @@ def run(spec: dict) -> dict:
             out["num_cached_tokens"] = [o.num_cached_tokens for o in outputs]
         out["stats"] = runner_stats(llm)
         out["transfer"] = transfer_stats(llm)
+        if spec["role"] == "consumer" and spec.get("dead_port"):  # a pull that fails: nobody listens there
+            dead = {**kv[0], "remote_request_id": "gone", "remote_port": spec["dead_port"]}
+            failed = llm.generate(prompts[:1], params(spec["max_tokens"], dead), use_tqdm=False)
+            out["after_failure"] = {"tokens": list(failed[0].outputs[0].token_ids), "stats": runner_stats(llm),
+                                    "transfer": transfer_stats(llm)}
     except Exception as e:  # the test reads the error; the traceback goes to stderr
         traceback.print_exception(e)
         out["error"] = {"type": type(e).__name__, "message": str(e)}
