@@ -2,20 +2,20 @@
 
 ``LLM(..., kv_transfer_config={"kv_connector": "TupleCacheConnector", "kv_connector_module_path":
 "ascend_graph.vllm.kv_connector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
-"kv_port": PORT, "kv_connector_extra_config": {"host": HOST}})`` with graph mode on (docs/vllm.md, "PD between two vLLM
-instances"). vLLM's own connectors register the tensors vLLM allocated, which graph mode
-releases; this one registers the runner's ``MLACache`` / ``KVCache`` tensors (the ones its
-graphs captured) with Mooncake's transfer engine.
+"kv_port": PORT, "kv_connector_extra_config": {"host": HOST}})`` with graph mode on
+(docs/vllm.md, "PD between two vLLM instances"). vLLM's own connectors register the tensors
+vLLM allocated, which graph mode releases; this one registers the runner's ``MLACache`` /
+``KVCache`` tensors (the ones its graphs captured) with Mooncake's transfer engine.
 
 Protocol (``kv_transfer``): a request sent to the producer with ``kv_transfer_params
 {"do_remote_decode": True}`` keeps its blocks when it finishes; its output's
-``kv_transfer_params`` (``do_remote_prefill``, the producer's request id, block ids and control
-address) go with the same prompt to the consumer, whose scheduler reports the prompt as
-external tokens loaded asynchronously; its worker asks the producer's control server for the
-layout once per peer, pulls the blocks (``batch_transfer_sync_read``, contiguous runs merged,
-<= 512 ranges a batch), tells the producer ``done`` and reports the request received (a failed
-pull: its blocks reported invalid; vLLM then fails the request or, with
-``kv_load_failure_policy="recompute"``, recomputes them). The producer frees a request's
+``kv_transfer_params`` (``do_remote_prefill``, the producer's request id, block ids, control
+address and engine id) go with the same prompt to the consumer, whose scheduler reports the
+prompt as external tokens loaded asynchronously; its worker asks the producer's control server
+for the layout once per producer instance, pulls the blocks (``batch_transfer_sync_read``,
+contiguous runs merged, <= 512 ranges a batch), tells the producer ``done`` and reports the
+request received (a failed pull: its blocks reported invalid; vLLM then fails the request or,
+with ``kv_load_failure_policy="recompute"``, recomputes them). The producer frees a request's
 blocks at its first step after ``done``, or after ``kv_connector_extra_config["send_timeout_s"]``.
 Tensor and pipeline parallelism are not supported (graph mode rejects them).
 """
@@ -56,6 +56,7 @@ class Load:
     remote_request_id: str
     host: str
     port: int
+    engine_id: str  # the producer's kv_transfer_config.engine_id: its control server must answer with it
 
 
 @dataclass
@@ -73,6 +74,7 @@ class TupleCacheConnector(KVConnectorBase_V1):
         config = vllm_config.kv_transfer_config
         self._host = str(config.get_from_extra_config("host", "127.0.0.1"))
         self._port = int(config.kv_port)
+        self._engine_id = str(config.engine_id)  # one per instance, shared by both halves
         self._block_size = vllm_config.cache_config.block_size
         self._producer, self._consumer = config.is_kv_producer, config.is_kv_consumer
         self._send_timeout_s = float(config.get_from_extra_config("send_timeout_s", 120.0))
@@ -108,7 +110,7 @@ class TupleCacheConnector(KVConnectorBase_V1):
         local, remote = blocks.get_block_ids()[0][first:last], list(params["remote_block_ids"])[first:last]
         self._loads[request.request_id] = Load(request.request_id, list(local), remote,
                                                str(params["remote_request_id"]), str(params["remote_host"]),
-                                               int(params["remote_port"]))
+                                               int(params["remote_port"]), str(params["remote_engine_id"]))
 
     def build_connector_meta(self, scheduler_output: Any) -> TupleCacheMetadata:
         meta = TupleCacheMetadata(loads=list(self._loads.values()), sends=self._sends)
@@ -127,7 +129,7 @@ class TupleCacheConnector(KVConnectorBase_V1):
         self._sends.append(request.request_id)
         return True, {"do_remote_prefill": True, "do_remote_decode": False,
                       "remote_request_id": request.request_id, "remote_block_ids": list(block_ids),
-                      "remote_host": self._host, "remote_port": self._port}
+                      "remote_host": self._host, "remote_port": self._port, "remote_engine_id": self._engine_id}
 
     # -- worker side ------------------------------------------------------------------------
 
@@ -176,7 +178,7 @@ class _Worker:
         self.peer_name = f"{connector._host}:{self.engine.get_rpc_port()}"
         self.regions: list[kt.Region] = []
         self.server: Optional[kt.ControlServer] = None
-        self.peers: dict[tuple[str, int], tuple[str, list[kt.Region]]] = {}
+        self.peers: dict[tuple[str, int, str], tuple[str, list[kt.Region]]] = {}
         self.lock = threading.Lock()
         self.done: set[str] = set()  # producer: request ids a consumer has read (control thread writes)
         self.pending: dict[str, float] = {}  # producer: request id -> deadline to free its blocks
@@ -206,7 +208,7 @@ class _Worker:
     def answer(self, message: dict) -> dict:
         """The control server's handler (its threads)."""
         if message.get("op") == "layout":
-            return {"peer": self.peer_name, "regions": kt.regions_to_json(self.regions)}
+            return {"peer": self.peer_name, "engine_id": self.c._engine_id, "regions": kt.regions_to_json(self.regions)}
         if message.get("op") == "done":
             with self.lock:
                 self.done.add(str(message["request_id"]))
@@ -224,7 +226,7 @@ class _Worker:
         try:
             if len(load.remote_blocks) != len(load.local_blocks):
                 raise ValueError(f"{len(load.remote_blocks)} remote blocks for {len(load.local_blocks)} local")
-            peer, remote = self._peer(load.host, load.port)
+            peer, remote = self._peer(load.host, load.port, load.engine_id)
             addrs = kt.descriptors(self.regions, remote, kt.block_runs(load.local_blocks, load.remote_blocks))
             nbytes = kt.read_blocks(self.engine, peer, addrs)
         except Exception as e:  # this request fails; the engine goes on
@@ -245,15 +247,18 @@ class _Worker:
             logger.warning("TupleCacheConnector: telling %s:%d that %s is read failed: %s", load.host,
                            load.port, load.remote_request_id, e)
 
-    def _peer(self, host: str, port: int) -> tuple[str, list[kt.Region]]:
-        if (host, port) not in self.peers:
+    def _peer(self, host: str, port: int, engine_id: str) -> tuple[str, list[kt.Region]]:
+        """The producer's engine address and regions, asked once per producer instance."""
+        if (host, port, engine_id) not in self.peers:
             reply = kt.ask(host, port, {"op": "layout"})
+            if reply.get("engine_id") != engine_id:  # another instance now listens there
+                raise ConnectionError(f"{host}:{port} is instance {reply.get('engine_id')}, not {engine_id}")
             peer_host = str(reply["peer"]).rsplit(":", 1)[0]
             if peer_host in ("0.0.0.0", ""):
                 peer_host = host
-            self.peers[(host, port)] = (f"{peer_host}:{str(reply['peer']).rsplit(':', 1)[1]}",
-                                        kt.regions_from_json(reply["regions"]))
-        return self.peers[(host, port)]
+            self.peers[(host, port, engine_id)] = (f"{peer_host}:{str(reply['peer']).rsplit(':', 1)[1]}",
+                                                   kt.regions_from_json(reply["regions"]))
+        return self.peers[(host, port, engine_id)]
 
     def finished(self) -> tuple[Optional[set[str]], Optional[set[str]]]:
         now, sent = time.monotonic(), set()
