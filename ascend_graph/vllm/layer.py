@@ -16,7 +16,7 @@ when bound (docs/vllm.md, "Caches").
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 from torch import nn
@@ -74,6 +74,9 @@ class TupleCacheLayer(nn.Module, AttentionLayerBase):
         self.spec = spec
         self.num_blocks: Optional[int] = None
         self.kv_cache: Any = ()  # never a tensor: vLLM's CPU runner then leaves it alone
+        # Set by the model: returns this layer's cache tuple, the runner's tensors its graphs
+        # capture (a KV connector registers those); callable once vLLM has bound the caches.
+        self.tuple_cache: Optional[Callable[[], Any]] = None
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return TupleCacheBackend

@@ -14,6 +14,7 @@ decode-only step, one token per request, the runner's ``[n, V]`` logits themselv
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable, Optional
 
 import torch
@@ -47,6 +48,8 @@ class AscendGraphForCausalLM(nn.Module):
         self.cache_layers = nn.ModuleList(
             TupleCacheLayer(vllm_config, f"{prefix}model.layers.{i}.self_attn.attn", spec)
             for i, spec in enumerate(self.model.kv_cache_specs()))
+        for i, layer in enumerate(self.cache_layers):
+            layer.tuple_cache = functools.partial(self._layer_cache, i)
         self.block_size = vllm_config.cache_config.block_size
         self.max_model_len = vllm_config.model_config.max_model_len
         self.runner: Optional[GraphRunner] = None
@@ -87,6 +90,12 @@ class AscendGraphForCausalLM(nn.Module):
         if self.cache_layers[0].num_blocks is None:
             return None
         return metadata[self.cache_layers[0].layer_name]
+
+    def _layer_cache(self, index: int) -> Any:
+        """Layer ``index``'s cache tuple in the runner (built here if no step has built it yet)."""
+        if self.cache_layers[0].num_blocks is None:
+            raise RuntimeError("the tuple caches exist once vLLM has bound its KV blocks")
+        return self._runner().kv_caches[index]
 
     def _runner(self) -> GraphRunner:
         if self.runner is None:

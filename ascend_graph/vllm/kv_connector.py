@@ -1,0 +1,297 @@
+"""A vLLM KV connector for graph mode's tuple caches: prefill on one vLLM, decode on another.
+
+``LLM(..., kv_transfer_config={"kv_connector": "TupleCacheConnector", "kv_connector_module_path":
+"ascend_graph.vllm.kv_connector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
+"kv_port": PORT, "kv_connector_extra_config": {"host": HOST}})`` with graph mode on
+(docs/vllm.md, "PD between two vLLM instances"). vLLM's own connectors register the tensors
+vLLM allocated, which graph mode releases; this one registers the runner's ``MLACache`` /
+``KVCache`` tensors (the ones its graphs captured) with Mooncake's transfer engine.
+
+Protocol (``kv_transfer``): a request sent to the producer with ``kv_transfer_params
+{"do_remote_decode": True}`` keeps its blocks when it finishes; its output's
+``kv_transfer_params`` (``do_remote_prefill``, the producer's request id, block ids, control
+address and engine id) go with the same prompt to the consumer, whose scheduler reports the
+prompt as external tokens loaded asynchronously; its worker asks the producer's control server
+for the layout once per producer instance, pulls the blocks (``batch_transfer_sync_read``,
+contiguous runs merged, <= 512 ranges a batch), tells the producer ``done`` and reports the
+request received (a failed pull: its blocks reported invalid; vLLM then fails the request or,
+with ``kv_load_failure_policy="recompute"``, recomputes them). The producer frees a request's
+blocks at its first step after ``done``, or after ``kv_connector_extra_config["send_timeout_s"]``.
+Tensor and pipeline parallelism are not supported (graph mode rejects them).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                                KVConnectorRole)
+from vllm.logger import init_logger
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.request import RequestStatus
+
+from . import kv_transfer as kt
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+STATS_METHOD = "ascend_graph_kv_transfer_stats"  # added to vLLM's WorkerBase, called by name
+
+
+@dataclass
+class Load:
+    """One request's pull: its local blocks and the producer's, and where the producer listens."""
+
+    request_id: str
+    local_blocks: list[int]
+    remote_blocks: list[int]
+    remote_request_id: str
+    host: str
+    port: int
+    engine_id: str  # the producer's kv_transfer_config.engine_id: its control server must answer with it
+
+
+@dataclass
+class TupleCacheMetadata(KVConnectorMetadata):
+    loads: list[Load] = field(default_factory=list)
+    sends: list[str] = field(default_factory=list)  # producer request ids now holding blocks for a consumer
+
+
+class TupleCacheConnector(KVConnectorBase_V1):
+    """Both halves: the scheduler side decides what moves, the worker side moves it."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: Optional["KVCacheConfig"] = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        config = vllm_config.kv_transfer_config
+        self._host = str(config.get_from_extra_config("host", "127.0.0.1"))
+        self._port = int(config.kv_port)
+        self._engine_id = str(config.engine_id)  # one per instance, shared by both halves
+        self._block_size = vllm_config.cache_config.block_size
+        self._producer, self._consumer = config.is_kv_producer, config.is_kv_consumer
+        self._send_timeout_s = float(config.get_from_extra_config("send_timeout_s", 120.0))
+        # scheduler side
+        self._loads: dict[str, Load] = {}
+        self._sends: list[str] = []
+        self._matched_from: dict[str, int] = {}  # request id -> locally computed tokens at the match
+        # worker side
+        self._worker: Optional[_Worker] = _Worker(self) if role == KVConnectorRole.WORKER else None
+
+    # -- scheduler side ---------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if not (self._consumer and params.get("do_remote_prefill")):
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        self._matched_from[request.request_id] = num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # one pull per request
+        if num_external_tokens <= 0:
+            return
+        first = self._matched_from.pop(request.request_id, 0) // self._block_size
+        last = -(-len(request.prompt_token_ids or ()) // self._block_size)
+        local, remote = blocks.get_block_ids()[0][first:last], list(params["remote_block_ids"])[first:last]
+        self._loads[request.request_id] = Load(request.request_id, list(local), remote,
+                                               str(params["remote_request_id"]), str(params["remote_host"]),
+                                               int(params["remote_port"]), str(params["remote_engine_id"]))
+
+    def build_connector_meta(self, scheduler_output: Any) -> TupleCacheMetadata:
+        meta = TupleCacheMetadata(loads=list(self._loads.values()), sends=self._sends)
+        self._loads, self._sends = {}, []
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict]]:
+        """A producer's finished request keeps its blocks for the consumer; its output carries
+        what the consumer needs to pull them."""
+        params = request.kv_transfer_params or {}
+        self._matched_from.pop(request.request_id, None)
+        if not (self._producer and params.get("do_remote_decode")):
+            return False, None
+        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
+            return False, None
+        self._sends.append(request.request_id)
+        return True, {"do_remote_prefill": True, "do_remote_decode": False,
+                      "remote_request_id": request.request_id, "remote_block_ids": list(block_ids),
+                      "remote_host": self._host, "remote_port": self._port, "remote_engine_id": self._engine_id}
+
+    # -- worker side ------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._require_worker().register(list(kv_caches))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TupleCacheMetadata)
+        worker = self._require_worker()
+        worker.hold(meta.sends)
+        for load in meta.loads:
+            worker.load(load)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads complete before the request is scheduled
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # the consumer pulls: nothing to push
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        return self._require_worker().finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._require_worker().take_invalid_blocks()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    def _require_worker(self) -> "_Worker":
+        if self._worker is None:
+            raise RuntimeError("TupleCacheConnector: a worker-side method was called on the scheduler side")
+        return self._worker
+
+
+class _Worker:
+    """The worker half: the registered regions, the control server (producer), the pulls (consumer)."""
+
+    def __init__(self, connector: TupleCacheConnector) -> None:
+        self.c = connector
+        self.engine = kt.new_engine(connector._host)
+        self.peer_name = f"{connector._host}:{self.engine.get_rpc_port()}"
+        self.regions: list[kt.Region] = []
+        self.server: Optional[kt.ControlServer] = None
+        self.peers: dict[tuple[str, int, str], tuple[str, list[kt.Region]]] = {}
+        self.lock = threading.Lock()
+        self.done: set[str] = set()  # producer: request ids a consumer has read (control thread writes)
+        self.pending: dict[str, float] = {}  # producer: request id -> deadline to free its blocks
+        self.received: set[str] = set()
+        self.invalid: set[int] = set()
+        self.stats = {"requests_loaded": 0, "blocks_loaded": 0, "bytes_loaded": 0, "descriptors": 0,
+                      "load_seconds": 0.0, "load_failures": 0, "requests_sent": 0, "regions": 0}
+        _add_worker_method()
+
+    def register(self, layer_names: list[str]) -> None:
+        """Register each layer's tuple tensors, in layer order; start serving them (producer)."""
+        context = self.c._vllm_config.compilation_config.static_forward_context
+        caches = []
+        for name in sorted(layer_names, key=extract_layer_index):
+            tuple_cache = getattr(context.get(name), "tuple_cache", None)
+            if tuple_cache is None:
+                raise ValueError(f"TupleCacheConnector moves ascend_graph's graph-mode caches; layer {name} is "
+                                 "not one (turn graph mode on: additional_config={'torchair_graph_config': "
+                                 "{'enabled': True}}, or use one of vLLM's connectors)")
+            caches.append(tuple(tuple_cache()))
+        self.regions = kt.regions_of(caches)
+        kt.register(self.engine, self.regions)
+        self.stats["regions"] = len(self.regions)
+        if self.c._producer:
+            self.server = kt.ControlServer(self.c._host, self.c._port, self.answer)
+
+    def answer(self, message: dict) -> dict:
+        """The control server's handler (its threads)."""
+        if message.get("op") == "layout":
+            return {"peer": self.peer_name, "engine_id": self.c._engine_id, "regions": kt.regions_to_json(self.regions)}
+        if message.get("op") == "done":
+            with self.lock:
+                self.done.add(str(message["request_id"]))
+            return {"ok": True}
+        raise ValueError(f"unknown op {message.get('op')!r}")
+
+    def hold(self, request_ids: list[str]) -> None:
+        deadline = time.monotonic() + self.c._send_timeout_s
+        for request_id in request_ids:
+            self.pending[request_id] = deadline
+
+    def load(self, load: Load) -> None:
+        """Pull one request's blocks; on failure report them invalid (vLLM then recomputes them)."""
+        start = time.perf_counter()
+        try:
+            if len(load.remote_blocks) != len(load.local_blocks):
+                raise ValueError(f"{len(load.remote_blocks)} remote blocks for {len(load.local_blocks)} local")
+            peer, remote = self._peer(load.host, load.port, load.engine_id)
+            addrs = kt.descriptors(self.regions, remote, kt.block_runs(load.local_blocks, load.remote_blocks))
+            nbytes = kt.read_blocks(self.engine, peer, addrs)
+        except Exception as e:  # this request fails; the engine goes on
+            logger.error("TupleCacheConnector: pulling request %s from %s:%d failed: %s", load.request_id,
+                         load.host, load.port, e)
+            self.invalid.update(load.local_blocks)
+            self.stats["load_failures"] += 1
+        else:
+            self.stats["requests_loaded"] += 1
+            self.stats["blocks_loaded"] += len(load.local_blocks)
+            self.stats["bytes_loaded"] += nbytes
+            self.stats["descriptors"] += len(addrs[0])
+        self.stats["load_seconds"] += time.perf_counter() - start
+        self.received.add(load.request_id)
+        try:  # the producer may free its blocks either way
+            kt.ask(load.host, load.port, {"op": "done", "request_id": load.remote_request_id})
+        except (OSError, ValueError) as e:
+            logger.warning("TupleCacheConnector: telling %s:%d that %s is read failed: %s", load.host,
+                           load.port, load.remote_request_id, e)
+
+    def _peer(self, host: str, port: int, engine_id: str) -> tuple[str, list[kt.Region]]:
+        """The producer's engine address and regions, asked once per producer instance."""
+        if (host, port, engine_id) not in self.peers:
+            reply = kt.ask(host, port, {"op": "layout"})
+            if reply.get("engine_id") != engine_id:  # another instance now listens there
+                raise ConnectionError(f"{host}:{port} is instance {reply.get('engine_id')}, not {engine_id}")
+            peer_host = str(reply["peer"]).rsplit(":", 1)[0]
+            if peer_host in ("0.0.0.0", ""):
+                peer_host = host
+            self.peers[(host, port, engine_id)] = (f"{peer_host}:{str(reply['peer']).rsplit(':', 1)[1]}",
+                                                   kt.regions_from_json(reply["regions"]))
+        return self.peers[(host, port, engine_id)]
+
+    def finished(self) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        now, sent = time.monotonic(), set()
+        with self.lock:
+            for request_id, deadline in list(self.pending.items()):
+                if request_id in self.done or now > deadline:
+                    sent.add(request_id)
+                    self.done.discard(request_id)
+                    del self.pending[request_id]
+        self.stats["requests_sent"] += len(sent)
+        received, self.received = self.received, set()
+        return sent or None, received or None
+
+    def take_invalid_blocks(self) -> set[int]:
+        invalid, self.invalid = self.invalid, set()
+        return invalid
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+
+def _add_worker_method() -> None:
+    """``WorkerBase.ascend_graph_kv_transfer_stats``: the worker connector's counters, by name."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    if not hasattr(WorkerBase, STATS_METHOD):
+        setattr(WorkerBase, STATS_METHOD, lambda worker: dict(get_kv_transfer_group()._worker.stats))
+
+
+def transfer_stats(llm: Any) -> dict:
+    """The worker connector's counters of ``llm`` (blocks and bytes loaded, requests sent, ...)."""
+    (stats,) = llm.collective_rpc(STATS_METHOD)
+    return stats
