@@ -55,7 +55,7 @@ def shapes(num_blocks: int) -> dict[str, tuple[list[int], list[int]]]:
 def _child(name: str, num_blocks: int) -> None:
     """The source: register, print the endpoint, then serve ``connect`` / ``send`` / ``exit`` lines."""
     from ascend_graph.pd.layout import CacheLayout, plan_transfer
-    from ascend_graph.pd.transport import open_transport
+    from ascend_graph.pd.select import open_transport
 
     transport = open_transport(name, "source")
     layout = transport.register(make_caches(num_blocks, seed=1))
@@ -99,7 +99,7 @@ def _timed_index_copy(src_kv, dst_kv, src_ids, dst_ids, repeats: int) -> float:
 def measure(name: str, num_blocks: int, repeats: int) -> dict:
     """One transport: every shape, ``repeats`` timed transfers each, checked once against the oracle."""
     from ascend_graph.pd.layout import CacheLayout, plan_transfer
-    from ascend_graph.pd.transport import open_transport
+    from ascend_graph.pd.select import open_transport
 
     child = subprocess.Popen([sys.executable, "-m", "benchmarks.pd_transfer", "--child", name,
                               "--blocks", str(num_blocks), "--threads", str(torch.get_num_threads())], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

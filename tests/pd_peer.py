@@ -120,7 +120,7 @@ class Peer:
 
 
 def _serve(argv: list[str]) -> None:
-    from ascend_graph.pd.transport import open_transport
+    from ascend_graph.pd.select import open_transport
 
     name, dtype, num_blocks, seed = argv[0], argv[1], int(argv[2]), int(argv[3])
 

@@ -7,7 +7,7 @@ import time
 
 from ..pd.decode import DecodeEngine
 from ..pd.process import PrefillProcess
-from ..pd.transport import resolve_transport
+from ..pd.select import resolve_transport
 from .commands import graph_config, load_model, make_engine, workload
 
 

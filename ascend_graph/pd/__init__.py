@@ -5,7 +5,8 @@ from .decode import DecodeEngine, TransferStats
 from .layout import CacheLayout, Descriptor, LayoutMismatch, Region, TransferPlan, block_runs, plan_transfer
 from .prefill import PrefillServer
 from .process import PrefillProcess
-from .transport import TransferError, Transport, open_transport, resolve_transport
+from .select import open_transport, resolve_transport
+from .transport import TransferError, Transport
 
 __all__ = ["CacheLayout", "DecodeEngine", "Descriptor", "LayoutMismatch", "PrefillProcess", "PrefillServer", "Region",
            "TransferError", "TransferPlan", "TransferStats", "Transport", "block_runs", "open_transport",

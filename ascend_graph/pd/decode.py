@@ -31,7 +31,8 @@ from ..engine.scheduler import Request, Scheduler
 from .control import Channel, PeerLost, connect
 from .layout import DEFAULT_MAX_DESCRIPTORS, REGISTRATION_ALIGN, CacheLayout, LayoutMismatch, plan_transfer
 from .process import PrefillProcess
-from .transport import TransferError, open_transport
+from .select import open_transport
+from .transport import TransferError
 
 ON_ERROR = ("recompute", "fail")
 

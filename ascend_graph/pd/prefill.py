@@ -29,7 +29,8 @@ from ..engine.engine import Engine
 from ..runner.step import SequenceStep
 from .control import Channel, PeerLost, accept, listen
 from .layout import REGISTRATION_ALIGN, CacheLayout, LayoutMismatch, plan_transfer
-from .transport import TransferError, open_transport
+from .select import open_transport
+from .transport import TransferError
 
 log = logging.getLogger(__name__)
 READY = "READY"

@@ -1,4 +1,4 @@
-"""The KV transfer layer: what a transport does, and ``open_transport`` choosing one by name.
+"""The KV transfer layer: what a transport does (``pd/select.py`` picks one by name).
 
 A transport moves whole blocks of every cache tensor from a source process (prefill) to a
 destination process (decode) on an existing engine: Mooncake's TransferEngine
@@ -16,14 +16,12 @@ the data in ``receive`` alone and its ``send`` returns at once. Blocks hold vali
 
 from __future__ import annotations
 
-import importlib.util
 from abc import ABC, abstractmethod
 from typing import Callable, ClassVar, Optional, Sequence
 
 from ..kv_cache import LayerCache
 from .layout import CacheLayout, TransferPlan
 
-TRANSPORTS = ("auto", "mooncake", "gloo")
 ROLES = ("source", "destination")
 
 
@@ -83,29 +81,3 @@ class Transport(ABC):
 
     def close(self) -> None:
         """Release the engine's resources (idempotent)."""
-
-
-def mooncake_available() -> bool:
-    """Whether Mooncake's transfer engine is installed (``pip install "ascend-graph[pd]"``)."""
-    return importlib.util.find_spec("mooncake") is not None
-
-
-def resolve_transport(name: str) -> str:
-    """The transport ``name`` stands for: ``auto`` is Mooncake where installed, else gloo."""
-    if name not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {name!r}")
-    if name == "auto":
-        return "mooncake" if mooncake_available() else "gloo"
-    return name
-
-
-def open_transport(name: str, role: str, host: str = "127.0.0.1") -> Transport:
-    """A new, unregistered transport of kind ``name`` (``auto``/``mooncake``/``gloo``) for ``role``."""
-    kind = resolve_transport(name)
-    if kind == "mooncake":
-        from .mooncake import MooncakeTransport
-
-        return MooncakeTransport(role, host=host)
-    from .gloo import GlooTransport
-
-    return GlooTransport(role, host=host)
