@@ -6,14 +6,14 @@ the destination's ``receive`` reads each batch of the plan (``batch_transfer_asy
 waits for it on a helper thread, so that a hung peer fails at the caller's deadline.
 
 What the engine does on faults (measured, docs/pd.md): a batch whose peer address lies outside
-the peer's registered memory fails (status -1) at once, a killed peer within ~100 ms, a hung
-(stopped) peer only at the engine's transfer timeout (``MC_TRANSFER_TIMEOUT``, never under ~5 s).
+the peer's registered memory fails (status -1) at once, a killed peer soon after, a hung
+(stopped) peer only at the engine's transfer timeout (``MC_TRANSFER_TIMEOUT``; figures in docs/pd.md).
 Its status call blocks until then, and after a failure the engine may still write data that
 arrives late into the destination blocks; only destroying the engine ends that. So any failure
 after a batch was submitted breaks the transport: it raises ``TransferError(in_flight=True)``,
 and a helper thread destroys the engine once its status wait has returned; ``settled()`` turns
 true after that. Later calls raise at once; the caller opens a fresh transport. The engine's
-destructor holds the GIL while it runs (~0.3-1 s): the whole process stalls that long after a
+destructor holds the GIL while it runs: the whole process stalls that long after a
 failure (on the helper thread) and in ``close()``.
 
 Environment: ``MC_LOG_LEVEL`` defaults to ``ERROR`` (set process-wide unless set);
@@ -95,7 +95,7 @@ class MooncakeTransport(Transport):
                 "layout": self.layout.to_dict()}
 
     def connect(self, peer: dict, timeout_s: float) -> None:
-        """Check the peer's layout; the destination also makes its first read (~110 ms) now."""
+        """Check the peer's layout; the destination also makes its first (slow) read now."""
         CacheLayout.from_dict(peer["layout"]).check_matches(self.layout, "peer")
         self._peer = str(peer["session"])
         if self.role == "destination":
@@ -177,7 +177,7 @@ class MooncakeTransport(Transport):
         return self._reaper is None or not self._reaper.is_alive()
 
     def close(self) -> None:
-        """Destroy the engine (takes up to ~1 s; idempotent). A broken one is torn down already."""
+        """Destroy the engine (slow; idempotent). A broken one is torn down already."""
         if self._closed:
             return
         self._closed = True
@@ -216,7 +216,7 @@ def _start_engine(engine_class, host: str, timeout_s: Optional[int]):
         effective = int(value)
     except ValueError:
         effective = 30  # the engine's own default when the variable does not parse
-    return engine, max(effective, 5)  # the engine never times a transfer out sooner than ~5 s
+    return engine, max(effective, 5)  # the engine's floor for its transfer timeout (docs/pd.md)
 
 
 def _check_local(plan: TransferPlan, layout: CacheLayout) -> None:
