@@ -1,6 +1,8 @@
-"""Building blocks shared by the DeepSeek modules: uninitialised linears, RMSNorm, float32 islands.
+"""Building blocks shared by the DeepSeek modules: uninitialised linears, RMSNorm, float32 islands,
+the rotary embedding's rotation (``apply_rope``, which attention backends apply too).
 
-Shape legend: T tokens, D the normalised width, N output features, K input features, C chunks.
+Shape legend: T tokens, D the normalised width, N output features, K input features, C chunks,
+H heads, R rotated width, F = R / 2 rotation frequencies.
 """
 
 from __future__ import annotations
@@ -153,3 +155,16 @@ class ChosenBackend:
         out = super()._apply(fn, recurse)
         self.use_backend(self._backend_request)
         return out
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = True) -> Tensor:
+    """Rotate ``x [T, H, R]`` by ``cos``/``sin [T, F]`` (in float32, returned in ``x.dtype``)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, F]
+    xf = x.float()
+    if interleaved:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]  # [T, H, F] each
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xf.chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)

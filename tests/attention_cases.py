@@ -43,9 +43,9 @@ def _slots(table, start, stop, block_size=S):
     return [table[p // block_size] * block_size + p % block_size for p in range(start, stop)]
 
 
-def _write_prefix(cache, tables, seqs, counts):
+def _write_prefix(cache, tables, seqs, counts, block_size=S):
     """Write the first ``counts[i]`` tokens of sequence ``i`` (seqs[i] = (a [L, ..], b [L, ..]))."""
-    slots = [s for t, n in zip(tables, counts) for s in _slots(t, 0, n)]
+    slots = [s for t, n in zip(tables, counts) for s in _slots(t, 0, n, block_size)]
     if slots:
         a = torch.cat([sa[:n] for (sa, _), n in zip(seqs, counts)])
         b = torch.cat([sb[:n] for (_, sb), n in zip(seqs, counts)])

@@ -33,8 +33,10 @@ def test_selection_takes_the_first_backend_that_runs_and_names_bad_requests():
     assert isinstance(select_attention_backend("mla", cpu, torch.bfloat16, "reference"), ReferenceMLA)
     with pytest.raises(ValueError, match="kind must be one of"):
         select_attention_backend("flash", cpu, torch.float32)
-    with pytest.raises(ValueError, match=r"attention backend must be one of \['cpu_kernel', 'gathered_live', 'reference', 'triton'\]"):
-        select_attention_backend("mla", cpu, torch.float32, "npu")
+    with pytest.raises(ValueError, match=r"attention backend must be one of \['cpu_kernel', 'gathered_live', 'npu', 'reference', 'triton'\]"):
+        select_attention_backend("mla", cpu, torch.float32, "flash")
+    with pytest.raises(ValueError, match="does not run for torch.bfloat16 caches on cpu"):
+        select_attention_backend("mla", cpu, torch.bfloat16, "npu")  # an npu device only
     with pytest.raises(ValueError, match="does not run for torch.float16 caches on cpu"):
         select_attention_backend("mla", cpu, torch.float16, "cpu_kernel")
     with pytest.raises(ValueError, match="does not run for torch.bfloat16 caches on cpu"):

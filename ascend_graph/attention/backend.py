@@ -9,18 +9,20 @@ optional platform's backend costs nothing where it is absent.
 from __future__ import annotations
 
 import importlib
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
 from .base import AttentionBackend
 
 ATTENTION_BACKENDS: dict[str, tuple[tuple[str, str], ...]] = {
-    "mla": (("cpu_kernel", "ascend_graph.attention.cpu:CpuMLA"),
+    "mla": (("npu", "ascend_graph.attention.npu:NpuMLA"),
+            ("cpu_kernel", "ascend_graph.attention.cpu:CpuMLA"),
             ("triton", "ascend_graph.attention.triton:TritonMLA"),
             ("gathered_live", "ascend_graph.attention.live:LiveMLA"),
             ("reference", "ascend_graph.attention.reference:ReferenceMLA")),
-    "paged": (("cpu_kernel", "ascend_graph.attention.cpu:CpuPaged"),
+    "paged": (("npu", "ascend_graph.attention.npu:NpuPaged"),
+              ("cpu_kernel", "ascend_graph.attention.cpu:CpuPaged"),
               ("triton", "ascend_graph.attention.triton:TritonPaged"),
               ("gathered_live", "ascend_graph.attention.live:LivePaged"),
               ("reference", "ascend_graph.attention.reference:ReferencePaged")),
@@ -48,3 +50,25 @@ def select_attention_backend(kind: str, device: torch.device | str, dtype: torch
         if cls.supports(device, dtype):
             return cls()
     raise ValueError(f"attention backend {name!r} does not run for {dtype} caches on {device.type}")
+
+
+def choose_block_size(backends: Iterable[AttentionBackend], block_size: Optional[int] = None) -> int:
+    """The cache block size for a model whose layers run ``backends``: ``block_size`` where every
+    one takes it (ValueError naming it otherwise), else the first backend's ``default_block_size``
+    (16 where there is none)."""
+    backends = list(backends)
+    if block_size is None:
+        block_size = backends[0].default_block_size if backends else 16
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    for b in backends:
+        if not b.block_size_ok(block_size):
+            raise ValueError(f"block_size={block_size} is not taken by the {b.name!r} attention backend "
+                             f"(its default: {b.default_block_size})")
+    return block_size
+
+
+def model_attention_backends(model) -> list[AttentionBackend]:
+    """The backends ``model``'s attention layers run (its ``attention_layers()``; none without it)."""
+    layers = getattr(model, "attention_layers", None)
+    return [] if layers is None else [layer.backend for layer in layers()]

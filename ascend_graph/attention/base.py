@@ -13,17 +13,25 @@ the model calls it in every step. Contracts every implementation keeps:
   ``reads_live_only`` reads only the first ``context_lens`` tokens of each row, so its cost follows
   the live context whatever the table's width; the others read the full width, masked.
 - ``prefill`` reads each sequence's whole context (earlier tokens and the new ones).
-- No host sync in ``decode`` (it runs inside captured graphs).
+- No host sync in ``decode`` (it runs inside captured graphs). A backend with
+  ``host_context_lens`` reads the lengths as host ints (``DecodeMetadata.context_lens_host``,
+  which the runner then fills), as the NPU's fused attention takes them.
+- ``block_size_ok``: the cache block sizes its kernels take; ``default_block_size`` the one an
+  engine uses when none is given.
+- MLA: ``rope_query`` and ``write_latent`` own the rope and the latent write, so a backend whose
+  fused write also norms and rotates (the NPU's) keeps ``q_pe`` and the cached ``k_pe`` in the
+  same layout.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 from torch import Tensor
 
 from ..kv_cache import KVCache, MLACache, write_slots
+from ..layers import apply_rope
 from .metadata import DecodeMetadata, PrefillMetadata
 from .mla import mla_prefill
 from .paged import paged_prefill
@@ -35,11 +43,18 @@ class AttentionBackend:
     name: ClassVar[str]
     kind: ClassVar[str]  # "mla" over MLACache(kv_c, k_pe), "paged" over KVCache(k, v)
     reads_live_only: ClassVar[bool] = False  # decode reads each row's live blocks only
+    host_context_lens: ClassVar[bool] = False  # decode reads DecodeMetadata.context_lens_host
+    default_block_size: ClassVar[int] = 16
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether this implementation runs for caches of ``dtype`` on ``device``."""
         raise NotImplementedError
+
+    @classmethod
+    def block_size_ok(cls, block_size: int) -> bool:
+        """Whether this implementation reads caches of ``block_size`` tokens per block."""
+        return block_size >= 1
 
     def write(self, cache: MLACache | KVCache, first: Tensor, second: Tensor, slot_mapping: Tensor) -> None:
         """Write ``[T, 1 or Hk, width]`` new entries of both cache elements at ``slot_mapping [T]``."""
@@ -54,6 +69,17 @@ class MLABackend(AttentionBackend):
     ``w_uv [H, Dv, C]`` are the two parts of ``kv_b_proj`` (any strides)."""
 
     kind = "mla"
+
+    def rope_query(self, q_pe: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+        """``q_pe [T, H, R]`` rotated by ``cos``/``sin [T, R/2]``, in the layout ``write_latent``
+        stores ``k_pe`` in (``interleaved``: the checkpoint's rope layout)."""
+        return apply_rope(q_pe, cos, sin, interleaved)
+
+    def write_latent(self, cache: MLACache, kv_c: Tensor, k_pe: Tensor, norm: Callable[[Tensor], Tensor],
+                     cos: Tensor, sin: Tensor, slot_mapping: Tensor, interleaved: bool) -> None:
+        """Write ``norm(kv_c [T, C])`` and ``k_pe [T, R]`` rotated (as ``rope_query``) at
+        ``slot_mapping [T]``; ``norm`` is the layer's ``kv_a_layernorm``."""
+        self.write(cache, norm(kv_c)[:, None, :], apply_rope(k_pe[:, None, :], cos, sin, interleaved), slot_mapping)
 
     def decode(self, q_nope: Tensor, q_pe: Tensor, cache: MLACache, decode: DecodeMetadata,
                w_uk: Tensor, w_uv: Tensor, scale: float) -> Tensor:

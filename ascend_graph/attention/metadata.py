@@ -24,6 +24,8 @@ class DecodeMetadata(NamedTuple):
 
     block_tables: Tensor  # [B, M] int32
     context_lens: Tensor  # [B] int32, cached tokens after this step's write (query included)
+    # the same lengths as host ints, where a backend takes them so (``host_context_lens``), else None
+    context_lens_host: Optional[tuple[int, ...]] = None
 
 
 class PrefillMetadata(NamedTuple):
@@ -118,12 +120,14 @@ def build_attention_metadata(
     max_model_len: int,
     block_table_width: Optional[int] = None,
     device: torch.device | str = "cpu",
+    host_context_lens: bool = False,
 ) -> tuple[Tensor, AttentionMetadata]:
     """Metadata and positions for a batch, validated on the host before anything is written.
 
     Sequence ``i`` owns ``block_tables[i]``, already has ``num_cached[i]`` tokens in the cache,
     and brings ``num_new[i]`` new tokens. ``block_table_width`` fixes the table width ``M``
     (graph mode keeps it constant); by default it is the longest table in the batch.
+    ``host_context_lens`` also keeps the decode rows' context lengths as host ints.
     Returns ``(positions [T] int64, metadata)``.
     """
     _check_batch(block_tables, num_cached, num_new, block_size, max_model_len)
@@ -143,7 +147,8 @@ def build_attention_metadata(
     decode = prefill = None
     if n_dec:
         decode = DecodeMetadata(tables[:n_dec].to(device),
-                                torch.tensor(totals[:n_dec], dtype=torch.int32, device=device))
+                                torch.tensor(totals[:n_dec], dtype=torch.int32, device=device),
+                                tuple(totals[:n_dec]) if host_context_lens else None)
     if n_dec < len(num_new):
         prefill = PrefillMetadata(tables[n_dec:].to(device), tuple(num_new[n_dec:]), tuple(totals[n_dec:]))
     positions_t, slots_t = torch.tensor([positions, slots], dtype=torch.int64, device=device)  # one conversion
@@ -171,5 +176,11 @@ def pad_decode(positions: Tensor, meta: AttentionMetadata, size: int) -> tuple[T
     p = DECODE_PADDING
     padded = AttentionMetadata(pad(meta.slot_mapping, p["slot_mapping"]),
                                DecodeMetadata(pad(dec.block_tables, p["block_tables"]),
-                                              pad(dec.context_lens, p["context_lens"])), None)
+                                              pad(dec.context_lens, p["context_lens"]),
+                                              pad_host_lens(dec.context_lens_host, size)), None)
     return pad(positions, p["positions"]), padded
+
+
+def pad_host_lens(lens: Optional[tuple[int, ...]], size: int) -> Optional[tuple[int, ...]]:
+    """Host context lengths padded to ``size`` rows with ``DECODE_PADDING``'s length (None stays None)."""
+    return None if lens is None else tuple(lens) + (DECODE_PADDING["context_lens"],) * (size - len(lens))

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .block_manager import BlockManager
+from ..attention import choose_block_size, model_attention_backends
 from ..config import GraphConfig
 from ..config_sources import from_env
 from ..kv_cache import blocks_for_budget
@@ -67,7 +68,7 @@ class Engine:
 
     - ``graph_config``: graph mode settings; ``None`` = ``config_sources.from_env()`` (graph
       mode off unless the environment turns it on).
-    - ``block_size``: tokens per cache block.
+    - ``block_size``: tokens per cache block; default the attention backend's (16; 128 on an NPU).
     - ``max_model_len``: longest prompt + generation; default ``min(max_position_embeddings, 4096)``.
     - ``max_num_seqs``: most requests running at once; default ``graph_config.max_batch_size``.
     - ``num_blocks``: cache blocks (the null block included). Default: from
@@ -79,7 +80,7 @@ class Engine:
       first use (``load_tokenizer``); needed only for string prompts and ``decode``.
     """
 
-    def __init__(self, model: nn.Module, *, graph_config: Optional[GraphConfig] = None, block_size: int = 16,
+    def __init__(self, model: nn.Module, *, graph_config: Optional[GraphConfig] = None, block_size: Optional[int] = None,
                  num_blocks: Optional[int] = None, cache_memory_bytes: Optional[int] = None,
                  max_model_len: Optional[int] = None, max_num_seqs: Optional[int] = None,
                  device: torch.device | str | None = None,
@@ -87,8 +88,7 @@ class Engine:
                  backend: Optional[Callable] = None, cache_align_bytes: int = 0) -> None:
         self.model = model
         self.graph_config = graph_config if graph_config is not None else from_env()
-        _positive("block_size", block_size)
-        self.block_size = block_size
+        self.block_size = block_size = choose_block_size(model_attention_backends(model), block_size)
         self.max_model_len = self._resolve_max_model_len(max_model_len)
         seats = self.graph_config.max_batch_size if max_num_seqs is None else max_num_seqs
         self.max_num_seqs = _positive("max_num_seqs", seats)

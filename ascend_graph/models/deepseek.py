@@ -36,7 +36,7 @@ from .deepseek_config import DeepseekConfig
 from ..layers import ChosenBackend, RMSNorm, linear
 from ..moe import MLP, MoE
 from .selection import ChoosesBackends
-from .rope import RotaryEmbedding, apply_rope, softmax_scale
+from .rope import RotaryEmbedding, softmax_scale
 
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
 
@@ -94,10 +94,9 @@ class MLAttention(ChosenBackend, nn.Module):
         dn, r, c = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
         q_nope, q_pe = self._query(x).view(t, h, dn + r).split([dn, r], dim=-1)  # [T, H, Dn], [T, H, R]
         kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([c, r], dim=-1)  # [T, C], [T, R]
-        kv_c = self.kv_a_layernorm(kv_c)
-        q_pe = apply_rope(q_pe, cos, sin, self.rope_interleave)
-        k_pe = apply_rope(k_pe[:, None, :], cos, sin, self.rope_interleave)  # [T, 1, R]
-        self.backend.write(cache, kv_c[:, None, :], k_pe, meta.slot_mapping)
+        q_pe = self.backend.rope_query(q_pe, cos, sin, self.rope_interleave)
+        self.backend.write_latent(cache, kv_c, k_pe, self.kv_a_layernorm, cos, sin, meta.slot_mapping,
+                                  self.rope_interleave)
         w_uk, w_uv = self.w_uk_t.transpose(1, 2), self.w_uv  # [H, Dn, C], [H, Dv, C]
         n_dec, outs = meta.num_decode_tokens, []
         if meta.decode is not None:

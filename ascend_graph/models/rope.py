@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .deepseek_config import DeepseekConfig, RopeScaling
-from ..layers import Float32Module
+from ..layers import Float32Module, apply_rope  # noqa: F401  (apply_rope: re-exported)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -91,16 +91,3 @@ class RotaryEmbedding(Float32Module):
         """``positions [T]`` -> ``(cos, sin)``, each ``[T, F]`` float32."""
         angles = positions.float()[:, None] * self.inv_freq  # [T, F]
         return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = True) -> Tensor:
-    """Rotate ``x [T, H, R]`` by ``cos``/``sin [T, F]`` (in float32, returned in ``x.dtype``)."""
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, F]
-    xf = x.float()
-    if interleaved:
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]  # [T, H, F] each
-        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    else:
-        x1, x2 = xf.chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)

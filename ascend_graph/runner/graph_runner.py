@@ -20,8 +20,9 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..attention import AttentionMetadata, DecodeMetadata, build_attention_metadata
-from ..attention.metadata import DECODE_PADDING
+from ..attention import (AttentionMetadata, DecodeMetadata, build_attention_metadata, choose_block_size,
+                         model_attention_backends)
+from ..attention.metadata import DECODE_PADDING, pad_host_lens
 from ..config import GraphConfig
 from ..kv_cache import allocate_kv_caches
 from ..runtime import StaticAddresses, compile_cache_counts, compile_cache_outcome, memory_in_use, progress
@@ -36,20 +37,20 @@ log = logging.getLogger(__name__)
 class GraphRunner:
     """Runs decode steps as per-size graphs and everything else eagerly, on one set of caches."""
 
-    def __init__(self, model: nn.Module, config: GraphConfig, *, num_blocks: int, block_size: int,
-                 max_model_len: int, device: torch.device | str | None = None,
+    def __init__(self, model: nn.Module, config: GraphConfig, *, num_blocks: int, max_model_len: int,
+                 block_size: Optional[int] = None, device: torch.device | str | None = None,
                  backend: Optional[Callable] = None, cache_align_bytes: int = 0) -> None:
         self.model = model
         self.config = config
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         dynamic = resolve_compile_options(model, config, self.device, backend)
-        self.block_size = block_size
+        self.block_size = choose_block_size(model_attention_backends(model), block_size)
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
-        self.table_width = math.ceil(max_model_len / block_size)
+        self.table_width = math.ceil(max_model_len / self.block_size)
         self.capture_sizes = config.resolved_capture_sizes() if config.enabled else ()
         self.compile_groups: dict[int, CompileGroup] = compile_groups(self.capture_sizes, dynamic)
-        self.kv_caches = allocate_kv_caches(model.kv_cache_specs(), num_blocks, block_size, self.device,
+        self.kv_caches = allocate_kv_caches(model.kv_cache_specs(), num_blocks, self.block_size, self.device,
                                             align_bytes=cache_align_bytes, huge_pages=self.device.type == "cpu")
         self.stats = RunnerStats()
         self._backend = backend
@@ -148,7 +149,7 @@ class GraphRunner:
         positions, meta = build_attention_metadata(
             [r.block_table for r in rows], [r.num_cached for r in rows], [len(r.token_ids) for r in rows],
             block_size=self.block_size, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
-            block_table_width=self.table_width, device="cpu")
+            block_table_width=self.table_width, device="cpu", host_context_lens=self._host_context_lens())
         ids = [t for r in rows for t in r.token_ids]
         last = [end - 1 for end in itertools.accumulate(len(r.token_ids) for r in rows)]
         both = torch.tensor(ids + last, dtype=torch.int64)  # one conversion, two views
@@ -208,6 +209,7 @@ class GraphRunner:
             if n < size:
                 buf[n:size].fill_(DECODE_PADDING[name])
         ids_v, pos_v, meta_v = self._views(size)
+        meta_v = with_host_lens(meta_v, step.meta.decode.context_lens_host, size)
         try:
             with torch.inference_mode():
                 logits = self._graphs[size](ids_v, pos_v, self.kv_caches, meta_v)
@@ -222,6 +224,7 @@ class GraphRunner:
         start, mem0, cache0, loaded0 = (time.perf_counter(), memory_in_use(self.device), compile_cache_counts(),
                                         self.stats.packages_loaded)
         ids_v, pos_v, meta_v = self._views(size)
+        meta_v = with_host_lens(meta_v, () if self._host_context_lens() else None, size)
         self._fill_padding(size)
         group = self.compile_groups[size]
         frozen_inputs = [ids_v, pos_v, meta_v.slot_mapping, *meta_v.decode, *self._cache_tensors_by_name().values()]
@@ -339,6 +342,10 @@ class GraphRunner:
             views[size] = (v["input_ids"], v["positions"], meta)
         return views[size]
 
+    def _host_context_lens(self) -> bool:
+        """Whether an attention backend of the model reads the context lengths as host ints."""
+        return any(b.host_context_lens for b in model_attention_backends(self.model))
+
     def _fill_padding(self, size: int) -> None:
         for name, buf in self._static.items():
             buf[:size].fill_(DECODE_PADDING[name])
@@ -374,6 +381,13 @@ class GraphRunner:
             self.stats.parity_failures += 1
             log.warning("graph/eager parity check failed: %s", report.summary())
         return report.graph_logits
+
+
+def with_host_lens(meta: AttentionMetadata, lens: Optional[tuple[int, ...]], size: int) -> AttentionMetadata:
+    """A static view's ``meta`` carrying the step's host context lengths padded to ``size`` (None: as is)."""
+    if lens is None:
+        return meta
+    return meta._replace(decode=meta.decode._replace(context_lens_host=pad_host_lens(lens, size)))
 
 
 def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
