@@ -170,6 +170,46 @@ def module() -> types.ModuleType:
     return m
 
 
+OPS = ("npu_fused_infer_attention_score", "npu_kv_rmsnorm_rope_cache", "npu_scatter_nd_update_")
+
+
+def npu_available() -> bool:
+    """Whether the real torch_npu imports and sees an NPU."""
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        return False
+    return bool(getattr(torch, "npu", None) and torch.npu.is_available())
+
+
+def recording(real: types.ModuleType) -> types.ModuleType:
+    """The real torch_npu with ``OPS`` recorded into ``CALLS`` (keyword arguments by name) before
+    each call: the contract tests' view of an NPU run."""
+    import inspect
+
+    proxy = types.ModuleType("torch_npu")
+    proxy.__spec__ = real.__spec__
+    proxy.__getattr__ = lambda name: getattr(real, name)
+    for name in OPS:
+        stand_in, target = globals()[name], getattr(real, name)
+        params = list(inspect.signature(stand_in).parameters)
+
+        def call(*args, _target=target, _name=name, _params=params, **kwargs):
+            CALLS.append((_name, {**dict(zip(_params, args)), **kwargs}))
+            return _target(*args, **kwargs)
+
+        setattr(proxy, name, call)
+    return proxy
+
+
+def install_device(monkeypatch) -> None:
+    """The real torch_npu, recorded, for the same tests on an NPU."""
+    import torch_npu
+
+    monkeypatch.setitem(sys.modules, "torch_npu", recording(torch_npu))
+    CALLS.clear()
+
+
 def install(monkeypatch) -> None:
     """The stand-in as ``torch_npu``; the npu backends accept CPU tensors of their dtypes."""
     from ascend_graph.attention import npu

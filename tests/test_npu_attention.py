@@ -23,27 +23,39 @@ S = 128  # the NPU's MLA block size
 MAX_LEN = 1024
 
 
-@pytest.fixture
-def standin(monkeypatch):
-    npu_ops.install(monkeypatch)
-    return npu_ops.CALLS
+needs_npu = pytest.mark.skipif(not npu_ops.npu_available(), reason="needs an Ascend NPU and torch_npu")
 
 
-def _meta(tables, cached, new, num_blocks, width=None):
+@pytest.fixture(params=["standin", pytest.param("npu", marks=needs_npu)])
+def dev(request, monkeypatch):
+    """Where the ops run: the CPU over the stand-in, or an NPU over the real torch_npu (recorded)."""
+    if request.param == "standin":
+        npu_ops.install(monkeypatch)
+        return torch.device("cpu")
+    npu_ops.install_device(monkeypatch)
+    return torch.device("npu")
+
+
+def _meta(tables, cached, new, num_blocks, dev, width=None):
     return build_attention_metadata(tables, cached, new, block_size=S, num_blocks=num_blocks, max_model_len=MAX_LEN,
-                                    block_table_width=width, host_context_lens=True)
+                                    block_table_width=width, device=dev, host_context_lens=True)
 
 
-def _mla_cache(num_blocks, c, r, dtype):
-    return MLACache(torch.zeros(num_blocks, S, 1, c, dtype=dtype), torch.zeros(num_blocks, S, 1, r, dtype=dtype))
+def _mla_cache(num_blocks, c, r, dtype, dev):
+    return MLACache(torch.zeros(num_blocks, S, 1, c, dtype=dtype, device=dev),
+                    torch.zeros(num_blocks, S, 1, r, dtype=dtype, device=dev))
 
 
-def _calls(calls, name):
-    return [kw for n, kw in calls if n == name]
+def _calls(name):
+    return [kw for n, kw in npu_ops.CALLS if n == name]
+
+
+def _close(out, ref, rel_atol):
+    _assert_matches(out.cpu(), ref, rel_atol)
 
 
 @pytest.mark.parametrize("c,r,interleaved", [(512, 64, True), (32, 8, True), (32, 8, False)])
-def test_mla_write_equals_the_reference_write_and_padding_touches_only_the_null_block(standin, c, r, interleaved):
+def test_mla_write_equals_the_reference_write_and_padding_touches_only_the_null_block(dev, c, r, interleaved):
     gen = torch.Generator().manual_seed(0)
     dtype, t, num_blocks = torch.bfloat16, 7, 6
     cache = MLACache(torch.randn(num_blocks, S, 1, c, generator=gen).to(dtype),
@@ -55,7 +67,11 @@ def test_mla_write_equals_the_reference_write_and_padding_touches_only_the_null_
     angles = torch.rand(t, r // 2, generator=gen, dtype=torch.float64) * 6
     cos, sin = angles.cos().float(), angles.sin().float()
     slots = torch.tensor([3 * S + 5, 1 * S, 5 * S + 127, -1, 2 * S + 64, -1, 4 * S + 1])
-    NpuMLA().write_latent(cache, kv_c, k_pe, norm, cos, sin, slots, interleaved)
+    on_dev = MLACache(*(x.to(dev) for x in cache))
+    NpuMLA().write_latent(on_dev, kv_c.to(dev), k_pe.to(dev), norm.to(dev), cos.to(dev), sin.to(dev), slots.to(dev),
+                          interleaved)
+    written = _calls("npu_kv_rmsnorm_rope_cache")
+    cache = MLACache(*(x.cpu() for x in on_dev))
 
     # the reference write, in float64: RMSNorm, the rope, and the fused write's de-interleaved layout
     x = kv_c.double()
@@ -64,22 +80,22 @@ def test_mla_write_equals_the_reference_write_and_padding_touches_only_the_null_
     ref_pe = deinterleave(ref_pe) if interleaved else ref_pe
     flat_c, flat_pe = (x.view(-1, x.shape[-1]) for x in cache)
     live = slots >= 0
-    _assert_matches(flat_c[slots[live]], ref_c[live], 1e-2)
-    _assert_matches(flat_pe[slots[live]], ref_pe[live], 1e-2)
+    _close(flat_c[slots[live]], ref_c[live], 1e-2)
+    _close(flat_pe[slots[live]], ref_pe[live], 1e-2)
     for now, old in zip(cache, before):  # every other slot bit-identical; padding only in null slot 0
         untouched = torch.ones(num_blocks * S, dtype=torch.bool)
         untouched[slots[live]] = False
         untouched[NULL_BLOCK * S] = False
         assert torch.equal(now.view(num_blocks * S, -1)[untouched], old.view(num_blocks * S, -1)[untouched])
-    fused = _calls(standin, "npu_kv_rmsnorm_rope_cache")
+    fused = written
     assert len(fused) == (1 if (c, r, interleaved) == (512, 64, True) else 0)
     if fused:  # the exact call: both tuple tensors in place, clamped int64 slots, PA mode
         kw = fused[0]
-        assert kw["k_cache"] is cache.k_pe and kw["ckv_cache"] is cache.kv_c
+        assert kw["k_cache"] is on_dev.k_pe and kw["ckv_cache"] is on_dev.kv_c
         assert kw["cache_mode"] == "PA" and kw["epsilon"] == 1e-6 and not kw["is_output_kv"]
         assert kw["index"].tolist() == slots.clamp(min=0).tolist() and kw["index"].dtype == torch.int64
         assert kw["kv"].shape == (t, 1, 1, c + r) and kw["cos"].shape == (t, 1, 1, r)
-        assert torch.equal(kw["cos"][:, 0, 0].float(), torch.cat((cos, cos), -1).to(dtype).float())
+        assert torch.equal(kw["cos"][:, 0, 0].float().cpu(), torch.cat((cos, cos), -1).to(dtype).float())
 
 
 def test_the_query_rope_matches_the_cached_key_layout():
@@ -95,29 +111,30 @@ def test_the_query_rope_matches_the_cached_key_layout():
 
 
 @pytest.mark.parametrize("dims", [(4, 16, 8, 16, 32), (16, 128, 64, 128, 512)], ids=["small", "v2-lite"])
-def test_mla_decode_and_prefill_equal_the_float64_oracle(standin, dims):
+def test_mla_decode_and_prefill_equal_the_float64_oracle(dev, dims):
     h, dn, r, dv, c = dims
     gen = torch.Generator().manual_seed(2)
     dtype, num_blocks = torch.bfloat16, 24
     lens = [1, S, S + 1, 300, 77]
     tables = _tables(gen, lens, num_blocks, S)
     seqs = [(torch.randn(n, 1, c, generator=gen).to(dtype), torch.randn(n, 1, r, generator=gen).to(dtype)) for n in lens]
-    cache = _mla_cache(num_blocks, c, r, dtype)
+    cache = _mla_cache(num_blocks, c, r, dtype, dev)
     w_uk, w_uv = (torch.randn(h, d, c, generator=gen).div(math.sqrt(c)).to(dtype) for d in (dn, dv))
+    on = lambda *ts: [t.to(dev) for t in ts]  # noqa: E731
     scale = 1 / math.sqrt(dn + r)
     # decode: each row's last token is the query; a padded row (context 0, null block) reads nothing
-    _write_prefix(cache, tables, seqs, lens, S)
-    pos, meta = _meta(tables, [n - 1 for n in lens], [1] * len(lens), num_blocks, width=MAX_LEN // S)
+    _write_prefix(cache, tables, [on(*x) for x in seqs], lens, S)
+    pos, meta = _meta(tables, [n - 1 for n in lens], [1] * len(lens), num_blocks, dev, width=MAX_LEN // S)
     from ascend_graph.attention.metadata import pad_decode
     _, meta = pad_decode(pos, meta, len(lens) + 2)
     q_nope = torch.randn(len(lens) + 2, h, dn, generator=gen).to(dtype)
     q_pe = torch.randn(len(lens) + 2, h, r, generator=gen).to(dtype)
-    out = NpuMLA().decode(q_nope, q_pe, cache, meta.decode, w_uk, w_uv, scale)
+    out = NpuMLA().decode(*on(q_nope, q_pe), cache, meta.decode, *on(w_uk, w_uv), scale).cpu()
     for i, (kv, pe) in enumerate(seqs):
         ref = naive_mla(q_nope[i:i + 1], q_pe[i:i + 1], kv[:, 0], pe[:, 0], w_uk, w_uv, scale)
-        _assert_matches(out[i:i + 1], ref, 2e-2)
+        _close(out[i:i + 1], ref, 2e-2)
     assert torch.isfinite(out[len(lens):]).all()
-    kw = _calls(standin, "npu_fused_infer_attention_score")[-1]
+    kw = _calls("npu_fused_infer_attention_score")[-1]
     assert kw["actual_seq_lengths_kv"] == lens + [0, 0] and kw["block_table"] is meta.decode.block_tables
     assert kw["input_layout"] == "BNSD" and kw["num_key_value_heads"] == 1 and kw["block_size"] == S
     assert kw["key"] is kw["value"] and kw["key"].data_ptr() == cache.kv_c.data_ptr()  # in place, no copy
@@ -128,24 +145,24 @@ def test_mla_decode_and_prefill_equal_the_float64_oracle(standin, dims):
     ctx = [a + b for a, b in zip(cached, new)]
     tables = _tables(gen, ctx, num_blocks, S)
     seqs = [(torch.randn(n, 1, c, generator=gen).to(dtype), torch.randn(n, 1, r, generator=gen).to(dtype)) for n in ctx]
-    cache = _mla_cache(num_blocks, c, r, dtype)
-    _write_prefix(cache, tables, seqs, ctx, S)
-    _, meta = _meta(tables, cached, new, num_blocks)
+    cache = _mla_cache(num_blocks, c, r, dtype, dev)
+    _write_prefix(cache, tables, [on(*x) for x in seqs], ctx, S)
+    _, meta = _meta(tables, cached, new, num_blocks, dev)
     qn = torch.randn(sum(new), h, dn, generator=gen).to(dtype)
     qp = torch.randn(sum(new), h, r, generator=gen).to(dtype)
-    out = NpuMLA().prefill(qn, qp, cache, meta.prefill, w_uk, w_uv, scale)
+    out = NpuMLA().prefill(*on(qn, qp), cache, meta.prefill, *on(w_uk, w_uv), scale).cpu()
     start = 0
     for (kv, pe), q_len in zip(seqs, new):
         ref = naive_mla(qn[start:start + q_len], qp[start:start + q_len], kv[:, 0], pe[:, 0], w_uk, w_uv, scale)
-        _assert_matches(out[start:start + q_len], ref, 2e-2)
+        _close(out[start:start + q_len], ref, 2e-2)
         start += q_len
-    kw = _calls(standin, "npu_fused_infer_attention_score")[-1]
+    kw = _calls("npu_fused_infer_attention_score")[-1]
     assert kw["input_layout"] == "TND" and kw["sparse_mode"] == 3 and kw["block_table"] is None
     assert kw["actual_seq_lengths"] == [5, 14, 114] and kw["actual_seq_lengths_kv"] == [5, 5 + S + 6, 5 + S + 6 + 300]
 
 
 @pytest.mark.parametrize("hq,hk", [(4, 4), (8, 2)])
-def test_gqa_write_decode_and_prefill_equal_the_float64_oracle(standin, hq, hk):
+def test_gqa_write_decode_and_prefill_equal_the_float64_oracle(dev, hq, hk):
     gen = torch.Generator().manual_seed(3)
     dtype, d, num_blocks = torch.float16, 32, 16
     lens = [1, S, S + 1, 250]
@@ -154,42 +171,43 @@ def test_gqa_write_decode_and_prefill_equal_the_float64_oracle(standin, hq, hk):
     cache = KVCache(torch.randn(num_blocks, S, hk, d, generator=gen).to(dtype),
                     torch.randn(num_blocks, S, hk, d, generator=gen).to(dtype))
     before = [x.clone() for x in cache]
+    cache = KVCache(*(x.to(dev) for x in cache))
     backend, scale = NpuPaged(), 1 / math.sqrt(d)
     # write every token through the backend (npu_scatter_nd_update_), a padding slot among them
     slots = torch.tensor([s for t, n in zip(tables, lens) for s in _slots(t, 0, n, S)] + [-1])
     k_new = torch.cat([k for k, _ in seqs] + [torch.ones(1, hk, d, dtype=dtype)])
     v_new = torch.cat([v for _, v in seqs] + [torch.ones(1, hk, d, dtype=dtype)])
-    backend.write(cache, k_new, v_new, slots)
+    backend.write(cache, k_new.to(dev), v_new.to(dev), slots.to(dev))
     for now, old, new in zip(cache, before, (k_new, v_new)):
-        flat, flat_old = now.view(-1, hk, d), old.view(-1, hk, d)
+        flat, flat_old = now.cpu().view(-1, hk, d), old.view(-1, hk, d)
         assert torch.equal(flat[slots[:-1]], new[:-1])
         untouched = torch.ones(flat.shape[0], dtype=torch.bool)
         untouched[slots[:-1]] = False
         untouched[NULL_BLOCK * S] = False
         assert torch.equal(flat[untouched], flat_old[untouched])
         assert torch.equal(flat[NULL_BLOCK * S], new[-1])  # the padding row's write: the null block's slot 0
-    pos, meta = _meta(tables, [n - 1 for n in lens], [1] * len(lens), num_blocks, width=MAX_LEN // S)
+    pos, meta = _meta(tables, [n - 1 for n in lens], [1] * len(lens), num_blocks, dev, width=MAX_LEN // S)
     q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
-    out = backend.decode(q, cache, meta.decode, scale)
+    out = backend.decode(q.to(dev), cache, meta.decode, scale).cpu()
     for i, (k, v) in enumerate(seqs):
-        _assert_matches(out[i:i + 1], dense_attention(q[i:i + 1], k, v, scale), 1e-2)
-    kw = _calls(standin, "npu_fused_infer_attention_score")[-1]
+        _close(out[i:i + 1], dense_attention(q[i:i + 1], k, v, scale), 1e-2)
+    kw = _calls("npu_fused_infer_attention_score")[-1]
     assert kw["input_layout"] == "BSH" and kw["num_heads"] == hq and kw["num_key_value_heads"] == hk
     assert kw["key"].data_ptr() == cache.k.data_ptr() and kw["value"].data_ptr() == cache.v.data_ptr()
     assert kw["actual_seq_lengths_kv"] == lens and kw["query"].shape == (len(lens), 1, hq * d)
     # prefill: the last 3 tokens of each sequence after their cached prefix
-    _, meta = _meta(tables, [n - 3 if n > 3 else 0 for n in lens], [3 if n > 3 else n for n in lens], num_blocks)
+    _, meta = _meta(tables, [n - 3 if n > 3 else 0 for n in lens], [3 if n > 3 else n for n in lens], num_blocks, dev)
     new = [3 if n > 3 else n for n in lens]
     decodes = sum(1 for n in new if n == 1)
     q = torch.randn(sum(new[decodes:]), hq, d, generator=gen).to(dtype)
-    out = backend.prefill(q, cache, meta.prefill, scale)
+    out = backend.prefill(q.to(dev), cache, meta.prefill, scale).cpu()
     start = 0
     for (k, v), q_len in zip(seqs[decodes:], new[decodes:]):
-        _assert_matches(out[start:start + q_len], dense_attention(q[start:start + q_len], k, v, scale), 1e-2)
+        _close(out[start:start + q_len], dense_attention(q[start:start + q_len], k, v, scale), 1e-2)
         start += q_len
 
 
-def test_the_npu_block_sizes_and_an_engine_default_of_128(standin):
+def test_the_npu_block_sizes_and_an_engine_default_of_128(dev):
     assert choose_block_size([NpuMLA()]) == 128 and choose_block_size([NpuPaged()]) == 128
     assert choose_block_size([NpuPaged()], 64) == 64
     with pytest.raises(ValueError, match="block_size=16 is not taken by the 'npu' attention backend"):
@@ -238,7 +256,7 @@ def _twin_models(kind, dtype, **sizes):
 
 @pytest.mark.parametrize("kind,sizes", [("mla", {}), ("mla", {"kv_lora_rank": 512, "qk_rope_head_dim": 64}),
                                         ("llama", {})], ids=["mla-small", "mla-fused-write", "gqa"])
-def test_a_model_on_the_npu_backend_follows_the_float64_model_step_by_step(standin, kind, sizes):
+def test_a_model_on_the_npu_backend_follows_the_float64_model_step_by_step(dev, kind, sizes):
     """Prefills, then batched decodes crossing a block boundary, teacher-forced with the float64
     model's greedy tokens: the npu backend's logits stay within bf16 error of the oracle's."""
     from ascend_graph.config import GraphConfig
@@ -246,6 +264,8 @@ def test_a_model_on_the_npu_backend_follows_the_float64_model_step_by_step(stand
     from runner_helpers import Schedule
 
     model, oracle = _twin_models(kind, torch.bfloat16, **sizes)
+    model = model.to(dev)
+    model.select_backends(attention="npu")
     geometry = dict(num_blocks=8, max_model_len=2 * S)
     runner = GraphRunner(model, GraphConfig(enabled=False), **geometry, block_size=None)
     ref_runner = GraphRunner(oracle, GraphConfig(enabled=False), **geometry, block_size=S)
@@ -255,21 +275,21 @@ def test_a_model_on_the_npu_backend_follows_the_float64_model_step_by_step(stand
     worst = 0.0
     for s, p in enumerate(prompts):
         entry = sched.add(s, p, new_tokens=30)
-        ref, out = ref_runner.execute([entry]), runner.execute([entry])
+        ref, out = ref_runner.execute([entry]), runner.execute([entry]).cpu()
         worst = max(worst, ((out.double() - ref).abs().max() / ref.abs().max()).item())
         sched.advance([s], [entry], ref)
-    fused = len(_calls(standin, "npu_kv_rmsnorm_rope_cache"))
+    fused = len(_calls("npu_kv_rmsnorm_rope_cache"))
     for _ in range(30):  # the 120-token prompt crosses the 128-token block inside these steps
         entries = sched.decode_entries()
         if not entries:
             break
         ids = sorted(sched.next_token)
-        ref, out = ref_runner.execute(entries), runner.execute(entries)
+        ref, out = ref_runner.execute(entries), runner.execute(entries).cpu()
         worst = max(worst, ((out.double() - ref).abs().max() / ref.abs().max()).item())
         sched.advance(ids, entries, ref)
     assert worst < 0.05, worst
-    decodes = [kw for kw in _calls(standin, "npu_fused_infer_attention_score") if kw["block_table"] is not None]
+    decodes = [kw for kw in _calls("npu_fused_infer_attention_score") if kw["block_table"] is not None]
     assert decodes and all(len(kw["actual_seq_lengths_kv"]) == kw["query"].shape[0] for kw in decodes)
     assert any(S in range(min(kw["actual_seq_lengths_kv"]), max(kw["actual_seq_lengths_kv"]) + 2) for kw in decodes)
     if sizes.get("kv_lora_rank") == 512:
-        assert len(_calls(standin, "npu_kv_rmsnorm_rope_cache")) > fused
+        assert len(_calls("npu_kv_rmsnorm_rope_cache")) > fused

@@ -89,7 +89,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "yields to the command (docs/configuration.md)")
     g.add_argument("--compile-cache-dir", default=None, metavar="PATH",
                    help="persistent compile cache and AOTInductor packages (default: the backend's own)")
-    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per cache block (default: 16)")
+    g.add_argument("--block-size", type=positive_int, default=None,
+                   help="tokens per cache block (default: the attention backend's: 16, 128 on an NPU)")
     g.add_argument("--max-model-len", type=positive_int, default=512,
                    help="longest prompt + generation (default: 512)")
     g.add_argument("--threads", type=positive_int, default=None,

@@ -43,10 +43,10 @@ def run_pd_demo(args: argparse.Namespace) -> tuple[dict, str, int]:
         prompts, budgets, ignore_eos=True)
     transport = resolve_transport(args.transport)
     geometry = make_engine(model, args, graph=False, max_num_seqs=args.max_num_seqs)
-    with PrefillProcess(args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=geometry.num_blocks,
+    with PrefillProcess(args.model, dtype=args.dtype, block_size=geometry.block_size, num_blocks=geometry.num_blocks,
                         max_model_len=args.max_model_len, transport=transport, threads=args.threads) as prefill:
         decode = DecodeEngine(model, prefill, transport=transport, graph_config=graph_config(args, True),
-                              block_size=args.block_size, max_model_len=args.max_model_len,
+                              block_size=geometry.block_size, max_model_len=args.max_model_len,
                               max_num_seqs=args.max_num_seqs or max(args.capture_sizes), num_blocks=geometry.num_blocks,
                               kill_prefill_after=args.kill_prefill_after,
                               max_descriptors=1 if args.kill_prefill_after is not None else 512)
