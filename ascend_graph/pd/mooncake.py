@@ -23,6 +23,7 @@ else the variable's value, else ``DEFAULT_ENGINE_TIMEOUT_S`` (the engine's own d
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 import time
@@ -42,13 +43,13 @@ _WARMUP_BYTES = 64
 def _engine_class():
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # read as the module loads
     try:
-        from mooncake.engine import TransferEngine
-    except ImportError as e:  # the wheel missing, or libibverbs.so.1 missing under it
+        engine = importlib.import_module("mooncake.engine")
+    except (ImportError, OSError) as e:  # the wheel missing, or libibverbs.so.1 missing under it
         raise ImportError(
             'the Mooncake transport needs Mooncake\'s transfer engine: pip install "ascend-graph[pd]" '
             "(x86_64 Linux), and the system package libibverbs1 (apt-get install libibverbs1) even for TCP; "
-            f"importing mooncake.engine failed: {e}") from e
-    return TransferEngine
+            f"importing mooncake.engine failed: {type(e).__name__}: {e}") from e
+    return engine.TransferEngine
 
 
 class MooncakeTransport(Transport):
