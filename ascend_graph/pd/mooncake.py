@@ -66,11 +66,9 @@ class MooncakeTransport(Transport):
         self._tensors: list = []  # the registered tensors, kept alive while the engine may touch them
         self._scratch = torch.zeros(_WARMUP_BYTES, dtype=torch.uint8)  # the warm-up read's target
         self._peer: Optional[str] = None
-        self._broken: Optional[str] = None
         self._reaper: Optional[threading.Thread] = None
         self._waiter: Optional[threading.Thread] = None  # a status wait abandoned at a deadline
         self._timeout_s = DEFAULT_ENGINE_TIMEOUT_S  # the engine's transfer timeout, once started
-        self._closed = False
 
     # -- setup --------------------------------------------------------------------------------
 
@@ -91,12 +89,13 @@ class MooncakeTransport(Transport):
 
     def endpoint(self) -> dict:
         """``session``: the engine's ``host:rpc_port``; ``layout``: this process's cache layout."""
-        engine = self._live("endpoint")
-        return {"transport": self.name, "session": f"{self.host}:{engine.get_rpc_port()}",
+        self._live("endpoint")
+        return {"transport": self.name, "session": f"{self.host}:{self._engine.get_rpc_port()}",
                 "layout": self.layout.to_dict()}
 
     def connect(self, peer: dict, timeout_s: float) -> None:
         """Check the peer's layout; the destination also makes its first (slow) read now."""
+        self._live("connect")
         CacheLayout.from_dict(peer["layout"]).check_matches(self.layout, "peer")
         self._peer = str(peer["session"])
         if self.role == "destination":
@@ -185,16 +184,6 @@ class MooncakeTransport(Transport):
         if self._engine is not None:
             engine, self._engine = self._engine, None
             del engine
-
-    def _live(self, what: str):
-        if self._closed:
-            raise TransferError(f"{what}: the Mooncake transport is closed")
-        if self._broken is not None:
-            raise TransferError(f"{what}: transport broken after an earlier failure ({self._broken}); "
-                                "open a fresh transport")
-        if self._engine is None:
-            raise RuntimeError(f"{what} before register()")
-        return self._engine
 
 
 def _start_engine(engine_class, host: str, timeout_s: Optional[int]):
