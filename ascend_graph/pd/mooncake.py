@@ -162,12 +162,14 @@ class MooncakeTransport(Transport):
         engine, self._engine = self._engine, None
         waiter, self._waiter = self._waiter, None
         limit = self._timeout_s + _TEARDOWN_GRACE_S
+        tensors = self._tensors  # what the engine may still write into outlives it, even if this object does not
 
         def reap() -> None:
-            nonlocal engine
+            nonlocal engine, tensors
             if waiter is not None:
                 waiter.join(limit)
             del engine  # the last reference: the engine's destructor closes its connections
+            del tensors
 
         self._reaper = threading.Thread(target=reap, name="mooncake-teardown", daemon=True)
         self._reaper.start()
