@@ -26,7 +26,7 @@ from typing import Callable, Optional, Sequence
 from ..kv_cache import LayerCache
 from ..pd.layout import CacheLayout, TransferPlan, plan_transfer
 from ..pd.select import open_transport
-from ..pd.transport import TransferError, Transport
+from ..pd.transport import Transport
 
 MAX_MESSAGE = 1 << 20  # bytes of one control-channel line
 logger = logging.getLogger(__name__)
@@ -100,10 +100,12 @@ class Puller:
     """The consumer side: pulls producers' blocks into ``kv_caches`` with a pulling transport each.
 
     ``load`` runs one request's pull; ``take_finished`` then reports it (and, where it failed, its
-    blocks). A pull that fails with reads in flight (``TransferError.in_flight``) breaks that
-    producer's transport: the request is reported only once the transport is ``settled()`` (its
-    engine gone; ``pd/mooncake.py`` bounds that), so that vLLM neither reuses nor recomputes its
-    blocks while a late write can land, and the producer's next request opens a fresh transport.
+    blocks). A failure before anything is read (handshake, layouts, block ids) is reported at once.
+    A failed ``receive`` retires that producer's transport, and the request is reported only once
+    the transport is ``settled()``: after a failure with reads in flight
+    (``TransferError.in_flight``) that is when its engine is gone (``pd/mooncake.py`` bounds it), so
+    vLLM neither reuses nor recomputes the blocks while a late write can land. The producer's next
+    request opens a fresh transport.
     """
 
     def __init__(self, kv_caches: Sequence[LayerCache], host: str = "127.0.0.1", timeout_s: float = 20.0,
@@ -117,7 +119,7 @@ class Puller:
         self._peers: dict[Producer, tuple[Transport, CacheLayout]] = {}
         self._done: set[str] = set()  # request ids whose pull has ended and whose blocks are safe
         self._failed: set[int] = set()  # their blocks, where the pull failed
-        self._held: list[tuple[str, list[int], Transport]] = []  # failed with reads in flight, not settled
+        self._held: list[tuple[str, list[int], Transport]] = []  # failed receives, until their transport settles
         self.transports_opened = 0
 
     def load(self, request_id: str, producer: Producer, src_blocks: Sequence[int],
@@ -131,11 +133,9 @@ class Puller:
             return self._fail(request_id, producer, dst_blocks, e, None)
         try:
             transport.receive(plan, self.timeout_s)
-        except TransferError as e:
+        except Exception as e:  # reads may still land (TransferError.in_flight): held until settled
             self._peers.pop(producer, None)  # a later request opens a fresh transport
-            if not e.in_flight:
-                transport.close()
-            return self._fail(request_id, producer, dst_blocks, e, transport if e.in_flight else None)
+            return self._fail(request_id, producer, dst_blocks, e, transport)
         self._done.add(request_id)
         return plan
 
@@ -186,10 +186,10 @@ class Puller:
         return self._peers[producer]
 
     def _fail(self, request_id: str, producer: Producer, blocks: Sequence[int], error: Exception,
-              in_flight: Optional[Transport]) -> None:
+              retired: Optional[Transport]) -> None:
         logger.error("pulling request %s from %s failed: %s: %s", request_id, producer, type(error).__name__, error)
-        if in_flight is not None:
-            self._held.append((request_id, list(blocks), in_flight))
+        if retired is not None:
+            self._held.append((request_id, list(blocks), retired))
         else:
             self._done.add(request_id)
             self._failed.update(blocks)
