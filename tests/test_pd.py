@@ -5,7 +5,6 @@ runs as a child process (``PrefillProcess``); the decode engine runs here with g
 Mooncake's tests fail instead of skipping where ``$ASCEND_GRAPH_REQUIRE_MOONCAKE`` is set (CI).
 """
 
-import importlib.util
 import json
 import os
 import time
@@ -19,6 +18,7 @@ from ascend_graph.models.named import named_model
 from ascend_graph.pd import LayoutMismatch, TransferError
 from ascend_graph.pd.decode import DecodeEngine
 from ascend_graph.pd.process import PrefillProcess
+from ascend_graph.pd.select import mooncake_problem
 
 pytestmark = [pytest.mark.xdist_group("pd"), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -30,11 +30,10 @@ BUDGETS = [6, 9, 5, 8, 7]
 
 
 def _transports():
-    have = importlib.util.find_spec("mooncake") is not None
-    if not have and os.environ.get("ASCEND_GRAPH_REQUIRE_MOONCAKE"):
-        raise RuntimeError("ASCEND_GRAPH_REQUIRE_MOONCAKE is set but mooncake does not import: "
-                           'pip install "ascend-graph[pd]" and apt-get install libibverbs1')
-    marks = [] if have else [pytest.mark.skip(reason="Mooncake's transfer engine is not installed")]
+    problem = mooncake_problem()
+    if problem and os.environ.get("ASCEND_GRAPH_REQUIRE_MOONCAKE"):
+        raise RuntimeError(f"ASCEND_GRAPH_REQUIRE_MOONCAKE is set but {problem}")
+    marks = [pytest.mark.skip(reason=problem)] if problem else []
     return [pytest.param("mooncake", marks=marks), "gloo"]
 
 

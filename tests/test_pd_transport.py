@@ -57,15 +57,18 @@ def peers(kind):
         peer.kill()
 
 
-def open_destination(kind, kv):
+def new_destination(kind):
     if kind == "mooncake":
         from ascend_graph.pd.mooncake import MooncakeTransport
 
-        transport = MooncakeTransport("destination", engine_timeout_s=ENGINE_TIMEOUT_S)
-    else:
-        from ascend_graph.pd.gloo import GlooTransport
+        return MooncakeTransport("destination", engine_timeout_s=ENGINE_TIMEOUT_S)
+    from ascend_graph.pd.gloo import GlooTransport
 
-        transport = GlooTransport("destination")
+    return GlooTransport("destination")
+
+
+def open_destination(kind, kv):
+    transport = new_destination(kind)
     transport.register(kv)
     return transport
 
@@ -255,6 +258,17 @@ def test_a_destination_range_off_its_blocks_moves_nothing(kind, peers):
         assert_caches_equal(kv, want)
     finally:
         transport.close()
+
+
+def test_calls_before_register_or_after_close_fail_naming_the_call(kind):
+    with pytest.raises(RuntimeError, match="endpoint before register"):
+        new_destination(kind).endpoint()
+    transport = open_destination(kind, make_caches("float32", N_DST, DST_SEED))
+    transport.close()
+    for name, call in (("endpoint", transport.endpoint), ("connect", lambda: transport.connect({}, 1.0)),
+                       ("receive", lambda: transport.receive(None, 1.0))):
+        with pytest.raises(TransferError, match=f"{name}: the {kind} transport is closed"):
+            call()
 
 
 def test_a_missing_engine_names_the_extra_and_the_system_package(monkeypatch):

@@ -17,7 +17,10 @@ except where ``$ASCEND_GRAPH_REQUIRE_VLLM`` is set (CI), where that fails.
 
 Then one failed pull (the producer's address changed to a port nobody listens on): the connector
 counts the failure and reports the blocks invalid, and vLLM (``kv_load_failure_policy:
-recompute``) prefills that prompt itself, to the same tokens.
+recompute``) prefills that prompt itself, to the same tokens. Last, a pull from the producer
+after its process has ended, over the transport already connected to it: the read fails with
+reads in flight, the request is reported once that transport has settled, and vLLM recomputes
+it, to the same tokens.
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ def _pair(vllm_run, path: str, timeout_s: int = 600) -> tuple[dict, dict]:
               "kv_role": f"kv_{role}", "kv_port": port, "kv_connector_extra_config": {"host": "127.0.0.1"},
               "kv_load_failure_policy": "recompute"}
         spec = {"role": role, "model": path, "prompts": PROMPTS, "max_tokens": NEW_TOKENS, "timeout_s": timeout_s,
-                "handoff": str(handoff), "release": str(release), "dead_port": _free_port(),
+                "handoff": str(handoff), "release": str(release), "dead_port": _free_port(), "producer_gone": True,
                 "llm": dict(LLM_ARGS, additional_config=ON, kv_transfer_config=kv)}
         spec_path, out_path, log = root / f"pd_{role}.json", root / f"pd_{role}_out.json", root / f"pd_{role}.log"
         spec_path.write_text(json.dumps(spec))
@@ -145,3 +148,11 @@ def test_decode_instance_pulls_the_prefilled_tuple_blocks_and_decodes_as_one_ins
     assert failure["transfer"]["load_failures"] == 1
     assert failure["transfer"]["requests_loaded"] == len(PROMPTS)
     assert failure["stats"]["eager_steps"] == {"prefill": 1}
+
+    # the producer gone: its connected transport breaks mid-read; the consumer recomputes and serves on
+    orphan = consumer["after_producer_died"]
+    assert orphan["tokens"] == expected[1]
+    assert orphan["transfer"]["load_failures"] == 2
+    assert orphan["transfer"]["requests_loaded"] == len(PROMPTS)
+    assert orphan["transfer"]["transports_opened"] == 1  # one handshake for the producer's lifetime
+    assert orphan["stats"]["eager_steps"] == {"prefill": 2}

@@ -48,8 +48,6 @@ class GlooTransport(Transport):
         self._store: Optional[dist.TCPStore] = None
         self._group = None
         self._abandoned: list = []  # (work, buffer) of a failed message: the buffer outlives the work
-        self._broken: Optional[str] = None
-        self._closed = False
 
     def register(self, kv_caches: Sequence[LayerCache]) -> CacheLayout:
         """Record the cache tensors (nothing to pin); the destination also starts its store."""
@@ -172,15 +170,6 @@ class GlooTransport(Transport):
             except RuntimeError:
                 pass
         self._store = None
-
-    def _live(self, what: str) -> None:
-        if self._closed:
-            raise TransferError(f"{what}: the gloo transport is closed")
-        if self._broken is not None:
-            raise TransferError(f"{what}: transport broken after an earlier failure ({self._broken}); "
-                                "open a fresh transport")
-        if self.layout is None:
-            raise RuntimeError(f"{what} before register()")
 
     def _ready(self, what: str) -> None:
         self._live(what)

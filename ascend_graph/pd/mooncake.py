@@ -23,6 +23,7 @@ else the variable's value, else ``DEFAULT_ENGINE_TIMEOUT_S`` (the engine's own d
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 import time
@@ -42,13 +43,13 @@ _WARMUP_BYTES = 64
 def _engine_class():
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # read as the module loads
     try:
-        from mooncake.engine import TransferEngine
-    except ImportError as e:  # the wheel missing, or libibverbs.so.1 missing under it
+        engine = importlib.import_module("mooncake.engine")
+    except (ImportError, OSError) as e:  # the wheel missing, or libibverbs.so.1 missing under it
         raise ImportError(
             'the Mooncake transport needs Mooncake\'s transfer engine: pip install "ascend-graph[pd]" '
             "(x86_64 Linux), and the system package libibverbs1 (apt-get install libibverbs1) even for TCP; "
-            f"importing mooncake.engine failed: {e}") from e
-    return TransferEngine
+            f"importing mooncake.engine failed: {type(e).__name__}: {e}") from e
+    return engine.TransferEngine
 
 
 class MooncakeTransport(Transport):
@@ -65,11 +66,9 @@ class MooncakeTransport(Transport):
         self._tensors: list = []  # the registered tensors, kept alive while the engine may touch them
         self._scratch = torch.zeros(_WARMUP_BYTES, dtype=torch.uint8)  # the warm-up read's target
         self._peer: Optional[str] = None
-        self._broken: Optional[str] = None
         self._reaper: Optional[threading.Thread] = None
         self._waiter: Optional[threading.Thread] = None  # a status wait abandoned at a deadline
         self._timeout_s = DEFAULT_ENGINE_TIMEOUT_S  # the engine's transfer timeout, once started
-        self._closed = False
 
     # -- setup --------------------------------------------------------------------------------
 
@@ -90,12 +89,13 @@ class MooncakeTransport(Transport):
 
     def endpoint(self) -> dict:
         """``session``: the engine's ``host:rpc_port``; ``layout``: this process's cache layout."""
-        engine = self._live("endpoint")
-        return {"transport": self.name, "session": f"{self.host}:{engine.get_rpc_port()}",
+        self._live("endpoint")
+        return {"transport": self.name, "session": f"{self.host}:{self._engine.get_rpc_port()}",
                 "layout": self.layout.to_dict()}
 
     def connect(self, peer: dict, timeout_s: float) -> None:
         """Check the peer's layout; the destination also makes its first (slow) read now."""
+        self._live("connect")
         CacheLayout.from_dict(peer["layout"]).check_matches(self.layout, "peer")
         self._peer = str(peer["session"])
         if self.role == "destination":
@@ -162,12 +162,14 @@ class MooncakeTransport(Transport):
         engine, self._engine = self._engine, None
         waiter, self._waiter = self._waiter, None
         limit = self._timeout_s + _TEARDOWN_GRACE_S
+        tensors = self._tensors  # what the engine may still write into outlives it, even if this object does not
 
         def reap() -> None:
-            nonlocal engine
+            nonlocal engine, tensors
             if waiter is not None:
                 waiter.join(limit)
             del engine  # the last reference: the engine's destructor closes its connections
+            del tensors
 
         self._reaper = threading.Thread(target=reap, name="mooncake-teardown", daemon=True)
         self._reaper.start()
@@ -184,16 +186,6 @@ class MooncakeTransport(Transport):
         if self._engine is not None:
             engine, self._engine = self._engine, None
             del engine
-
-    def _live(self, what: str):
-        if self._closed:
-            raise TransferError(f"{what}: the Mooncake transport is closed")
-        if self._broken is not None:
-            raise TransferError(f"{what}: transport broken after an earlier failure ({self._broken}); "
-                                "open a fresh transport")
-        if self._engine is None:
-            raise RuntimeError(f"{what} before register()")
-        return self._engine
 
 
 def _start_engine(engine_class, host: str, timeout_s: Optional[int]):

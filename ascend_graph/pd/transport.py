@@ -50,6 +50,8 @@ class Transport(ABC):
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         self.role = role
         self.layout: Optional[CacheLayout] = None
+        self._broken: Optional[str] = None  # why an earlier failure broke this transport
+        self._closed = False
         # called with the index of each batch this side has completed: received (destination) or, on a
         # pushing transport, sent (source); tests inject faults here
         self.after_batch: Optional[Callable[[int], None]] = None
@@ -81,3 +83,13 @@ class Transport(ABC):
 
     def close(self) -> None:
         """Release the engine's resources (idempotent)."""
+
+    def _live(self, what: str) -> None:
+        """Raise unless this transport is open, not broken and registered: ``what`` names the call."""
+        if self._closed:
+            raise TransferError(f"{what}: the {self.name} transport is closed")
+        if self._broken is not None:
+            raise TransferError(f"{what}: transport broken after an earlier failure ({self._broken}); "
+                                "open a fresh transport")
+        if self.layout is None:
+            raise RuntimeError(f"{what} before register()")

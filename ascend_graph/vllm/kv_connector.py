@@ -7,16 +7,19 @@
 vLLM allocated, which graph mode releases; this one registers the runner's ``MLACache`` /
 ``KVCache`` tensors (the ones its graphs captured) with Mooncake's transfer engine.
 
-Protocol (``kv_transfer``): a request sent to the producer with ``kv_transfer_params
-{"do_remote_decode": True}`` keeps its blocks when it finishes; its output's
-``kv_transfer_params`` (``do_remote_prefill``, the producer's request id, block ids, control
-address and engine id) go with the same prompt to the consumer, whose scheduler reports the
-prompt as external tokens loaded asynchronously; its worker asks the producer's control server
-for the layout once per producer instance, pulls the blocks (``batch_transfer_sync_read``,
-contiguous runs merged, <= 512 ranges a batch), tells the producer ``done`` and reports the
-request received (a failed pull: its blocks reported invalid; vLLM then fails the request or,
-with ``kv_load_failure_policy="recompute"``, recomputes them). The producer frees a request's
-blocks at its first step after ``done``, or after ``kv_connector_extra_config["send_timeout_s"]``.
+Protocol: a request sent to the producer with ``kv_transfer_params {"do_remote_decode": True}``
+keeps its blocks when it finishes; its output's ``kv_transfer_params`` (``do_remote_prefill``,
+the producer's request id, block ids, control address and engine id) go with the same prompt to
+the consumer, whose scheduler reports the prompt as external tokens loaded asynchronously. The
+producer registers its caches with a Mooncake transport (``pd/mooncake.py``) and answers the
+consumer's layout request on its control server (``kv_transfer``). The consumer's worker
+handshakes once per producer instance (layouts checked), pulls each request's blocks
+(``pd.layout.plan_transfer``, within ``kv_connector_extra_config["load_timeout_s"]``), tells
+the producer ``done`` and reports the request received. A failed pull reports the request's
+blocks invalid, in the same step as the request and, where reads were left in flight, only once
+the broken transport has settled (``kv_transfer.Puller``); vLLM then fails the request or, with
+``kv_load_failure_policy="recompute"``, recomputes it. The producer frees a request's blocks at
+its first step after ``done``, or after ``kv_connector_extra_config["send_timeout_s"]``.
 Tensor and pipeline parallelism are not supported (graph mode rejects them).
 """
 
@@ -34,6 +37,8 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.request import RequestStatus
 
+from ..pd.select import open_transport
+from ..pd.transport import Transport
 from . import kv_transfer as kt
 
 if TYPE_CHECKING:
@@ -77,7 +82,8 @@ class TupleCacheConnector(KVConnectorBase_V1):
         self._engine_id = str(config.engine_id)  # one per instance, shared by both halves
         self._block_size = vllm_config.cache_config.block_size
         self._producer, self._consumer = config.is_kv_producer, config.is_kv_consumer
-        self._send_timeout_s = float(config.get_from_extra_config("send_timeout_s", 120.0))
+        self._send_timeout_s = _seconds(config, "send_timeout_s", 120.0)
+        self._load_timeout_s = _seconds(config, "load_timeout_s", 20.0)
         # scheduler side
         self._loads: dict[str, Load] = {}
         self._sends: list[str] = []
@@ -170,26 +176,24 @@ class TupleCacheConnector(KVConnectorBase_V1):
 
 
 class _Worker:
-    """The worker half: the registered regions, the control server (producer), the pulls (consumer)."""
+    """The worker half: the producer's registered caches and control server, the consumer's pulls."""
 
     def __init__(self, connector: TupleCacheConnector) -> None:
         self.c = connector
-        self.engine = kt.new_engine(connector._host)
-        self.peer_name = f"{connector._host}:{self.engine.get_rpc_port()}"
-        self.regions: list[kt.Region] = []
+        self.source: Optional[Transport] = None  # producer: serves reads of its registered caches
+        self.puller: Optional[kt.Puller] = None  # consumer
         self.server: Optional[kt.ControlServer] = None
-        self.peers: dict[tuple[str, int, str], tuple[str, list[kt.Region]]] = {}
         self.lock = threading.Lock()
         self.done: set[str] = set()  # producer: request ids a consumer has read (control thread writes)
         self.pending: dict[str, float] = {}  # producer: request id -> deadline to free its blocks
-        self.received: set[str] = set()
         self.invalid: set[int] = set()
         self.stats = {"requests_loaded": 0, "blocks_loaded": 0, "bytes_loaded": 0, "descriptors": 0,
-                      "load_seconds": 0.0, "load_failures": 0, "requests_sent": 0, "regions": 0}
+                      "load_seconds": 0.0, "load_failures": 0, "requests_sent": 0, "regions": 0,
+                      "transports_opened": 0}
         _add_worker_method()
 
     def register(self, layer_names: list[str]) -> None:
-        """Register each layer's tuple tensors, in layer order; start serving them (producer)."""
+        """Register each layer's tuple cache, in layer order; start serving them (producer)."""
         context = self.c._vllm_config.compilation_config.static_forward_context
         caches = []
         for name in sorted(layer_names, key=extract_layer_index):
@@ -198,17 +202,19 @@ class _Worker:
                 raise ValueError(f"TupleCacheConnector moves ascend_graph's graph-mode caches; layer {name} is "
                                  "not one (turn graph mode on: additional_config={'torchair_graph_config': "
                                  "{'enabled': True}}, or use one of vLLM's connectors)")
-            caches.append(tuple(tuple_cache()))
-        self.regions = kt.regions_of(caches)
-        kt.register(self.engine, self.regions)
-        self.stats["regions"] = len(self.regions)
+            caches.append(tuple_cache())  # the runner's MLACache / KVCache: the tensors its graphs captured
+        if self.c._consumer:
+            self.puller = kt.Puller(caches, self.c._host, self.c._load_timeout_s)
+            self.stats["regions"] = len(self.puller.layout.regions)
         if self.c._producer:
+            self.source = open_transport("mooncake", "source", self.c._host)
+            self.stats["regions"] = len(self.source.register(caches).regions)
             self.server = kt.ControlServer(self.c._host, self.c._port, self.answer)
 
     def answer(self, message: dict) -> dict:
         """The control server's handler (its threads)."""
         if message.get("op") == "layout":
-            return {"peer": self.peer_name, "engine_id": self.c._engine_id, "regions": kt.regions_to_json(self.regions)}
+            return kt.layout_reply(self.source, self.c._engine_id)
         if message.get("op") == "done":
             with self.lock:
                 self.done.add(str(message["request_id"]))
@@ -221,44 +227,26 @@ class _Worker:
             self.pending[request_id] = deadline
 
     def load(self, load: Load) -> None:
-        """Pull one request's blocks; on failure report them invalid (vLLM then recomputes them)."""
+        """Pull one request's blocks; a failure reaches vLLM through ``finished`` (it then recomputes)."""
+        if self.puller is None:
+            raise RuntimeError("TupleCacheConnector: a load on an instance that is not a kv_consumer")
         start = time.perf_counter()
-        try:
-            if len(load.remote_blocks) != len(load.local_blocks):
-                raise ValueError(f"{len(load.remote_blocks)} remote blocks for {len(load.local_blocks)} local")
-            peer, remote = self._peer(load.host, load.port, load.engine_id)
-            addrs = kt.descriptors(self.regions, remote, kt.block_runs(load.local_blocks, load.remote_blocks))
-            nbytes = kt.read_blocks(self.engine, peer, addrs)
-        except Exception as e:  # this request fails; the engine goes on
-            logger.error("TupleCacheConnector: pulling request %s from %s:%d failed: %s", load.request_id,
-                         load.host, load.port, e)
-            self.invalid.update(load.local_blocks)
+        producer = kt.Producer(load.host, load.port, load.engine_id)
+        plan = self.puller.load(load.request_id, producer, load.remote_blocks, load.local_blocks)
+        if plan is None:
             self.stats["load_failures"] += 1
         else:
             self.stats["requests_loaded"] += 1
             self.stats["blocks_loaded"] += len(load.local_blocks)
-            self.stats["bytes_loaded"] += nbytes
-            self.stats["descriptors"] += len(addrs[0])
+            self.stats["bytes_loaded"] += plan.num_bytes
+            self.stats["descriptors"] += plan.num_descriptors
         self.stats["load_seconds"] += time.perf_counter() - start
-        self.received.add(load.request_id)
-        try:  # the producer may free its blocks either way
+        self.stats["transports_opened"] = self.puller.transports_opened
+        try:  # the producer may free its blocks either way: a late read only lands in ours
             kt.ask(load.host, load.port, {"op": "done", "request_id": load.remote_request_id})
         except (OSError, ValueError) as e:
             logger.warning("TupleCacheConnector: telling %s:%d that %s is read failed: %s", load.host,
                            load.port, load.remote_request_id, e)
-
-    def _peer(self, host: str, port: int, engine_id: str) -> tuple[str, list[kt.Region]]:
-        """The producer's engine address and regions, asked once per producer instance."""
-        if (host, port, engine_id) not in self.peers:
-            reply = kt.ask(host, port, {"op": "layout"})
-            if reply.get("engine_id") != engine_id:  # another instance now listens there
-                raise ConnectionError(f"{host}:{port} is instance {reply.get('engine_id')}, not {engine_id}")
-            peer_host = str(reply["peer"]).rsplit(":", 1)[0]
-            if peer_host in ("0.0.0.0", ""):
-                peer_host = host
-            self.peers[(host, port, engine_id)] = (f"{peer_host}:{str(reply['peer']).rsplit(':', 1)[1]}",
-                                                   kt.regions_from_json(reply["regions"]))
-        return self.peers[(host, port, engine_id)]
 
     def finished(self) -> tuple[Optional[set[str]], Optional[set[str]]]:
         now, sent = time.monotonic(), set()
@@ -269,7 +257,10 @@ class _Worker:
                     self.done.discard(request_id)
                     del self.pending[request_id]
         self.stats["requests_sent"] += len(sent)
-        received, self.received = self.received, set()
+        received: set[str] = set()
+        if self.puller is not None:  # a failed request's blocks are reported in the same pass as it
+            received, invalid = self.puller.take_finished()
+            self.invalid |= invalid
         return sent or None, received or None
 
     def take_invalid_blocks(self) -> set[int]:
@@ -280,6 +271,17 @@ class _Worker:
         if self.server is not None:
             self.server.close()
             self.server = None
+        if self.puller is not None:
+            self.puller.close()
+        if self.source is not None:
+            self.source.close()
+
+
+def _seconds(config: Any, key: str, default: float) -> float:
+    value = float(config.get_from_extra_config(key, default))
+    if not value > 0:
+        raise ValueError(f'kv_connector_extra_config["{key}"] must be > 0 seconds, got {value}')
+    return value
 
 
 def _add_worker_method() -> None:

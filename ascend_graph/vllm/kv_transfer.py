@@ -1,117 +1,35 @@
-"""Moving KV blocks of per-layer tuple caches between two processes, without vLLM.
+"""What ``kv_connector.TupleCacheConnector`` needs beyond ``ascend_graph.pd``, without vLLM.
 
-What ``kv_connector.TupleCacheConnector`` builds on (docs/vllm.md, "PD between two vLLM
-instances"):
+The layouts, transfer plans and the transfer engine are ``ascend_graph.pd``'s (``pd/layout.py``,
+``pd/mooncake.py``); this module adds (docs/vllm.md, "PD between two vLLM instances"):
 
-- ``Region``: one cache tensor (``kv_c`` or ``k_pe`` of a layer) as the transfer engine sees
-  it: base address, bytes, bytes per block. Both sides list their regions in the same order
-  (layer by layer, tuple order); ``layout_key`` is what must agree between them.
-- ``block_runs`` / ``descriptors``: a request's blocks as ``(local, remote, length)`` byte
-  ranges, one per run of blocks contiguous on both sides and per region, cut into batches of
-  at most ``MAX_DESCRIPTORS``.
-- ``ControlServer`` / ``ask``: one JSON object per line over TCP, one request per connection:
-  the producer answers ``{"op": "layout"}`` with its engine's address and its regions, and
-  records ``{"op": "done", "request_id": ...}``, the consumer's word that it has read a
-  request's blocks (so they may be freed).
-- ``new_engine``: Mooncake's ``TransferEngine`` over TCP with no metadata server; the
-  ``mooncake`` package is imported only here.
+- ``ControlServer`` / ``ask``: one JSON object per line over TCP, one request per connection. The
+  producer answers ``{"op": "layout"}`` with ``layout_reply`` (its transport's endpoint, its cache
+  layout, its engine id) and records ``{"op": "done", "request_id": ...}``, the consumer's word
+  that it is through with a request's blocks (so they may be freed). Unlike ``pd/control.py``
+  (one authenticated link to one peer), any number of consumers ask, each at any time.
+- ``Puller``: the consumer's pulls, one pulling transport per producer instance (connected at
+  its first request), and what happens after a failed pull: the request's blocks are reported
+  back only once no abandoned read can still write into them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import socketserver
 import threading
-from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
-from torch import Tensor
+from ..kv_cache import LayerCache
+from ..pd.layout import CacheLayout, TransferPlan, plan_transfer
+from ..pd.select import open_transport
+from ..pd.transport import Transport
 
-MAX_DESCRIPTORS = 512  # per batch: far below the engine's per-peer queue limit (~2048 in flight)
 MAX_MESSAGE = 1 << 20  # bytes of one control-channel line
-
-
-@dataclass(frozen=True)
-class Region:
-    """One cache tensor: ``num_blocks`` blocks of ``block_bytes`` from ``addr`` (block-major)."""
-
-    addr: int
-    nbytes: int
-    block_bytes: int
-    num_blocks: int
-    block_shape: tuple[int, ...]  # one block's shape (the tensor's shape after dim 0)
-    dtype: str
-
-
-def regions_of(caches: Sequence[Sequence[Tensor]]) -> list[Region]:
-    """The regions of per-layer cache tuples, layer by layer and in tuple order.
-
-    Each tensor must be contiguous (a block is then one byte range) with at least one block."""
-    out = []
-    for i, layer in enumerate(caches):
-        for j, t in enumerate(layer):
-            if not t.is_contiguous() or t.dim() < 2 or t.shape[0] < 1:
-                raise ValueError(f"cache tensor {j} of layer {i} must be contiguous and block-major "
-                                 f"[num_blocks, ...]; got shape {list(t.shape)}, stride {list(t.stride())}")
-            block_bytes = t.stride(0) * t.element_size()
-            out.append(Region(t.data_ptr(), t.shape[0] * block_bytes, block_bytes, int(t.shape[0]),
-                              tuple(int(d) for d in t.shape[1:]), str(t.dtype)))
-    return out
-
-
-def layout_key(regions: Sequence[Region]) -> list[list[Any]]:
-    """What two sides must share to copy blocks byte for byte: per region, block shape and dtype
-    (block counts and addresses may differ)."""
-    return [[list(r.block_shape), r.dtype, r.block_bytes] for r in regions]
-
-
-def block_runs(local: Sequence[int], remote: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(local_start, remote_start, count)`` for maximal runs where both ids step by one."""
-    if len(local) != len(remote):
-        raise ValueError(f"{len(local)} local blocks against {len(remote)} remote blocks")
-    runs: list[tuple[int, int, int]] = []
-    for lb, rb in zip(local, remote):
-        if runs and lb == runs[-1][0] + runs[-1][2] and rb == runs[-1][1] + runs[-1][2]:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((lb, rb, 1))
-    return runs
-
-
-def descriptors(local: Sequence[Region], remote: Sequence[Region],
-                runs: Sequence[tuple[int, int, int]]) -> tuple[list[int], list[int], list[int]]:
-    """Byte ranges ``(local addrs, remote addrs, lengths)``: every run in every region pair.
-
-    ``ValueError`` where the layouts differ or a block id is outside either side's cache."""
-    if layout_key(local) != layout_key(remote):
-        raise ValueError("the two sides' cache layouts differ (per tensor: block shape, dtype): "
-                         f"{layout_key(local)} against {layout_key(remote)}")
-    addrs: tuple[list[int], list[int], list[int]] = ([], [], [])
-    for mine, theirs in zip(local, remote):
-        for lb, rb, n in runs:
-            if lb < 0 or rb < 0 or lb + n > mine.num_blocks or rb + n > theirs.num_blocks:
-                raise ValueError(f"blocks {lb}+{n} (local, of {mine.num_blocks}) / {rb}+{n} "
-                                 f"(remote, of {theirs.num_blocks}) out of range")
-            addrs[0].append(mine.addr + lb * mine.block_bytes)
-            addrs[1].append(theirs.addr + rb * theirs.block_bytes)
-            addrs[2].append(n * mine.block_bytes)
-    return addrs
-
-
-def batches(addrs: tuple[list[int], list[int], list[int]],
-            limit: int = MAX_DESCRIPTORS) -> Iterator[tuple[list[int], list[int], list[int]]]:
-    """``descriptors``' output in slices of at most ``limit`` descriptors."""
-    for i in range(0, len(addrs[0]), limit):
-        yield addrs[0][i:i + limit], addrs[1][i:i + limit], addrs[2][i:i + limit]
-
-
-def regions_to_json(regions: Sequence[Region]) -> list[dict]:
-    return [asdict(r) for r in regions]
-
-
-def regions_from_json(items: Sequence[dict]) -> list[Region]:
-    return [Region(**{**d, "block_shape": tuple(d["block_shape"])}) for d in items]
+logger = logging.getLogger(__name__)
 
 
 class ControlServer:
@@ -159,36 +77,120 @@ def ask(host: str, port: int, message: dict, timeout_s: float = 10.0) -> dict:
     return reply
 
 
-def new_engine(host: str) -> Any:
-    """A Mooncake ``TransferEngine`` on ``host`` over TCP, peer-to-peer handshake (no metadata
-    server). Its RPC port is ``engine.get_rpc_port()`` (the engine binds all interfaces)."""
-    try:
-        from mooncake.engine import TransferEngine
-    except ImportError as e:
-        raise ImportError("TupleCacheConnector needs Mooncake's transfer engine: pip install "
-                          "mooncake-transfer-engine-non-cuda (and libibverbs1 from the OS)") from e
-    engine = TransferEngine()
-    rc = engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
-    if rc != 0:
-        raise RuntimeError(f"Mooncake TransferEngine.initialize({host!r}, 'P2PHANDSHAKE', 'tcp') returned {rc}")
-    return engine
+def layout_reply(transport: Transport, engine_id: str) -> dict:
+    """The producer's answer to ``{"op": "layout"}``: how to reach its registered caches."""
+    if transport.layout is None:
+        raise RuntimeError("the producer's caches are not registered yet")
+    return {"engine_id": engine_id, "endpoint": transport.endpoint(), "layout": transport.layout.to_dict()}
 
 
-def register(engine: Any, regions: Sequence[Region]) -> None:
-    """Register every region with ``engine`` (once, at stable addresses); ``RuntimeError`` otherwise."""
-    rc = engine.batch_register_memory([r.addr for r in regions], [r.nbytes for r in regions])
-    if rc != 0:
-        raise RuntimeError(f"Mooncake batch_register_memory of {len(regions)} cache tensors returned {rc}")
+@dataclass(frozen=True)
+class Producer:
+    """One producer instance: its control server's address and its engine id."""
+
+    host: str
+    port: int
+    engine_id: str
+
+    def __str__(self) -> str:
+        return f"producer {self.engine_id} at {self.host}:{self.port}"
 
 
-def read_blocks(engine: Any, peer: str, addrs: tuple[list[int], list[int], list[int]]) -> int:
-    """Pull the byte ranges from ``peer`` (``"host:rpc_port"``) batch by batch; the bytes read.
+class Puller:
+    """The consumer side: pulls producers' blocks into ``kv_caches`` with a pulling transport each.
 
-    ``RuntimeError`` at the first failed batch (some of its ranges may have been written)."""
-    done = 0
-    for local, remote, lengths in batches(addrs):
-        rc = engine.batch_transfer_sync_read(peer, local, remote, lengths)
-        if rc != 0:
-            raise RuntimeError(f"Mooncake batch_transfer_sync_read from {peer} of {len(local)} ranges returned {rc}")
-        done += sum(lengths)
-    return done
+    ``load`` runs one request's pull; ``take_finished`` then reports it (and, where it failed, its
+    blocks). A failure before anything is read (handshake, layouts, block ids) is reported at once.
+    A failed ``receive`` retires that producer's transport, and the request is reported only once
+    the transport is ``settled()``: after a failure with reads in flight
+    (``TransferError.in_flight``) that is when its engine is gone (``pd/mooncake.py`` bounds it), so
+    vLLM neither reuses nor recomputes the blocks while a late write can land. The producer's next
+    request opens a fresh transport.
+    """
+
+    def __init__(self, kv_caches: Sequence[LayerCache], host: str = "127.0.0.1", timeout_s: float = 20.0,
+                 new_transport: Optional[Callable[[], Transport]] = None) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.kv_caches = tuple(kv_caches)
+        self.layout = CacheLayout.of(self.kv_caches)
+        self.timeout_s = timeout_s
+        self._new_transport = new_transport or (lambda: open_transport("mooncake", "destination", host))
+        self._peers: dict[Producer, tuple[Transport, CacheLayout]] = {}
+        self._done: set[str] = set()  # request ids whose pull has ended and whose blocks are safe
+        self._failed: set[int] = set()  # their blocks, where the pull failed
+        self._held: list[tuple[str, list[int], Transport]] = []  # failed receives, until their transport settles
+        self.transports_opened = 0
+
+    def load(self, request_id: str, producer: Producer, src_blocks: Sequence[int],
+             dst_blocks: Sequence[int]) -> Optional[TransferPlan]:
+        """Pull ``src_blocks`` of ``producer`` into ``dst_blocks``; the plan, or None where it failed
+        (logged; the failure then reaches ``take_finished``). Never raises for a failed pull."""
+        try:
+            transport, remote = self._peer(producer)
+            plan = plan_transfer(remote, self.layout, src_blocks, dst_blocks)
+        except Exception as e:  # nothing was read into dst_blocks
+            return self._fail(request_id, producer, dst_blocks, e, None)
+        try:
+            transport.receive(plan, self.timeout_s)
+        except Exception as e:  # reads may still land (TransferError.in_flight): held until settled
+            self._peers.pop(producer, None)  # a later request opens a fresh transport
+            return self._fail(request_id, producer, dst_blocks, e, transport)
+        self._done.add(request_id)
+        return plan
+
+    def take_finished(self) -> tuple[set[str], set[int]]:
+        """Requests whose pull has ended with no read left that can write into their blocks, and the
+        blocks of those that failed; each reported once."""
+        still = []
+        for request_id, blocks, transport in self._held:
+            if transport.settled():
+                self._done.add(request_id)
+                self._failed.update(blocks)
+                transport.close()
+            else:
+                still.append((request_id, blocks, transport))
+        self._held = still
+        done, failed, self._done, self._failed = self._done, self._failed, set(), set()
+        return done, failed
+
+    @property
+    def holding(self) -> int:
+        """Failed requests waiting for their transport to settle."""
+        return len(self._held)
+
+    def close(self) -> None:
+        """Close every transport (each engine's teardown is slow)."""
+        for transport, _ in self._peers.values():
+            transport.close()
+        self._peers = {}
+
+    def _peer(self, producer: Producer) -> tuple[Transport, CacheLayout]:
+        """The producer's transport and layout, handshaken once per producer instance."""
+        if producer not in self._peers:
+            reply = ask(producer.host, producer.port, {"op": "layout"}, self.timeout_s)
+            if reply.get("engine_id") != producer.engine_id:  # another instance now listens there
+                raise ConnectionError(f"{producer.host}:{producer.port} is instance {reply.get('engine_id')}, "
+                                      f"not {producer.engine_id}")
+            remote = CacheLayout.from_dict(reply["layout"])
+            self.layout.check_matches(remote, str(producer))
+            transport = self._new_transport()
+            self.transports_opened += 1
+            try:
+                transport.register(self.kv_caches)
+                transport.connect(reply["endpoint"], self.timeout_s)  # its warm-up read lands in scratch only
+            except BaseException:
+                transport.close()
+                raise
+            self._peers[producer] = (transport, remote)
+        return self._peers[producer]
+
+    def _fail(self, request_id: str, producer: Producer, blocks: Sequence[int], error: Exception,
+              retired: Optional[Transport]) -> None:
+        logger.error("pulling request %s from %s failed: %s: %s", request_id, producer, type(error).__name__, error)
+        if retired is not None:
+            self._held.append((request_id, list(blocks), retired))
+        else:
+            self._done.add(request_id)
+            self._failed.update(blocks)
+        return None
