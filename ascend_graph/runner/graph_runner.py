@@ -26,7 +26,8 @@ from ..config import GraphConfig
 from ..kv_cache import allocate_kv_caches
 from ..runtime import StaticAddresses, compile_cache_counts, compile_cache_outcome, memory_in_use, progress
 from .freezing import freezing
-from .groups import CompileGroup, compile_groups, mark_batch_dynamic, resolve_compile_options
+from ..compile.recipe import mark_step_inputs_static
+from .groups import CompileGroup, compile_groups, compile_recipe_for, mark_batch_dynamic, resolve_compile_options
 from .step import (DecodeStep, GraphCompileError, PreparedStep, RecompileError, RunnerStats, SequenceStep,
                    step_for_size)
 
@@ -43,6 +44,7 @@ class GraphRunner:
         self.config = config
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         dynamic = resolve_compile_options(model, config, self.device, backend)
+        self.recipe = compile_recipe_for(config, self.device, backend)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
@@ -61,6 +63,7 @@ class GraphRunner:
         self._failed: dict[int, str] = {}
         self._shared: dict[CompileGroup, tuple[Callable, Optional[str]]] = {}  # compiled group -> (graph, cache)
         self._warm = False
+        self._recapture_base: dict[str, int] = {}
         self._graph_steps_since_parity = 0
         self._step = DecodeStep(model)
         self._static = self._allocate_static_inputs()
@@ -118,6 +121,7 @@ class GraphRunner:
             return
         # torchair's graph cache compiles through its own entry point, not a torch.compile backend
         backend = None if self._uses_torchair_graph_cache() else self._counting_backend(self._resolve_backend())
+        self._recapture_base = self.recipe.recapture_baseline()
         sizes = sorted(self.capture_sizes, reverse=True)
         for i, size in enumerate(sizes):
             if show_progress:
@@ -215,6 +219,8 @@ class GraphRunner:
             if isinstance(e.inner_exception, RecompileError):
                 raise e.inner_exception from None
             raise
+        if self.recipe.recapture_counts is not None:
+            self.stats.recaptures = self.recipe.recaptures_since(self._recapture_base)
         logits = logits[:n].clone() if self._copy_logits else logits[:n]
         return self._unpermute(logits, step.order)
 
@@ -224,7 +230,10 @@ class GraphRunner:
         ids_v, pos_v, meta_v = self._views(size)
         self._fill_padding(size)
         group = self.compile_groups[size]
-        frozen_inputs = [ids_v, pos_v, meta_v.slot_mapping, *meta_v.decode, *self._cache_tensors_by_name().values()]
+        step_inputs = [ids_v, pos_v, meta_v.slot_mapping, *meta_v.decode]
+        if self.recipe.mark_static:
+            mark_step_inputs_static(step_inputs, self.kv_caches)
+        frozen_inputs = [*step_inputs, *self._cache_tensors_by_name().values()]
         try:
             compiled = self._compile_for_size(size, backend)
             with torch.inference_mode(), freezing(self.config.inductor.freezing_min_batch, size, frozen_inputs):
@@ -278,8 +287,8 @@ class GraphRunner:
             return compiled
         if self._uses_torchair_graph_cache():
             from ..compile.torchair import cache_compile
-            return cache_compile(method, self.config)
-        return torch.compile(method, backend=backend, fullgraph=True, dynamic=False)
+            return cache_compile(method, self.config, dynamic=self.recipe.dynamic)
+        return torch.compile(method, backend=backend, fullgraph=True, dynamic=self.recipe.dynamic)
 
     def _loads_files(self) -> bool:
         """Whether capture loads compiled steps from files (AOTInductor packages, precompiled steps)."""
