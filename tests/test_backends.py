@@ -217,8 +217,8 @@ def fake_npu(monkeypatch):
 
 def reduce_overhead_is_deprecated():
     """torch_npu 7.3.0 deprecates torchair's reduce-overhead mode for the npugraph_ex backend."""
-    return pytest.warns(DeprecationWarning, match=r"'reduce-overhead' is deprecated since torch_npu 7\.3\.0: "
-                                                  r"use the npugraph_ex backend")
+    return pytest.warns(DeprecationWarning, match=r"'reduce-overhead' is deprecated \(torch_npu 7\.3\.0 and "
+                                                  r"later\): use the npugraph_ex backend")
 
 
 def test_torchair_contract_auto_on_npu_uses_vllm_ascend_defaults(fake_npu):

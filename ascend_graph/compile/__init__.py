@@ -59,7 +59,7 @@ def backend_name(config: GraphConfig, platform: str) -> str:
 def resolve_backend(config: GraphConfig, device: DeviceLike, *, mode: Optional[str] = None) -> Callable:
     """The callable to pass as ``torch.compile(..., backend=...)`` for ``config`` on ``device``.
 
-    NPU: the torchair adapter; CUDA: Inductor with CUDA graphs (``reduce-overhead``); CPU:
+    NPU: the torchair (GE) adapter, or npugraph_ex; CUDA: Inductor with CUDA graphs (``reduce-overhead``); CPU:
     Inductor with the configured options; ``"cudagraphs"``, ``"aot_eager"``, ``"eager"``: torch's
     own backends. ``mode`` is torch.compile's mode: the torchair mode on torchair, Inductor's
     mode options on Inductor.

@@ -6,7 +6,8 @@ exactly what ``torch.compile(fn, backend="npugraph_ex", options={...})`` hands i
 it is the entry point torchair's npugraph_ex guide documents, and looking it up (rather than
 passing the name) lets the runner count each compile. ``torch.npu.npugraph_ex.compile_fx`` is
 the same compiler for a caller's own AOTAutograd backend, which that guide says lacks multi-stream,
-core limits and the input in-place pass; it is not used. Not run here (no NPU); the contract
+core limits and the input in-place pass; it is not used. torch_npu 7.3.0 and later register the
+backend, and their torchair no longer develops its own aclgraph mode (``reduce-overhead``). Not run here (no NPU); the contract
 tests check what is handed over.
 
 Options (``NpugraphExOptions``) use npugraph_ex's names. A mutated input (a KV cache) whose
@@ -71,4 +72,4 @@ def import_npugraph_ex() -> Callable:
         return torch._dynamo.lookup_backend("npugraph_ex")
     except torch._dynamo.exc.InvalidBackend as e:
         raise ImportError(f"{MISSING} (torch_npu is installed but registers no 'npugraph_ex' torch.compile "
-                          f"backend: a torch_npu release that ships npugraph_ex is needed)") from e
+                          f"backend: it needs torch_npu 7.3.0 or later)") from e

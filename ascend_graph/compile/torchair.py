@@ -56,8 +56,8 @@ def import_torchair() -> ModuleType:
 def compiler_config(torchair: ModuleType, options: TorchairOptions) -> Any:
     """A ``torchair.CompilerConfig`` carrying ``options``; ``reduce-overhead`` warns (DeprecationWarning)."""
     if options.mode == "reduce-overhead":
-        warnings.warn("torchair mode 'reduce-overhead' is deprecated since torch_npu 7.3.0: use the npugraph_ex "
-                      "backend instead (GraphConfig(backend='npugraph_ex'))", DeprecationWarning, stacklevel=3)
+        warnings.warn("torchair mode 'reduce-overhead' is deprecated (torch_npu 7.3.0 and later): use the "
+                      "npugraph_ex backend instead (GraphConfig(backend='npugraph_ex'))", DeprecationWarning, stacklevel=3)
     config = torchair.CompilerConfig()
     config.mode = options.mode
     experimental = config.experimental_config

@@ -3,7 +3,9 @@
 The runner owns the model, the tuple KV caches and one compiled step per capture size. A
 decode-only batch of ``n <= max(capture_sizes)`` rows runs as the graph of the smallest capture
 size ``>= n`` (padded rows write only into the null block; their outputs are dropped). Everything
-else runs the same model eagerly on the same cache tensors, and the reason is counted.
+else runs the same model eagerly on the same cache tensors, and the reason is counted. How a
+capture size is compiled (torch.compile's ``dynamic``, static marks) is its backend's recipe
+(``compile.recipe``).
 
 Shape legend: T tokens in the step, n sequences in it, s capture size, M block-table width,
 V vocabulary.
@@ -22,11 +24,11 @@ from torch import Tensor, nn
 
 from ..attention import AttentionMetadata, DecodeMetadata, build_attention_metadata
 from ..attention.metadata import DECODE_PADDING
+from ..compile.recipe import mark_step_inputs_static
 from ..config import GraphConfig
 from ..kv_cache import allocate_kv_caches
 from ..runtime import StaticAddresses, compile_cache_counts, compile_cache_outcome, memory_in_use, progress
 from .freezing import freezing
-from ..compile.recipe import mark_step_inputs_static
 from .groups import CompileGroup, compile_groups, compile_recipe_for, mark_batch_dynamic, resolve_compile_options
 from .step import (DecodeStep, GraphCompileError, PreparedStep, RecompileError, RunnerStats, SequenceStep,
                    step_for_size)

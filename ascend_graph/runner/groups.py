@@ -1,4 +1,5 @@
-"""Compile groups: which capture sizes share one compile with a dynamic batch dimension.
+"""Compile groups: which capture sizes share one compile with a dynamic batch dimension; and
+the compile options the runner resolves before capture (Inductor's checks, the backend's recipe).
 
 A capture size's graph is either its own static compile, or one compile shared by the sizes of
 its group, whose batch dimension is symbolic over the group's range (``InductorOptions.
