@@ -216,3 +216,14 @@ def test_npugraph_ex_without_torch_npu_or_its_backend_gives_a_clear_import_error
     monkeypatch.setitem(sys.modules, "torch_npu", None)
     with pytest.raises(ImportError, match=r"needs torch_npu .*CANN.*\(import torch_npu failed"):
         resolve_backend(npu_config("npugraph_ex"), "npu")
+
+
+def test_report_shows_recaptures_only_when_there_are_some():
+    from ascend_graph.cli.report import counter_lines
+    from ascend_graph.runner import RunnerStats
+
+    engine = {"requests": 1, "prompt_tokens": 4, "generated_tokens": 2, "prefill_steps": 1, "decode_steps": 1,
+              "decode_batch_sizes": {1: 1}}
+    stats = RunnerStats(graph_steps=1, recaptures=2)
+    assert "| recaptures 2 |" in counter_lines({**stats.to_dict(), **engine})[0]
+    assert "recaptures" not in counter_lines({**RunnerStats(graph_steps=1).to_dict(), **engine})[0]
