@@ -280,7 +280,7 @@ def test_torchair_contract_cached_graph_goes_through_cache_compile(fake_npu):
     assert cache_compile(method, cfg) == "cached-model"
     ((func, kwargs),) = fake_npu.calls["cache_compile"]
     assert func == method
-    assert kwargs["cache_dir"] == "/tmp/ag-torchair" and kwargs["ge_cache"] is False
+    assert kwargs["cache_dir"] == "/tmp/ag-torchair" and kwargs["ge_cache"] is False and kwargs["dynamic"] is True
     assert kwargs["config"].experimental_config.frozen_parameter is True
 
 
