@@ -59,8 +59,8 @@ VLLM_ASCEND_ENTRY_POINT = "ascend_graph.integrations.vllm_ascend.graph_config"
 class TorchairOptions:
     """How the torchair backend (Ascend NPU) compiles; ignored on every other backend.
 
-    ``mode`` -> torchair's ``CompilerConfig.mode`` (``"reduce-overhead"`` is deprecated since
-    torch_npu 7.3.0 for the ``npugraph_ex`` backend and warns); ``enable_frozen_parameter``,
+    ``mode`` -> torchair's ``CompilerConfig.mode`` (``"reduce-overhead"`` is deprecated from
+    torch_npu 7.3.0 on, for the ``npugraph_ex`` backend, and warns); ``enable_frozen_parameter``,
     ``enable_view_optimize``, ``tiling_schedule_optimize`` -> its ``experimental_config`` options
     of those names (the last only where the installed torchair has it); ``use_cached_graph``:
     compile through ``torchair.inference.cache_compile`` into ``GraphConfig.compile_cache_dir``,

@@ -32,7 +32,8 @@ BACKEND_MODULES = {
 # what ``backend="auto"`` means on each platform
 AUTO_BACKEND = {"npu": "torchair", "cuda": "inductor", "cpu": "inductor"}
 # platforms each backend runs on; the rest run anywhere
-BACKEND_PLATFORMS = {"torchair": ("npu",), "npugraph_ex": ("npu",), "cudagraphs": ("cuda",), "inductor": ("cpu", "cuda", "npu")}
+BACKEND_PLATFORMS = {"torchair": ("npu",), "npugraph_ex": ("npu",), "cudagraphs": ("cuda",),
+                     "inductor": ("cpu", "cuda", "npu")}
 
 DeviceLike = Union[torch.device, str]
 

@@ -1,14 +1,14 @@
 """The npugraph_ex backend (Ascend NPU): torchair's aclgraph capture, by its public API.
 
-What is called: the torch.compile backend torch_npu registers under the name ``"npugraph_ex"``
-(``torch._dynamo.lookup_backend("npugraph_ex")``), with the options as the ``options`` keyword,
-exactly what ``torch.compile(fn, backend="npugraph_ex", options={...})`` hands it. Why that one:
-it is the entry point torchair's npugraph_ex guide documents, and looking it up (rather than
-passing the name) lets the runner count each compile. ``torch.npu.npugraph_ex.compile_fx`` is
-the same compiler for a caller's own AOTAutograd backend, which that guide says lacks multi-stream,
-core limits and the input in-place pass; it is not used. torch_npu 7.3.0 and later register the
-backend, and their torchair no longer develops its own aclgraph mode (``reduce-overhead``). Not run here (no NPU); the contract
-tests check what is handed over.
+What is called: the torch.compile backend torch_npu (7.3.0 and later) registers under the name
+``"npugraph_ex"`` (``torch._dynamo.lookup_backend("npugraph_ex")``), with the options as the
+``options`` keyword, exactly what ``torch.compile(fn, backend="npugraph_ex", options={...})``
+hands it. Why that one: it is the entry point torchair's npugraph_ex guide documents, and looking
+it up (rather than passing the name) lets the runner count each compile.
+``torch.npu.npugraph_ex.compile_fx`` is the same compiler for a caller's own AOTAutograd backend,
+which that guide says lacks multi-stream, core limits and the input in-place pass; torchair's own
+``CompilerConfig.mode="reduce-overhead"`` is deprecated for this backend. Neither is used. Not
+run here (no NPU); the contract tests check what is handed over.
 
 Options (``NpugraphExOptions``) use npugraph_ex's names. A mutated input (a KV cache) whose
 address changes makes npugraph_ex recapture; it counts them in

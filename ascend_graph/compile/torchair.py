@@ -16,7 +16,7 @@ the step marked static (``torch._dynamo.mark_static``: input ids, positions, slo
 tables, context lengths, each tensor of every layer's cache tuple), as vllm-ascend did. Shapes stay
 those of the capture size; the host integers the fused attention op takes (``actual_seq_lengths``)
 stay symbolic. torchair's docs: with ``dynamic=False`` they become graph constants and every new
-sequence length recompiles. ``mode="reduce-overhead"`` is deprecated since torch_npu 7.3.0 for the
+sequence length recompiles. ``mode="reduce-overhead"`` is deprecated from torch_npu 7.3.0 on, for the
 ``npugraph_ex`` backend (``compile.npugraph_ex``) and warns here.
 """
 
@@ -57,7 +57,8 @@ def compiler_config(torchair: ModuleType, options: TorchairOptions) -> Any:
     """A ``torchair.CompilerConfig`` carrying ``options``; ``reduce-overhead`` warns (DeprecationWarning)."""
     if options.mode == "reduce-overhead":
         warnings.warn("torchair mode 'reduce-overhead' is deprecated (torch_npu 7.3.0 and later): use the "
-                      "npugraph_ex backend instead (GraphConfig(backend='npugraph_ex'))", DeprecationWarning, stacklevel=3)
+                      "npugraph_ex backend instead (GraphConfig(backend='npugraph_ex'))",
+                      DeprecationWarning, stacklevel=3)
     config = torchair.CompilerConfig()
     config.mode = options.mode
     experimental = config.experimental_config
