@@ -3,7 +3,7 @@
 from .kv_cache import (KVCache, KVCacheSpec, MLACache, MLACacheSpec, NULL_BLOCK, allocate_kv_caches,
                        blocks_for_budget, bytes_per_block, write_kv_cache)
 
-from .config import GraphConfig, InductorOptions, TorchairOptions
+from .config import GraphConfig, InductorOptions, NpugraphExOptions, TorchairOptions
 from .config_sources import from_env
 from .attention import select_attention_backend
 from .moe import select_moe_backend
@@ -12,7 +12,8 @@ from .engine import BlockManager, Engine, EngineStats, SamplingParams
 from .runner import GraphRunner, ParityReport, RunnerStats, SequenceStep, compare_step
 
 __all__ = [
-    "GraphConfig", "InductorOptions", "TorchairOptions", "from_env", "detect_platform", "resolve_backend",
+    "GraphConfig", "InductorOptions", "NpugraphExOptions", "TorchairOptions", "from_env", "detect_platform",
+    "resolve_backend",
     "select_attention_backend", "select_moe_backend", "BlockManager", "Engine", "EngineStats", "SamplingParams",
     "ParityReport", "compare_step", "GraphRunner", "RunnerStats", "SequenceStep",
     "KVCache", "KVCacheSpec", "MLACache", "MLACacheSpec", "NULL_BLOCK", "allocate_kv_caches",

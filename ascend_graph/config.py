@@ -36,7 +36,7 @@ class IsPath:
 PositiveInt = Annotated[int, Minimum(1)]
 NonNegativeInt = Annotated[int, Minimum(0)]
 PathStr = Annotated[str, IsPath()]
-Backend = Literal["auto", "torchair", "inductor", "cudagraphs", "aot_eager", "eager"]
+Backend = Literal["auto", "torchair", "npugraph_ex", "inductor", "cudagraphs", "aot_eager", "eager"]
 RecompilePolicy = Literal["error", "warn"]
 TorchairMode = Literal["max-autotune", "reduce-overhead"]
 
@@ -59,7 +59,8 @@ VLLM_ASCEND_ENTRY_POINT = "ascend_graph.integrations.vllm_ascend.graph_config"
 class TorchairOptions:
     """How the torchair backend (Ascend NPU) compiles; ignored on every other backend.
 
-    ``mode`` -> torchair's ``CompilerConfig.mode``; ``enable_frozen_parameter``,
+    ``mode`` -> torchair's ``CompilerConfig.mode`` (``"reduce-overhead"`` is deprecated from
+    torch_npu 7.3.0 on, for the ``npugraph_ex`` backend, and warns); ``enable_frozen_parameter``,
     ``enable_view_optimize``, ``tiling_schedule_optimize`` -> its ``experimental_config`` options
     of those names (the last only where the installed torchair has it); ``use_cached_graph``:
     compile through ``torchair.inference.cache_compile`` into ``GraphConfig.compile_cache_dir``,
@@ -73,6 +74,37 @@ class TorchairOptions:
     enable_view_optimize: bool = True
     tiling_schedule_optimize: bool = True
     use_cached_graph: bool = False
+
+    def __post_init__(self) -> None:
+        check_fields(self, f"{self.KEY}.")
+
+
+@dataclass(frozen=True)
+class NpugraphExOptions:
+    """How the npugraph_ex backend (torchair's aclgraph capture, Ascend NPU) compiles; ignored
+    on every other backend. The fields are npugraph_ex's ``options`` of those names.
+
+    - ``capture_limit``: captures of one FX graph (one per input shape) before that graph runs
+      eager from then on; torchair's default.
+    - ``clone_input``: npugraph_ex copies the non-mutated inputs into its own buffers before each
+      replay. Off here (torchair: on): the runner's inputs are persistent buffers at fixed addresses.
+    - ``frozen_parameter``: the addresses of parameters and of ``mark_static_address`` tensors (the
+      KV caches, the static input buffers) are taken as fixed. On here (torchair: off): the runner
+      checks that those addresses never change.
+    - ``force_eager``: run the rewritten FX graph eagerly, never captured (to tell a capture
+      problem from a rewrite problem); torchair's default.
+    - ``use_graph_pool``: all capture sizes capture into one memory pool
+      (``torch.npu.graph_pool_handle()``, made when the backend is built); torchair's default is
+      no shared pool.
+    """
+
+    KEY: ClassVar[str] = "npugraph_ex"
+
+    capture_limit: PositiveInt = 64
+    clone_input: bool = False
+    frozen_parameter: bool = True
+    force_eager: bool = False
+    use_graph_pool: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, f"{self.KEY}.")
@@ -130,7 +162,7 @@ class GraphConfig:
 
     - ``enabled``: off, every step runs eager.
     - ``backend``: ``"auto"`` picks by device (torchair on NPU, Inductor on CUDA and CPU), or one
-      of ``BACKENDS`` by name.
+      of ``BACKENDS`` by name (``torchair`` and ``npugraph_ex`` on an NPU only).
     - ``max_batch_size``: the largest decode batch run as a graph; always captured.
     - ``capture_sizes``: batch sizes to capture, in ``[1, max_batch_size]``, kept sorted;
       ``None`` = powers of two below ``max_batch_size``. ``max_batch_size`` is always added.
@@ -138,7 +170,7 @@ class GraphConfig:
     - ``on_recompile``: a compile after warm-up raises (``"error"``) or logs (``"warn"``).
     - ``compile_cache_dir``: the backends' persistent compile cache; ``None`` = their default.
     - ``parity_interval``: every N graph steps the runner checks graph against eager; 0 = off.
-    - ``inductor``, ``torchair``: the backends' own options.
+    - ``inductor``, ``torchair``, ``npugraph_ex``: the backends' own options.
 
     Constructor keywords and ``from_dict`` keys of the old flat Inductor fields
     (``MOVED``) raise, naming the new place.
@@ -154,6 +186,7 @@ class GraphConfig:
     parity_interval: NonNegativeInt = 0
     inductor: InductorOptions = field(default_factory=InductorOptions)
     torchair: TorchairOptions = field(default_factory=TorchairOptions)
+    npugraph_ex: NpugraphExOptions = field(default_factory=NpugraphExOptions)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "GraphConfig":
         for key in kwargs:
@@ -185,7 +218,7 @@ class GraphConfig:
     def from_dict(cls, d: Mapping[str, Any], base: Optional["GraphConfig"] = None) -> "GraphConfig":
         """``base`` (default: all defaults) with the keys of ``d`` replaced.
 
-        ``d`` holds field names; ``inductor`` and ``torchair`` are dicts of their options' fields
+        ``d`` holds field names; ``inductor``, ``torchair`` and ``npugraph_ex`` are dicts of their options' fields
         and change only the options they name. Unknown keys are rejected by name; the old flat
         Inductor keys with their new place; vllm-ascend's sections with the entry point that
         reads them (``VLLM_ASCEND_ENTRY_POINT``).

@@ -10,9 +10,11 @@ import subprocess
 import sys
 import textwrap
 import types
+import warnings
 
 import pytest
 import torch
+from npu_fakes import install_fake_npu
 
 from ascend_graph.compile import detect_platform, input_device, resolve_backend
 from ascend_graph.compile.inductor import InductorBackend
@@ -207,49 +209,20 @@ def test_inductor_compile_cache_goes_to_the_configured_dir_and_env_is_restored(t
 # --- torchair contract (fake torch_npu / torchair) -------------------------------------------
 
 
-class _StrictOptions:
-    """Like torchair's config objects: setting an option they do not have raises."""
-
-    def __init__(self, **options):
-        object.__setattr__(self, "_known", set(options))
-        for key, value in options.items():
-            object.__setattr__(self, key, value)
-
-    def __setattr__(self, key, value):
-        if key not in self._known:
-            raise ValueError(f"has no option {key}")
-        object.__setattr__(self, key, value)
-
-
 @pytest.fixture
 def fake_npu(monkeypatch):
-    """Fake torch_npu + torchair in sys.modules; returns the calls they record."""
-    calls = {"backend": [], "cache_compile": [], "set_compile_mode": []}
-    experimental = {"frozen_parameter": False, "enable_view_optimize": False, "tiling_schedule_optimize": False}
-    torchair = types.ModuleType("torchair")
-    torchair.experimental_options = experimental
-    torchair.CompilerConfig = lambda: _StrictOptions(
-        mode="max-autotune", experimental_config=_StrictOptions(**torchair.experimental_options))
+    """Fake torch_npu + torchair in sys.modules (``npu_fakes``); returns what they record."""
+    return install_fake_npu(monkeypatch)
 
-    def get_npu_backend(*, compiler_config):
-        calls["backend"].append(compiler_config)
-        return "npu-backend"
 
-    def cache_compile(func, **kwargs):
-        calls["cache_compile"].append((func, kwargs))
-        return "cached-model"
-
-    torchair.get_npu_backend = get_npu_backend
-    torchair.inference = types.SimpleNamespace(cache_compile=cache_compile)
-    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
-    monkeypatch.setitem(sys.modules, "torchair", torchair)
-    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(
-        set_compile_mode=lambda **kw: calls["set_compile_mode"].append(kw)), raising=False)
-    return types.SimpleNamespace(calls=calls, torchair=torchair)
+def reduce_overhead_is_deprecated():
+    """torch_npu 7.3.0 deprecates torchair's reduce-overhead mode for the npugraph_ex backend."""
+    return pytest.warns(DeprecationWarning, match=r"'reduce-overhead' is deprecated \(torch_npu 7\.3\.0 and "
+                                                  r"later\): use the npugraph_ex backend")
 
 
 def test_torchair_contract_auto_on_npu_uses_vllm_ascend_defaults(fake_npu):
-    assert resolve_backend(GraphConfig(), "npu:0") == "npu-backend"
+    assert resolve_backend(GraphConfig(), "npu:0") is fake_npu.ge_backend
     (config,) = fake_npu.calls["backend"]
     assert config.mode == "max-autotune"
     assert config.experimental_config.frozen_parameter is True
@@ -258,10 +231,18 @@ def test_torchair_contract_auto_on_npu_uses_vllm_ascend_defaults(fake_npu):
     assert fake_npu.calls["set_compile_mode"] == [{"jit_compile": False}]
 
 
+def test_torchair_contract_max_autotune_does_not_warn(fake_npu):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resolve_backend(GraphConfig(backend="torchair"), "npu")
+    assert fake_npu.calls["backend"][0].mode == "max-autotune"
+
+
 def test_torchair_contract_options_are_handed_over_as_configured(fake_npu):
     options = TorchairOptions(mode="reduce-overhead", enable_frozen_parameter=False,
                               enable_view_optimize=False, tiling_schedule_optimize=False)
-    resolve_backend(GraphConfig(backend="torchair", torchair=options), "npu")
+    with reduce_overhead_is_deprecated():
+        resolve_backend(GraphConfig(backend="torchair", torchair=options), "npu")
     (config,) = fake_npu.calls["backend"]
     assert config.mode == "reduce-overhead"
     assert (config.experimental_config.frozen_parameter, config.experimental_config.enable_view_optimize,
@@ -271,13 +252,15 @@ def test_torchair_contract_options_are_handed_over_as_configured(fake_npu):
 def test_torchair_contract_vllm_ascend_section_reaches_the_compiler_config(fake_npu):
     cfg = graph_config({"torchair_graph_config": {
         "enabled": True, "mode": "reduce-overhead", "enable_frozen_parameter": False}})
-    resolve_backend(cfg, "npu")
+    with reduce_overhead_is_deprecated():
+        resolve_backend(cfg, "npu")
     (config,) = fake_npu.calls["backend"]
     assert config.mode == "reduce-overhead" and config.experimental_config.frozen_parameter is False
 
 
 def test_torchair_contract_torch_compile_mode_overrides_the_configured_mode(fake_npu):
-    resolve_backend(GraphConfig(), "npu", mode="reduce-overhead")
+    with reduce_overhead_is_deprecated():
+        resolve_backend(GraphConfig(), "npu", mode="reduce-overhead")
     assert fake_npu.calls["backend"][0].mode == "reduce-overhead"
     with pytest.raises(ValueError, match="torchair.mode must be one of"):
         resolve_backend(GraphConfig(), "npu", mode="max-autotune-no-cudagraphs")
@@ -297,7 +280,7 @@ def test_torchair_contract_cached_graph_goes_through_cache_compile(fake_npu):
     assert cache_compile(method, cfg) == "cached-model"
     ((func, kwargs),) = fake_npu.calls["cache_compile"]
     assert func == method
-    assert kwargs["cache_dir"] == "/tmp/ag-torchair" and kwargs["ge_cache"] is False
+    assert kwargs["cache_dir"] == "/tmp/ag-torchair" and kwargs["ge_cache"] is False and kwargs["dynamic"] is True
     assert kwargs["config"].experimental_config.frozen_parameter is True
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from ascend_graph.cli import build_parser
 from ascend_graph.cli.commands import graph_config as cli_graph_config
-from ascend_graph.config import GraphConfig, InductorOptions, TorchairOptions
+from ascend_graph.config import GraphConfig, InductorOptions, NpugraphExOptions, TorchairOptions
 from ascend_graph.config_sources import from_env
 from ascend_graph.integrations.vllm_ascend import graph_config
 
@@ -42,10 +42,10 @@ def test_defaults_are_eager_with_auto_backend():
     assert (cfg.inductor.cpp_wrapper, cfg.inductor.freezing_min_batch, cfg.inductor.aot) == (None, None, False)
 
 
-def test_graph_config_has_ten_top_level_fields_with_backend_options_nested():
+def test_graph_config_has_eight_top_level_fields_and_one_options_section_per_backend():
     names = [f.name for f in dataclasses.fields(GraphConfig)]
     assert names == ["enabled", "backend", "max_batch_size", "capture_sizes", "fallback_on_compile_error",
-                     "on_recompile", "compile_cache_dir", "parity_interval", "inductor", "torchair"]
+                     "on_recompile", "compile_cache_dir", "parity_interval", "inductor", "torchair", "npugraph_ex"]
     assert [f.name for f in dataclasses.fields(InductorOptions)] == [
         "cpp_wrapper", "freezing_min_batch", "aot", "dynamic_batch", "precompile"]
 
@@ -104,6 +104,10 @@ def test_bad_values_are_rejected_naming_the_key(kwargs, error, words):
     (InductorOptions, {"freezing_min_batch": 0}, ValueError, "inductor.freezing_min_batch must be >= 1"),
     (InductorOptions, {"freezing_min_batch": 2.0}, TypeError, "inductor.freezing_min_batch must be an int"),
     (InductorOptions, {"aot": None}, TypeError, "inductor.aot must be a bool"),
+    (NpugraphExOptions, {"capture_limit": 0}, ValueError, "npugraph_ex.capture_limit must be >= 1"),
+    (NpugraphExOptions, {"capture_limit": "64"}, TypeError, "npugraph_ex.capture_limit must be an int"),
+    (NpugraphExOptions, {"capture_limit": True}, TypeError, "npugraph_ex.capture_limit must be an int"),
+    (NpugraphExOptions, {"clone_input": "no"}, TypeError, "npugraph_ex.clone_input must be a bool"),
     (InductorOptions, {"aot": True, "freezing_min_batch": 2}, ValueError,
      "inductor.aot=True cannot be combined with inductor.freezing_min_batch"),
 ])
@@ -145,6 +149,17 @@ def test_from_dict_rejects_unknown_keys_by_name():
         GraphConfig.from_dict({"max_batch": 8})
     with pytest.raises(ValueError, match="unknown key 'frozen' in torchair; known keys: mode"):
         GraphConfig.from_dict({"torchair": {"frozen": True}})
+    with pytest.raises(ValueError, match="unknown key 'force_recapture' in npugraph_ex; known keys: capture_limit, "
+                                         "clone_input, frozen_parameter, force_eager, use_graph_pool$"):
+        GraphConfig.from_dict({"backend": "npugraph_ex", "npugraph_ex": {"force_recapture": True}})
+
+
+def test_npugraph_ex_options_read_from_a_dict_change_only_the_keys_given():
+    cfg = GraphConfig.from_dict({"backend": "npugraph_ex", "npugraph_ex": {"capture_limit": 8, "force_eager": 1}})
+    assert cfg.backend == "npugraph_ex"
+    assert cfg.npugraph_ex == NpugraphExOptions(capture_limit=8, clone_input=False, frozen_parameter=True,
+                                                force_eager=True, use_graph_pool=False)
+    assert GraphConfig.from_dict(cfg.to_dict()) == cfg
 
 
 def test_from_dict_type_errors_name_key_and_type():

@@ -370,8 +370,8 @@ def test_torchair_contract_use_cached_graph_compiles_each_size_through_cache_com
 
     handed = []
 
-    def fake_cache_compile(method, config):
-        handed.append((method.__code__.co_name, isinstance(method.__self__, torch.nn.Module), config))
+    def fake_cache_compile(method, config, *, dynamic):
+        handed.append((method.__code__.co_name, isinstance(method.__self__, torch.nn.Module), config, dynamic))
         return method
 
     monkeypatch.setattr(backends, "detect_platform", lambda device: "npu")
@@ -380,6 +380,6 @@ def test_torchair_contract_use_cached_graph_compiles_each_size_through_cache_com
     runner, sched = make_runner(small_model("llama"), config), Schedule()
     prefilled(runner, sched, 3, 256)
     runner.execute(sched.decode_entries())
-    assert [name for name, _, _ in handed] == ["decode_step_4", "decode_step_2", "decode_step_1"]
-    assert all(is_module and cfg is config for _, is_module, cfg in handed)
+    assert [name for name, _, _, _ in handed] == ["decode_step_4", "decode_step_2", "decode_step_1"]
+    assert all(is_module and cfg is config and dynamic is True for _, is_module, cfg, dynamic in handed)
     assert runner.stats.graph_steps == 1

@@ -184,3 +184,18 @@ def pad_decode(positions: Tensor, meta: AttentionMetadata, size: int) -> tuple[T
 def pad_host_lens(lens: Optional[tuple[int, ...]], size: int) -> Optional[tuple[int, ...]]:
     """Host context lengths padded to ``size`` rows with ``DECODE_PADDING``'s length (None stays None)."""
     return None if lens is None else tuple(lens) + (DECODE_PADDING["context_lens"],) * (size - len(lens))
+
+
+def with_host_lens(meta: AttentionMetadata, lens: Optional[tuple[int, ...]], size: int) -> AttentionMetadata:
+    """A static view's ``meta`` carrying the step's host context lengths padded to ``size`` (None: as is)."""
+    if lens is None:
+        return meta
+    return meta._replace(decode=meta.decode._replace(context_lens_host=pad_host_lens(lens, size)))
+
+
+def metadata_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    """``meta`` with its tensors on ``device`` (host tuples of ints unchanged)."""
+    move = lambda x: x.to(device, non_blocking=True) if isinstance(x, Tensor) else x  # noqa: E731
+    decode = None if meta.decode is None else type(meta.decode)(*map(move, meta.decode))
+    prefill = None if meta.prefill is None else type(meta.prefill)(*map(move, meta.prefill))
+    return AttentionMetadata(move(meta.slot_mapping), decode, prefill)

@@ -76,6 +76,7 @@ def counter_lines(stats: dict) -> list[str]:
     return [f"  graph steps {stats['graph_steps']} | eager steps: {eager} | compiles {stats['compiles']} | "
             f"recompiles {stats['recompiles']} | compile failures {stats['compile_failures']} | "
             + (f"packages loaded {stats['packages_loaded']} | " if stats.get("packages_loaded") else "")
+            + (f"recaptures {stats['recaptures']} | " if stats.get("recaptures") else "")
             + f"capture {stats['capture_seconds']:.1f} s",
             f"  requests {stats['requests']} | prompt tokens {stats['prompt_tokens']} | generated tokens "
             f"{stats['generated_tokens']} | prefill steps {stats['prefill_steps']} | "

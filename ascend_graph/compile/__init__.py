@@ -6,7 +6,8 @@ device, registered as ``"ascend_graph"`` through the ``torch_dynamo_backends`` e
 ``torch.compile(fn, backend="ascend_graph", options={...})`` works without importing this package.
 
 Each backend lives in its own module, imported only when chosen, so an absent platform
-(torch_npu, CUDA) costs nothing.
+(torch_npu, CUDA) costs nothing. ``compile_recipe(config, device)`` is how the runner compiles
+for the chosen backend (``compile.recipe``): the module's ``compile_recipe``, else the default.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ..config import GraphConfig
+from .recipe import DEFAULT_RECIPE, CompileRecipe
 
 # backend name -> module with ``make_backend(name, config, platform, mode)``
 BACKEND_MODULES = {
     "torchair": "ascend_graph.compile.torchair",
+    "npugraph_ex": "ascend_graph.compile.npugraph_ex",
     "inductor": "ascend_graph.compile.inductor",
     "cudagraphs": "ascend_graph.compile.debug",
     "aot_eager": "ascend_graph.compile.debug",
@@ -29,7 +32,8 @@ BACKEND_MODULES = {
 # what ``backend="auto"`` means on each platform
 AUTO_BACKEND = {"npu": "torchair", "cuda": "inductor", "cpu": "inductor"}
 # platforms each backend runs on; the rest run anywhere
-BACKEND_PLATFORMS = {"torchair": ("npu",), "cudagraphs": ("cuda",), "inductor": ("cpu", "cuda", "npu")}
+BACKEND_PLATFORMS = {"torchair": ("npu",), "npugraph_ex": ("npu",), "cudagraphs": ("cuda",),
+                     "inductor": ("cpu", "cuda", "npu")}
 
 DeviceLike = Union[torch.device, str]
 
@@ -56,7 +60,7 @@ def backend_name(config: GraphConfig, platform: str) -> str:
 def resolve_backend(config: GraphConfig, device: DeviceLike, *, mode: Optional[str] = None) -> Callable:
     """The callable to pass as ``torch.compile(..., backend=...)`` for ``config`` on ``device``.
 
-    NPU: the torchair adapter; CUDA: Inductor with CUDA graphs (``reduce-overhead``); CPU:
+    NPU: the torchair (GE) adapter, or npugraph_ex; CUDA: Inductor with CUDA graphs (``reduce-overhead``); CPU:
     Inductor with the configured options; ``"cudagraphs"``, ``"aot_eager"``, ``"eager"``: torch's
     own backends. ``mode`` is torch.compile's mode: the torchair mode on torchair, Inductor's
     mode options on Inductor.
@@ -67,6 +71,15 @@ def resolve_backend(config: GraphConfig, device: DeviceLike, *, mode: Optional[s
     name = backend_name(config, platform)
     module = importlib.import_module(BACKEND_MODULES[name])
     return module.make_backend(name, config, platform, mode)
+
+
+def compile_recipe(config: GraphConfig, device: DeviceLike) -> CompileRecipe:
+    """How the runner compiles its steps for ``config``'s backend on ``device`` (raises as
+    ``resolve_backend`` where that backend cannot run there); imports no platform package."""
+    name = backend_name(config, detect_platform(device))
+    module = importlib.import_module(BACKEND_MODULES[name])
+    recipe = getattr(module, "compile_recipe", None)
+    return recipe(config) if recipe is not None else DEFAULT_RECIPE
 
 
 def ascend_graph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
@@ -95,4 +108,5 @@ def input_device(example_inputs: Sequence[Any]) -> torch.device:
     return accelerators[0] if accelerators else torch.device("cpu")
 
 
-__all__ = ["ascend_graph_backend", "backend_name", "detect_platform", "input_device", "resolve_backend"]
+__all__ = ["CompileRecipe", "ascend_graph_backend", "backend_name", "compile_recipe", "detect_platform", "input_device",
+           "resolve_backend"]

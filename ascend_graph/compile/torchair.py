@@ -10,10 +10,19 @@ What vllm-ascend's torchair graph mode does, and this adapter too: a ``CompilerC
 prebuilt operator binaries rather than compiling operators online); then
 ``torchair.get_npu_backend(compiler_config=...)``, or ``torchair.inference.cache_compile`` when
 compiled graphs are cached on disk.
+
+How the runner compiles for it (``compile_recipe``): ``dynamic=True`` with every tensor input of
+the step marked static (``torch._dynamo.mark_static``: input ids, positions, slot mapping, block
+tables, context lengths, each tensor of every layer's cache tuple), as vllm-ascend did. Shapes stay
+those of the capture size; the host integers the fused attention op takes (``actual_seq_lengths``)
+stay symbolic. torchair's docs: with ``dynamic=False`` they become graph constants and every new
+sequence length recompiles. ``mode="reduce-overhead"`` is deprecated from torch_npu 7.3.0 on, for the
+``npugraph_ex`` backend (``compile.npugraph_ex``) and warns here.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from types import ModuleType
 from typing import Any, Callable, Optional
@@ -21,6 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..config import GraphConfig, TorchairOptions
+from .recipe import CompileRecipe
 
 MISSING = ("the torchair backend needs torch_npu (which ships torchair) and the Ascend CANN toolkit: "
            "install CANN, then `pip install 'ascend-graph[npu]'` (torch_npu matching your torch), and "
@@ -44,7 +54,11 @@ def import_torchair() -> ModuleType:
 
 
 def compiler_config(torchair: ModuleType, options: TorchairOptions) -> Any:
-    """A ``torchair.CompilerConfig`` carrying ``options``."""
+    """A ``torchair.CompilerConfig`` carrying ``options``; ``reduce-overhead`` warns (DeprecationWarning)."""
+    if options.mode == "reduce-overhead":
+        warnings.warn("torchair mode 'reduce-overhead' is deprecated (torch_npu 7.3.0 and later): use the "
+                      "npugraph_ex backend instead (GraphConfig(backend='npugraph_ex'))",
+                      DeprecationWarning, stacklevel=3)
     config = torchair.CompilerConfig()
     config.mode = options.mode
     experimental = config.experimental_config
@@ -56,6 +70,11 @@ def compiler_config(torchair: ModuleType, options: TorchairOptions) -> Any:
     return config
 
 
+def compile_recipe(config: GraphConfig) -> CompileRecipe:
+    """``dynamic=True``, every step tensor marked static (the module docstring says why)."""
+    return CompileRecipe(dynamic=True, mark_static=True)
+
+
 def make_backend(name: str, config: GraphConfig, platform: str, mode: Optional[str]) -> Callable:
     """torchair's NPU backend for ``config.torchair``; ``mode`` (torch.compile's) overrides its mode."""
     options = config.torchair if mode is None else replace(config.torchair, mode=mode)
@@ -63,7 +82,7 @@ def make_backend(name: str, config: GraphConfig, platform: str, mode: Optional[s
     return torchair.get_npu_backend(compiler_config=compiler_config(torchair, options))
 
 
-def cache_compile(method: Callable, config: GraphConfig, *, dynamic: bool = False) -> Callable:
+def cache_compile(method: Callable, config: GraphConfig, *, dynamic: bool = True) -> Callable:
     """``torchair.inference.cache_compile`` of a bound ``nn.Module`` method, for ``use_cached_graph``.
 
     Use it in place of ``torch.compile`` (it compiles on first call and caches the graph in
@@ -71,6 +90,7 @@ def cache_compile(method: Callable, config: GraphConfig, *, dynamic: bool = Fals
     The cache belongs to the method's code object: vllm-ascend gives each batch size its own
     renamed copy of ``forward`` so that the sizes do not overwrite each other's cache. GE's own
     cache (``ge_cache``) stays off: torchair refuses it together with frozen parameters.
+    ``dynamic`` is torch.compile's, ``True`` as in ``compile_recipe``.
     """
     torchair = _prepare()
     return torchair.inference.cache_compile(

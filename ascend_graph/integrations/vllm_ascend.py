@@ -25,6 +25,10 @@ As in vllm-ascend, the graph-only keys (``mode``, ``use_cached_graph``, ``graph_
 ``graph_batch_sizes_init``, and the unsupported ones) are rejected when graph mode is off, and
 ``graph_batch_sizes_init`` is rejected next to a non-empty ``graph_batch_sizes``. Whether graph
 mode is on: the section's ``enabled``, else the result of our own keys over ``base``.
+
+No vllm-ascend key selects the ``npugraph_ex`` backend: its ``ascend_compilation_config.
+enable_npugraph_ex`` runs npugraph_ex's FX passes eagerly (``force_eager``) inside vllm-ascend's
+own ACL graph capture, not npugraph_ex's capture; that section is ignored with the others.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 The runner owns the model, the tuple KV caches and one compiled step per capture size. A
 decode-only batch of ``n <= max(capture_sizes)`` rows runs as the graph of the smallest capture
 size ``>= n`` (padded rows write only into the null block; their outputs are dropped). Everything
-else runs the same model eagerly on the same cache tensors, and the reason is counted.
+else runs the same model eagerly on the same cache tensors, and the reason is counted. How a
+capture size is compiled (torch.compile's ``dynamic``, static marks) is its backend's recipe
+(``compile.recipe``).
 
 Shape legend: T tokens in the step, n sequences in it, s capture size, M block-table width,
 V vocabulary.
@@ -22,12 +24,13 @@ from torch import Tensor, nn
 
 from ..attention import (AttentionMetadata, DecodeMetadata, build_attention_metadata, choose_block_size,
                          model_attention_backends)
-from ..attention.metadata import DECODE_PADDING, pad_host_lens
+from ..attention.metadata import DECODE_PADDING, metadata_to, with_host_lens
+from ..compile.recipe import mark_step_inputs_static
 from ..config import GraphConfig
 from ..kv_cache import allocate_kv_caches
 from ..runtime import StaticAddresses, compile_cache_counts, compile_cache_outcome, memory_in_use, progress
 from .freezing import freezing
-from .groups import CompileGroup, compile_groups, mark_batch_dynamic, resolve_compile_options
+from .groups import CompileGroup, compile_groups, compile_recipe_for, mark_batch_dynamic, resolve_compile_options
 from .step import (DecodeStep, GraphCompileError, PreparedStep, RecompileError, RunnerStats, SequenceStep,
                    step_for_size)
 
@@ -44,6 +47,7 @@ class GraphRunner:
         self.config = config
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         dynamic = resolve_compile_options(model, config, self.device, backend)
+        self.recipe = compile_recipe_for(config, self.device, backend)
         self.block_size = choose_block_size(model_attention_backends(model), block_size)
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
@@ -62,6 +66,7 @@ class GraphRunner:
         self._failed: dict[int, str] = {}
         self._shared: dict[CompileGroup, tuple[Callable, Optional[str]]] = {}  # compiled group -> (graph, cache)
         self._warm = False
+        self._recapture_base: dict[str, int] = {}
         self._graph_steps_since_parity = 0
         self._step = DecodeStep(model)
         self._static = self._allocate_static_inputs()
@@ -119,6 +124,7 @@ class GraphRunner:
             return
         # torchair's graph cache compiles through its own entry point, not a torch.compile backend
         backend = None if self._uses_torchair_graph_cache() else self._counting_backend(self._resolve_backend())
+        self._recapture_base = self.recipe.recapture_baseline()
         sizes = sorted(self.capture_sizes, reverse=True)
         for i, size in enumerate(sizes):
             if show_progress:
@@ -192,7 +198,7 @@ class GraphRunner:
 
     def _run_eager(self, step: PreparedStep) -> Tensor:
         dev = self.device
-        meta = _to_device(step.meta, dev)
+        meta = metadata_to(step.meta, dev)
         with torch.inference_mode():
             hidden = self.model(step.input_ids.to(dev), step.positions.to(dev), self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[step.last.to(dev)])
@@ -217,6 +223,8 @@ class GraphRunner:
             if isinstance(e.inner_exception, RecompileError):
                 raise e.inner_exception from None
             raise
+        if self.recipe.recapture_counts is not None:
+            self.stats.recaptures = self.recipe.recaptures_since(self._recapture_base)
         logits = logits[:n].clone() if self._copy_logits else logits[:n]
         return self._unpermute(logits, step.order)
 
@@ -227,7 +235,10 @@ class GraphRunner:
         meta_v = with_host_lens(meta_v, () if self._host_context_lens() else None, size)
         self._fill_padding(size)
         group = self.compile_groups[size]
-        frozen_inputs = [ids_v, pos_v, meta_v.slot_mapping, *meta_v.decode, *self._cache_tensors_by_name().values()]
+        step_inputs = [ids_v, pos_v, meta_v.slot_mapping, *meta_v.decode]
+        if self.recipe.mark_static:
+            mark_step_inputs_static(step_inputs, self.kv_caches)
+        frozen_inputs = [*step_inputs, *self._cache_tensors_by_name().values()]
         try:
             compiled = self._compile_for_size(size, backend)
             with torch.inference_mode(), freezing(self.config.inductor.freezing_min_batch, size, frozen_inputs):
@@ -281,8 +292,8 @@ class GraphRunner:
             return compiled
         if self._uses_torchair_graph_cache():
             from ..compile.torchair import cache_compile
-            return cache_compile(method, self.config)
-        return torch.compile(method, backend=backend, fullgraph=True, dynamic=False)
+            return cache_compile(method, self.config, dynamic=self.recipe.dynamic)
+        return torch.compile(method, backend=backend, fullgraph=True, dynamic=self.recipe.dynamic)
 
     def _loads_files(self) -> bool:
         """Whether capture loads compiled steps from files (AOTInductor packages, precompiled steps)."""
@@ -382,17 +393,3 @@ class GraphRunner:
             log.warning("graph/eager parity check failed: %s", report.summary())
         return report.graph_logits
 
-
-def with_host_lens(meta: AttentionMetadata, lens: Optional[tuple[int, ...]], size: int) -> AttentionMetadata:
-    """A static view's ``meta`` carrying the step's host context lengths padded to ``size`` (None: as is)."""
-    if lens is None:
-        return meta
-    return meta._replace(decode=meta.decode._replace(context_lens_host=pad_host_lens(lens, size)))
-
-
-def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
-    """``meta`` with its tensors on ``device`` (host tuples of ints unchanged)."""
-    move = lambda x: x.to(device, non_blocking=True) if isinstance(x, Tensor) else x  # noqa: E731
-    decode = None if meta.decode is None else type(meta.decode)(*map(move, meta.decode))
-    prefill = None if meta.prefill is None else type(meta.prefill)(*map(move, meta.prefill))
-    return AttentionMetadata(move(meta.slot_mapping), decode, prefill)

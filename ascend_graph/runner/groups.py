@@ -1,4 +1,5 @@
-"""Compile groups: which capture sizes share one compile with a dynamic batch dimension.
+"""Compile groups: which capture sizes share one compile with a dynamic batch dimension; and
+the compile options the runner resolves before capture (Inductor's checks, the backend's recipe).
 
 A capture size's graph is either its own static compile, or one compile shared by the sizes of
 its group, whose batch dimension is symbolic over the group's range (``InductorOptions.
@@ -18,6 +19,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from ..compile.recipe import DEFAULT_RECIPE, CompileRecipe
 from ..config import GraphConfig
 
 # Where ``dynamic_batch=None`` may resolve to on (the Inductor backend on these platforms).
@@ -94,6 +96,16 @@ def _check_own_inductor(what: str, config: GraphConfig, device: torch.device, ba
         raise ValueError(f"{what} compiles with Inductor: it needs backend 'auto' or 'inductor' "
                          f"and no backend callable, got backend={config.backend!r}"
                          + (" and a backend callable" if backend is not None else ""))
+
+
+def compile_recipe_for(config: GraphConfig, device: torch.device, backend: Optional[Callable]) -> CompileRecipe:
+    """The runner's compile recipe: its backend's (``compile.compile_recipe``) when the runner resolves
+    the backend itself; the default for a caller's backend callable or with graph mode off."""
+    from ..compile import compile_recipe
+
+    if backend is not None or not config.enabled:
+        return DEFAULT_RECIPE
+    return compile_recipe(config, device)
 
 
 def compile_groups(sizes: Sequence[int], dynamic: bool) -> dict[int, CompileGroup]:

@@ -50,6 +50,7 @@ class RunnerStats:
     capture: dict = field(default_factory=dict)
     parity_checks: int = 0
     parity_failures: int = 0
+    recaptures: int = 0  # graph recaptures the backend counted since capture (npugraph_ex: a cache's address changed)
 
     def to_dict(self) -> dict:
         """A JSON-safe copy."""
@@ -61,6 +62,7 @@ class RunnerStats:
             "capture_seconds": round(self.capture_seconds, 3),
             "capture": {str(k): v for k, v in sorted(self.capture.items())},
             "parity_checks": self.parity_checks, "parity_failures": self.parity_failures,
+            "recaptures": self.recaptures,
         }
 
 
