@@ -18,7 +18,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-CALLS: list[tuple[str, dict]] = []
+CALLS: list[tuple[str, dict]] = []  # (op, arguments) per call from Python (not from inside a graph)
+RUNS: list[list[int]] = []  # actual_seq_lengths_kv of every fused-attention run
+
+
+def _record(op: str, arguments: dict) -> None:
+    if not torch.compiler.is_compiling():  # a graph replays the op, not this Python wrapper
+        CALLS.append((op, arguments))
 
 
 def _rows(cache: Tensor, table: Tensor, length: int, layout: str) -> Tensor:
@@ -53,6 +59,7 @@ def _fia(query: Tensor, key: Tensor, value: Tensor, query_rope: Optional[Tensor]
          actual_seq_lengths_kv: list[int], num_heads: int, num_key_value_heads: int, input_layout: str,
          scale: float, sparse_mode: int, block_size: int) -> tuple[Tensor, Tensor]:
     out = query.new_zeros(_fia_shape(query, value, input_layout, num_heads, num_key_value_heads))
+    RUNS.append(list(actual_seq_lengths_kv))  # at run time, in eager steps and graph replays alike
     if block_table is not None:  # paged decode: one query token per row
         assert input_layout in ("BNSD", "BSH") and sparse_mode == 0 and atten_mask is None
         assert block_table.dtype == torch.int32 and len(actual_seq_lengths_kv) == query.shape[0]
@@ -97,12 +104,12 @@ def npu_fused_infer_attention_score(query, key, value, *, query_rope=None, key_r
                                     atten_mask=None, actual_seq_lengths=None, actual_seq_lengths_kv=None,
                                     num_heads=1, num_key_value_heads=0, input_layout="BSH", scale=1.0,
                                     sparse_mode=0, block_size=0, antiquant_mode=0, antiquant_scale=None):
-    CALLS.append(("npu_fused_infer_attention_score", dict(
+    _record("npu_fused_infer_attention_score", dict(
         query=query, key=key, value=value, query_rope=query_rope, key_rope=key_rope, block_table=block_table,
         atten_mask=atten_mask, actual_seq_lengths=actual_seq_lengths, actual_seq_lengths_kv=actual_seq_lengths_kv,
         num_heads=num_heads, num_key_value_heads=num_key_value_heads, input_layout=input_layout, scale=scale,
         sparse_mode=sparse_mode, block_size=block_size, antiquant_mode=antiquant_mode,
-        antiquant_scale=antiquant_scale)))
+        antiquant_scale=antiquant_scale))
     assert query.dtype in (torch.float16, torch.bfloat16) and key.dtype == query.dtype
     return torch.ops.npu_standin.fused_infer_attention_score(
         query, key, value, query_rope, key_rope, block_table, atten_mask,
@@ -133,9 +140,9 @@ def _(kv, gamma, cos, sin, index, k_cache, ckv_cache, epsilon, cache_mode):
 
 def npu_kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, epsilon=1e-5, cache_mode="Norm",
                               is_output_kv=False):
-    CALLS.append(("npu_kv_rmsnorm_rope_cache", dict(kv=kv, gamma=gamma, cos=cos, sin=sin, index=index,
+    _record("npu_kv_rmsnorm_rope_cache", dict(kv=kv, gamma=gamma, cos=cos, sin=sin, index=index,
                                                     k_cache=k_cache, ckv_cache=ckv_cache, epsilon=epsilon,
-                                                    cache_mode=cache_mode, is_output_kv=is_output_kv)))
+                                                    cache_mode=cache_mode, is_output_kv=is_output_kv))
     assert kv.dim() == 4 and kv.shape[1] == 1 and kv.shape[-1] == ckv_cache.shape[-1] + k_cache.shape[-1]
     assert cos.shape == sin.shape == (*kv.shape[:-1], k_cache.shape[-1]) and gamma.shape == (ckv_cache.shape[-1],)
     k_rope, c_kv = torch.ops.npu_standin.kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache,
@@ -154,7 +161,7 @@ def _(data, indices, updates):
 
 
 def npu_scatter_nd_update_(data, indices, updates):
-    CALLS.append(("npu_scatter_nd_update_", dict(data=data, indices=indices, updates=updates)))
+    _record("npu_scatter_nd_update_", dict(data=data, indices=indices, updates=updates))
     assert indices.dtype == torch.int64 and updates.dtype == data.dtype
     assert updates.shape == (*indices.shape[:-1], *data.shape[indices.shape[-1]:])
     torch.ops.npu_standin.scatter_nd_update_(data, indices, updates)
@@ -208,6 +215,7 @@ def install_device(monkeypatch) -> None:
 
     monkeypatch.setitem(sys.modules, "torch_npu", recording(torch_npu))
     CALLS.clear()
+    RUNS.clear()
 
 
 def install(monkeypatch) -> None:
@@ -219,3 +227,4 @@ def install(monkeypatch) -> None:
     monkeypatch.setattr(npu.NpuMLA, "supports", runs)
     monkeypatch.setattr(npu.NpuPaged, "supports", runs)
     CALLS.clear()
+    RUNS.clear()

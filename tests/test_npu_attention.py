@@ -293,3 +293,46 @@ def test_a_model_on_the_npu_backend_follows_the_float64_model_step_by_step(dev, 
     assert any(S in range(min(kw["actual_seq_lengths_kv"]), max(kw["actual_seq_lengths_kv"]) + 2) for kw in decodes)
     if sizes.get("kv_lora_rank") == 512:
         assert len(_calls("npu_kv_rmsnorm_rope_cache")) > fused
+
+
+@pytest.mark.parametrize("backend", ["torchair", "npugraph_ex"])
+@pytest.mark.parametrize("kind,sizes", [("mla", {"kv_lora_rank": 512, "qk_rope_head_dim": 64}), ("llama", {})],
+                         ids=["mla", "gqa"])
+def test_graph_mode_on_the_npu_backends_equals_eager_with_no_recompile_across_lengths(monkeypatch, backend, kind,
+                                                                                       sizes):
+    """The runner as on an NPU (fake torchair / npugraph_ex running dynamo's graph as it is, the
+    stand-in operators inside it): every decode step's logits equal the eager runner's on the same
+    schedule; one compile per capture size, none after warm-up, while every row's context length
+    changes at every step (the fused attention's host lengths stay symbolic)."""
+    import ascend_graph.compile as backends
+    from npu_fakes import install_fake_npu
+    from ascend_graph.config import GraphConfig
+    from ascend_graph.runner import GraphRunner
+    from runner_helpers import Schedule
+
+    install_fake_npu(monkeypatch)
+    npu_ops.install(monkeypatch)  # torch_npu: the operators' stand-in (after the fakes, which set an empty one)
+    monkeypatch.setattr(backends, "detect_platform", lambda device: "npu")
+    model, _ = _twin_models(kind, torch.bfloat16, **sizes)
+    geometry = dict(num_blocks=8, max_model_len=2 * S)
+    config = GraphConfig(enabled=True, backend=backend, capture_sizes=(1, 2, 4), max_batch_size=4)
+    runner, eager = GraphRunner(model, config, **geometry), GraphRunner(model, GraphConfig(enabled=False), **geometry)
+    sched = Schedule(num_blocks=8, block_size=S, seed=2)
+    for s, p in enumerate([[5, 9, 2] * 40, [7] * 20, [11, 12, 13]]):
+        entry = sched.add(s, p, new_tokens=(14, 9, 5)[s])
+        logits = runner.execute([entry])
+        torch.testing.assert_close(logits, eager.execute([entry]))
+        sched.advance([s], [entry], logits)
+    npu_ops.RUNS.clear()
+    steps = 0
+    while sched.next_token:
+        ids, entries = sorted(sched.next_token), sched.decode_entries()
+        logits = runner.execute(entries)
+        torch.testing.assert_close(logits, eager.execute(entries))
+        sched.advance(ids, entries, logits)
+        steps += 1
+    stats = runner.stats
+    assert stats.graph_steps == steps and stats.compiles == 3 and stats.recompiles == 0
+    graph_lengths = {tuple(r) for r in npu_ops.RUNS if len(r) in (1, 2, 4)}
+    assert len(graph_lengths) >= steps  # new lengths every step, the 128-token block crossed among them
+    assert any(max(r) > S for r in graph_lengths) and any(0 in r for r in graph_lengths)  # padded rows read nothing

@@ -86,11 +86,11 @@ def causal_mask(device: torch.device) -> Tensor:
     return _MASKS[device]
 
 
-def prefill_tnd(q: Tensor, k: Tensor, v: Tensor, query_lens, context_lens, num_kv_heads: int,
+def prefill_tnd(npu, q: Tensor, k: Tensor, v: Tensor, query_lens, context_lens, num_kv_heads: int,
                 scale: float) -> Tensor:
     """Causal attention of ``q [sum Q, H, D]`` over ``k``/``v [sum L, Hk, D]`` (each sequence's
     last ``Q`` of ``L`` tokens are its queries) through the fused operator's ``TND`` layout."""
-    out, _ = torch_npu().npu_fused_infer_attention_score(
+    out, _ = npu.npu_fused_infer_attention_score(
         q, k, v, num_heads=q.shape[1], num_key_value_heads=num_kv_heads, input_layout="TND",
         atten_mask=causal_mask(q.device), sparse_mode=3, scale=scale,
         actual_seq_lengths=list(itertools.accumulate(query_lens)),
@@ -98,7 +98,14 @@ def prefill_tnd(q: Tensor, k: Tensor, v: Tensor, query_lens, context_lens, num_k
     return out
 
 
-class NpuMLA(MLABackend):
+class _NpuOps:
+    """Holds ``torch_npu``, imported when the backend is built (a graph cannot trace an import)."""
+
+    def __init__(self) -> None:
+        self.npu = torch_npu()
+
+
+class NpuMLA(_NpuOps, MLABackend):
     """MLA on the NPU's fused operators: float16 / bfloat16 caches on an ``npu`` device."""
 
     name = "npu"
@@ -130,7 +137,7 @@ class NpuMLA(MLABackend):
         dtype = cache.kv_c.dtype
         both = lambda x: torch.cat((x, x), dim=-1).to(dtype).view(t, 1, 1, r)  # noqa: E731  [T, 1, 1, R]
         kv = torch.cat((kv_c, k_pe), dim=-1).to(dtype).view(t, 1, 1, c + r)  # [B, N, S, C + R] as it takes
-        torch_npu().npu_kv_rmsnorm_rope_cache(
+        self.npu.npu_kv_rmsnorm_rope_cache(
             kv, norm.weight.to(dtype), both(cos), both(sin), slot_mapping.clamp(min=0).to(torch.int64),
             cache.k_pe, cache.kv_c, epsilon=norm.eps, cache_mode="PA")
 
@@ -140,7 +147,7 @@ class NpuMLA(MLABackend):
         r, dtype = cache.k_pe.shape[-1], cache.kv_c.dtype
         q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w_uk).to(dtype)  # [B, H, C]
         kv = cache.kv_c.view(n, 1, s, c)  # [N, 1, S, C]: one kv head, the same memory
-        out, _ = torch_npu().npu_fused_infer_attention_score(
+        out, _ = self.npu.npu_fused_infer_attention_score(
             q_lat.view(b, h, 1, c), kv, kv, query_rope=q_pe.to(dtype).view(b, h, 1, r),
             key_rope=cache.k_pe.view(n, 1, s, r), num_heads=h, num_key_value_heads=1, input_layout="BNSD",
             atten_mask=None, sparse_mode=0, scale=scale, antiquant_mode=0, antiquant_scale=None,
@@ -158,11 +165,11 @@ class NpuMLA(MLABackend):
             vs.append(torch.einsum("lc,hvc->lhv", kv, w_uv))  # [L, H, Dv]
         v = torch.nn.functional.pad(torch.cat(vs), (0, d - dv))  # [sum L, H, D]: the operator's one head size
         q = torch.cat((q_nope, q_pe.to(q_nope.dtype)), dim=-1)  # [sum Q, H, D]
-        out = prefill_tnd(q, torch.cat(ks), v, prefill.query_lens, prefill.context_lens, q.shape[1], scale)
+        out = prefill_tnd(self.npu, q, torch.cat(ks), v, prefill.query_lens, prefill.context_lens, q.shape[1], scale)
         return out[..., :dv]
 
 
-class NpuPaged(PagedBackend):
+class NpuPaged(_NpuOps, PagedBackend):
     """Standard (MHA / GQA) attention on the NPU's fused operators: float16 / bfloat16 caches on
     an ``npu`` device."""
 
@@ -183,14 +190,13 @@ class NpuPaged(PagedBackend):
         s = cache.k.shape[1]
         slots = slot_mapping.clamp(min=0).to(torch.int64)[:, None]  # padding -> slot 0 of the null block
         indices = torch.cat((slots // s, slots % s), dim=1)  # [T, 2]: (block, offset)
-        npu = torch_npu()
-        npu.npu_scatter_nd_update_(cache.k, indices, first.to(cache.k.dtype))
-        npu.npu_scatter_nd_update_(cache.v, indices, second.to(cache.v.dtype))
+        self.npu.npu_scatter_nd_update_(cache.k, indices, first.to(cache.k.dtype))
+        self.npu.npu_scatter_nd_update_(cache.v, indices, second.to(cache.v.dtype))
 
     def decode(self, q, cache, decode, scale):
         b, hq, d = q.shape
         n, s, hk, _ = cache.k.shape
-        out, _ = torch_npu().npu_fused_infer_attention_score(
+        out, _ = self.npu.npu_fused_infer_attention_score(
             q.to(cache.k.dtype).reshape(b, 1, hq * d), cache.k.view(n, s, hk * d), cache.v.view(n, s, hk * d),
             num_heads=hq, num_key_value_heads=hk, input_layout="BSH", atten_mask=None, sparse_mode=0,
             scale=scale, antiquant_mode=0, antiquant_scale=None, block_table=decode.block_tables, block_size=s,
@@ -200,7 +206,7 @@ class NpuPaged(PagedBackend):
     def prefill(self, q, cache, prefill, scale):
         ks = [gather_sequence(cache.k, prefill.block_tables[i], ctx) for i, ctx in enumerate(prefill.context_lens)]
         vs = [gather_sequence(cache.v, prefill.block_tables[i], ctx) for i, ctx in enumerate(prefill.context_lens)]
-        return prefill_tnd(q.to(cache.k.dtype), torch.cat(ks), torch.cat(vs), prefill.query_lens,
+        return prefill_tnd(self.npu, q.to(cache.k.dtype), torch.cat(ks), torch.cat(vs), prefill.query_lens,
                            prefill.context_lens, cache.k.shape[2], scale)
 
 

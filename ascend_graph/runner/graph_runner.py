@@ -235,7 +235,7 @@ class GraphRunner:
         meta_v = with_host_lens(meta_v, () if self._host_context_lens() else None, size)
         self._fill_padding(size)
         group = self.compile_groups[size]
-        step_inputs = [ids_v, pos_v, meta_v.slot_mapping, *meta_v.decode]
+        step_inputs = [ids_v, pos_v, meta_v.slot_mapping, meta_v.decode.block_tables, meta_v.decode.context_lens]
         if self.recipe.mark_static:
             mark_step_inputs_static(step_inputs, self.kv_caches)
         frozen_inputs = [*step_inputs, *self._cache_tensors_by_name().values()]
