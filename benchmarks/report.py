@@ -234,9 +234,10 @@ def pd_markdown(kind: str, path: str) -> str:
 
     d, rel = load(path), os.path.relpath(os.path.join(ROOT, path), ROOT)
     c = d["conditions"]
-    rows = transfer_rows(d) if kind == "pd_transfer" else serving_rows(d)
+    rows, flags = (transfer_rows(d), "") if kind == "pd_transfer" else (serving_rows(d), (
+        f" --transports {','.join(dict.fromkeys(r['transport'] for r in d['rows']))} --rounds {d['rounds']}"))
     return "\n".join(rows + ["", f"{machine(c)}, torch {c['torch']}, {c.get('when', '')[:10]} · "
-                               f"`python -m benchmarks.{kind} --json {rel}`"]) + "\n"
+                               f"`python -m benchmarks.{kind}{flags} --json {rel}`"]) + "\n"
 
 
 def toy_markdown(paths: list[str]) -> str:
