@@ -99,23 +99,24 @@ def prefill_tnd(npu, q: Tensor, k: Tensor, v: Tensor, query_lens, context_lens, 
 
 
 class _NpuOps:
-    """Holds ``torch_npu``, imported when the backend is built (a graph cannot trace an import)."""
-
-    def __init__(self) -> None:
-        self.npu = torch_npu()
-
-
-class NpuMLA(_NpuOps, MLABackend):
-    """MLA on the NPU's fused operators: float16 / bfloat16 caches on an ``npu`` device."""
+    """What both npu backends share: where they run, the host lengths, the default block size,
+    and ``torch_npu``, imported when the backend is built (a graph cannot trace an import)."""
 
     name = "npu"
     reads_live_only = True
     host_context_lens = True
     default_block_size = 128
 
+    def __init__(self) -> None:
+        self.npu = torch_npu()
+
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
         return _runs(device, dtype)
+
+
+class NpuMLA(_NpuOps, MLABackend):
+    """MLA on the NPU's fused operators: float16 / bfloat16 caches on an ``npu`` device."""
 
     @classmethod
     def block_size_ok(cls, block_size: int) -> bool:
@@ -172,15 +173,6 @@ class NpuMLA(_NpuOps, MLABackend):
 class NpuPaged(_NpuOps, PagedBackend):
     """Standard (MHA / GQA) attention on the NPU's fused operators: float16 / bfloat16 caches on
     an ``npu`` device."""
-
-    name = "npu"
-    reads_live_only = True
-    host_context_lens = True
-    default_block_size = 128
-
-    @classmethod
-    def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
-        return _runs(device, dtype)
 
     @classmethod
     def block_size_ok(cls, block_size: int) -> bool:
