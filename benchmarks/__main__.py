@@ -13,6 +13,8 @@ Parts (``--parts``), in the order they run:
     live_context  the decode step against max_model_len and against live context (``live_context``)
     startup       cold vs warm compile cache, fresh processes; the demo's capture (``startup``)
     memory        peak RSS graph vs eager, per-step allocations (``memory``)
+    pd            prefill/decode in two processes: KV transfer vs a local copy, TTFT and decode
+                  step vs one process (``pd_transfer``, ``pd_serving``; Mooncake where it imports, gloo)
 
     python -m benchmarks                          # all parts -> benchmarks/results/suite.json
     python -m benchmarks --quick                  # fewer sizes and repetitions -> suite_quick.json
@@ -34,12 +36,12 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 import torch  # noqa: E402
 
 from benchmarks import (attention, compute, decode_step, huge_pages, levers, live_context, memory,  # noqa: E402
-                        moe_forms, overhead, report, roofline, startup, targets)
+                        moe_forms, overhead, pd_serving, pd_transfer, report, roofline, startup, targets)
 from benchmarks.common import conditions, set_malloc_keeps_freed_memory, write_json  # noqa: E402
 from benchmarks.models import cases  # noqa: E402
 
 PARTS = ("bandwidth", "decode_small", "overhead", "decode_v2", "compute", "moe_forms", "levers", "huge_pages",
-         "attention", "live_context", "startup", "memory")
+         "attention", "live_context", "startup", "memory", "pd")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -93,6 +95,11 @@ def run_part(part: str, p: dict, quick: bool, out: dict) -> None:
         out["startup"]["demo"] = startup.measure_demo(repeats=p["startup_demo_repeats"])
         out["startup"]["demo_precompiled"] = startup.measure_demo(repeats=p["startup_demo_repeats"],
                                                                   graph_config=startup.PRECOMPILE)
+    elif part == "pd":
+        from ascend_graph.pd.select import mooncake_available
+        transports = ["mooncake", "gloo"] if mooncake_available() else ["gloo"]
+        out["pd"] = {"transfer": pd_transfer.run(16 if quick else 64, 3 if quick else 5, transports),
+                     "serving": pd_serving.run(transports, (1, 4), 5 if quick else 15)}
     elif part == "memory":
         out["memory"] = memory.measure(p["memory_model"], p["memory_sizes"], 3, quick, frozen=not quick, aot=not quick)
 

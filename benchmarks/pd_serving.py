@@ -121,16 +121,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
-    model = named_model("small")[0]
-    batches = tuple(int(b) for b in args.batches.split(","))
-    transports = [resolve_transport(t) for t in args.transports.split(",")]
-    rows = [r for t in transports for r in measure(model, t, batches, args.rounds)]
-    out = {"benchmark": "pd_serving", "conditions": conditions(), "model": "small", "new_tokens": NEW_TOKENS,
-           "rounds": args.rounds, **GEOMETRY, "rows": rows}
+    out = run(args.transports.split(","), tuple(int(b) for b in args.batches.split(",")), args.rounds)
     if args.json:
         write_json(args.json, out)
     return out
+
+
+def run(transports: list[str], batches: tuple[int, ...], rounds: int) -> dict:
+    """Every transport (a name or ``auto``) at every batch size: the figures as one JSON object."""
+    torch.set_num_threads(1)
+    model = named_model("small")[0]
+    rows = [r for t in transports for r in measure(model, resolve_transport(t), batches, rounds)]
+    return {"benchmark": "pd_serving", "conditions": conditions(), "model": "small", "new_tokens": NEW_TOKENS,
+            "rounds": rounds, **GEOMETRY, "rows": rows}
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ torch ``copy_`` of the same number of bytes between two flat buffers, and ``inde
 oracle's gather and scatter of the same blocks, timed in the same run, so the ratios compare
 figures from one machine state. Each process runs ``--threads`` torch threads (default 1):
 
-    python -m benchmarks.pd_transfer --json benchmarks/results/pd_transfer.json
+    python -m benchmarks.pd_transfer --json FILE   (the suite's ``pd`` part runs it too)
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@
     python -m benchmarks.report FILE.json           # one suite's tables on stdout (e.g. a --quick run)
 
 The fixed text (what each column means, the conditions) is ``report_template.md``; its
-``{{suite PATH}}``, ``{{cuda DIR}}``, ``{{before_after PATH}}``, ``{{vllm_peer PATH}}``, ``{{pd_transfer PATH}}``,
-``{{pd_serving PATH}}`` and ``{{toy PATH...}}`` lines become the
+``{{suite PATH}}``, ``{{cuda DIR}}``, ``{{before_after PATH}}`` and ``{{vllm_peer PATH}}`` and ``{{toy PATH...}}`` lines become the
 tables of those files.
 """
 
@@ -228,18 +227,6 @@ def vllm_peer_markdown(path: str) -> str:
         f"`{d['command']}` → `{rel}`"]) + "\n"
 
 
-def pd_markdown(kind: str, path: str) -> str:
-    """A ``benchmarks.pd_transfer`` or ``benchmarks.pd_serving`` run: its table and conditions."""
-    from benchmarks.pd_rows import serving_rows, transfer_rows
-
-    d, rel = load(path), os.path.relpath(os.path.join(ROOT, path), ROOT)
-    c = d["conditions"]
-    rows, flags = (transfer_rows(d), "") if kind == "pd_transfer" else (serving_rows(d), (
-        f" --transports {','.join(dict.fromkeys(r['transport'] for r in d['rows']))} --rounds {d['rounds']}"))
-    return "\n".join(rows + ["", f"{machine(c)}, torch {c['torch']}, {c.get('when', '')[:10]} · "
-                               f"`python -m benchmarks.{kind}{flags} --json {rel}`"]) + "\n"
-
-
 def toy_markdown(paths: list[str]) -> str:
     """The toy step's µs per call under each option set (``levers.toy_options``), one row per batch."""
     lines, body, names = [], [], []
@@ -271,9 +258,6 @@ def render(template: str = TEMPLATE) -> str:
             return cuda_markdown(os.path.join(ROOT, args[0])).rstrip()
         if kind == "before_after":
             return before_after_markdown(args[0]).rstrip() if os.path.exists(os.path.join(ROOT, args[0])) else (
-                "Not measured yet.")
-        if kind in ("pd_transfer", "pd_serving"):
-            return pd_markdown(kind, args[0]).rstrip() if os.path.exists(os.path.join(ROOT, args[0])) else (
                 "Not measured yet.")
         if kind == "vllm_peer":
             return vllm_peer_markdown(args[0]).rstrip() if os.path.exists(os.path.join(ROOT, args[0])) else (

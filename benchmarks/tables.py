@@ -292,9 +292,28 @@ def memory(out: dict) -> list[str]:
         [[r["mode"], r["num_blocks"], f"{r['allocated_bytes'] / 1024:.1f}"] for r in m["step_allocations"]])
 
 
+def pd(out: dict) -> list[str]:
+    """The ``pd`` part: KV transfer between two processes against a local copy, then serving with
+    prefill and decode apart against one process (``benchmarks/pd_rows.py``)."""
+    from benchmarks.pd_rows import serving_rows, transfer_rows
+
+    d = out.get("pd")
+    if not d:
+        return []
+    return (["Prefill/decode in two processes (127.0.0.1)",
+             "KV transfer into the decode side's static caches against a local copy of the same bytes; *merged "
+             "runs*: blocks contiguous on both sides travel as one descriptor per cache tensor", ""]
+            + transfer_rows(d["transfer"])
+            + ["", f"Serving the same requests with prefill and decode apart against one process, taking turns, "
+                   f"{d['serving']['rounds']} rounds, graph mode on both decode sides, tokens checked equal; TTFT: "
+                   "admission to first token (with PD: the prefill process's step, the control message, the "
+                   "transfer)", ""] + serving_rows(d["serving"]))
+
+
 PARTS = (("bandwidth", bandwidth), ("decode_small", decode_small), ("overhead", overhead), ("decode_v2", decode_v2),
          ("compute", compute), ("moe_forms", moe_forms), ("levers", levers), ("huge_pages", huge_pages),
-         ("attention", attention), ("live_context", live_context), ("startup", startup), ("memory", memory))
+         ("attention", attention), ("live_context", live_context), ("startup", startup), ("memory", memory),
+         ("pd", pd))
 
 
 def plots(out: dict, results_dir: str) -> list[str]:
