@@ -48,7 +48,10 @@ class GraphRunner:
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         dynamic = resolve_compile_options(model, config, self.device, backend)
         self.recipe = compile_recipe_for(config, self.device, backend)
-        self.block_size = choose_block_size(model_attention_backends(model), block_size)
+        backends = model_attention_backends(model)
+        self.block_size = choose_block_size(backends, block_size)
+        # whether a backend reads the context lengths as host ints (decided with the block size)
+        self._host_lens = any(b.host_context_lens for b in backends)
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         self.table_width = math.ceil(max_model_len / self.block_size)
@@ -155,7 +158,7 @@ class GraphRunner:
         positions, meta = build_attention_metadata(
             [r.block_table for r in rows], [r.num_cached for r in rows], [len(r.token_ids) for r in rows],
             block_size=self.block_size, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
-            block_table_width=self.table_width, device="cpu", host_context_lens=self._host_context_lens())
+            block_table_width=self.table_width, device="cpu", host_context_lens=self._host_lens)
         ids = [t for r in rows for t in r.token_ids]
         last = [end - 1 for end in itertools.accumulate(len(r.token_ids) for r in rows)]
         both = torch.tensor(ids + last, dtype=torch.int64)  # one conversion, two views
@@ -232,7 +235,7 @@ class GraphRunner:
         start, mem0, cache0, loaded0 = (time.perf_counter(), memory_in_use(self.device), compile_cache_counts(),
                                         self.stats.packages_loaded)
         ids_v, pos_v, meta_v = self._views(size)
-        meta_v = with_host_lens(meta_v, () if self._host_context_lens() else None, size)
+        meta_v = with_host_lens(meta_v, () if self._host_lens else None, size)
         self._fill_padding(size)
         group = self.compile_groups[size]
         step_inputs = [ids_v, pos_v, meta_v.slot_mapping, meta_v.decode.block_tables, meta_v.decode.context_lens]
@@ -352,10 +355,6 @@ class GraphRunner:
             meta = AttentionMetadata(v["slot_mapping"], DecodeMetadata(v["block_tables"], v["context_lens"]), None)
             views[size] = (v["input_ids"], v["positions"], meta)
         return views[size]
-
-    def _host_context_lens(self) -> bool:
-        """Whether an attention backend of the model reads the context lengths as host ints."""
-        return any(b.host_context_lens for b in model_attention_backends(self.model))
 
     def _fill_padding(self, size: int) -> None:
         for name, buf in self._static.items():
