@@ -1,0 +1,85 @@
+"""What one call of an ``ascend_graph::*`` kernel op costs beyond its native kernel.
+
+A compiled CPU step calls these ops through the dispatcher (``aoti_torch_call_dispatcher`` in the
+C++ wrapper), which enters their Python bodies: argument checks, ctypes, output allocation. Where
+the step is small (the tiny vLLM-peer model: hidden 256, MLA 512 + 64) that path, not the kernel,
+is most of each call. Timed round robin in one run, per call:
+
+- ``op``: ``torch.ops.ascend_graph.<op>.default`` as the compiled step calls it;
+- ``body``: the op's Python body without the dispatcher (``custom_op``'s wrapped function);
+- ``bare``: the native entry alone through ctypes on prepared pointers (no checks, no allocation).
+
+``op / bare`` is what a dispatcher kernel written in C++ could at best remove.
+
+    TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.op_call_cost [--threads 1] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+
+import torch
+
+from ascend_graph.kernels import attention, build, matmul
+from benchmarks.common import conditions, interleaved_medians, write_json
+
+
+def rows_mm_case(n: int, k: int, dtype: torch.dtype, threads: int) -> dict:
+    """``rows_mm`` of one row by an ``[n, k]`` weight."""
+    x, w = torch.randn(1, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+    out, end = torch.empty(1, n, dtype=dtype), ctypes.c_int32(1)
+    entry = getattr(build._library(), "expert_rows_f32" if dtype == torch.float32 else "expert_rows")
+    args = (x.data_ptr(), w.data_ptr(), ctypes.addressof(end), out.data_ptr(), 1, n, k, threads)
+    keep = (x, w, out, end)  # the pointers in args stay valid while the lambdas live
+
+    def bare() -> None:
+        assert keep and entry(*args) == 0
+
+    return {"op": lambda: torch.ops.ascend_graph.rows_mm.default(x, w),
+            "body": lambda: matmul.rows_mm._init_fn(x, w),
+            "bare": bare}
+
+
+def attention_case(context: int, dtype: torch.dtype, threads: int, heads: int = 4) -> dict:
+    """MLA ``decode_attention`` of one row (``heads`` heads, C 512, R 64, block 16) over ``context`` tokens."""
+    s, c, r = 16, 512, 64
+    blocks = -(-context // s)
+    q, q_pe = torch.randn(1, heads, c, dtype=dtype), torch.randn(1, heads, r, dtype=dtype)
+    kv_c, k_pe = torch.randn(blocks + 1, s, 1, c, dtype=dtype), torch.randn(blocks + 1, s, 1, r, dtype=dtype)
+    tables = torch.arange(1, blocks + 1, dtype=torch.int32).unsqueeze(0)
+    lens = torch.tensor([context], dtype=torch.int32)
+    lib = build._library()
+    args = (q, q_pe, kv_c, k_pe, kv_c, tables, lens, c ** -0.5)
+    return {"op": lambda: torch.ops.ascend_graph.decode_attention.default(*args),
+            "body": lambda: attention.decode_attention._init_fn(*args),
+            "bare": lambda: attention.run(lib, *args, 1, heads, threads)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    if not build.available():
+        raise SystemExit("the native kernels are not available on this machine (build.available() is False)")
+    cases = {"rows_mm float32 [1, 256] x [576, 256]": rows_mm_case(576, 256, torch.float32, a.threads),
+             "rows_mm float32 [1, 256] x [320, 256]": rows_mm_case(320, 256, torch.float32, a.threads),
+             "rows_mm bfloat16 [1, 2048] x [3072, 2048]": rows_mm_case(3072, 2048, torch.bfloat16, a.threads),
+             "decode_attention MLA float32, 4 heads, context 32": attention_case(32, torch.float32, a.threads)}
+    rows = []
+    for name, fns in cases.items():
+        us = {k: v * 1e6 for k, v in interleaved_medians(fns, rounds=a.rounds, calls_per_round=200).items()}
+        rows.append({"case": name, **{f"{k}_us": round(v, 2) for k, v in us.items()},
+                     "op_over_bare": round(us["op"] / us["bare"], 2)})
+        print(f"{name:52s} op {us['op']:7.1f} us  body {us['body']:7.1f} us  bare {us['bare']:7.1f} us  "
+              f"op / bare {us['op'] / us['bare']:.2f}")
+    out = {"conditions": conditions(), "threads": a.threads, "rows": rows}
+    write_json(a.json, out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
