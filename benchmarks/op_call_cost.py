@@ -7,7 +7,8 @@ is most of each call. Timed round robin in one run, per call:
 
 - ``op``: ``torch.ops.ascend_graph.<op>.default`` as the compiled step calls it;
 - ``body``: the op's Python body without the dispatcher (``custom_op``'s wrapped function);
-- ``bare``: the native entry alone through ctypes on prepared pointers (no checks, no allocation).
+- ``bare``: no checks: for ``rows_mm`` the native entry alone through ctypes on prepared pointers;
+  for ``decode_attention`` its ctypes call (``attention.run``: index conversion, output allocation).
 
 ``op / bare`` is what a dispatcher kernel written in C++ could at best remove.
 
@@ -31,10 +32,10 @@ def rows_mm_case(n: int, k: int, dtype: torch.dtype, threads: int) -> dict:
     out, end = torch.empty(1, n, dtype=dtype), ctypes.c_int32(1)
     entry = getattr(build._library(), "expert_rows_f32" if dtype == torch.float32 else "expert_rows")
     args = (x.data_ptr(), w.data_ptr(), ctypes.addressof(end), out.data_ptr(), 1, n, k, threads)
-    keep = (x, w, out, end)  # the pointers in args stay valid while the lambdas live
 
-    def bare() -> None:
-        assert keep and entry(*args) == 0
+    def bare(keep=(x, w, out, end)) -> None:  # keep: the tensors behind args' pointers stay alive
+        if entry(*args) != 0:
+            raise RuntimeError("rows_mm: the native entry failed")
 
     return {"op": lambda: torch.ops.ascend_graph.rows_mm.default(x, w),
             "body": lambda: matmul.rows_mm._init_fn(x, w),
