@@ -12,15 +12,16 @@ every run: on a shared machine a call descheduled for other jobs would otherwise
 - ``rows``: GFLOP/s of ``expert_rows`` (one weight, ``r`` rows, what ``rows_mm`` runs) over a
   [12288, 2048] bf16 weight streamed from memory (four weights on 2 MiB pages taken in turn), both builds
   interleaved, medians; each result checked against a float64 product.
-- ``--attention``: ms of each build's ``decode_attention`` (``kernels.attention.run``) for MLA
+- ``--attention``: ms of each build's ``decode_attention`` (``attention_run``) for MLA
   decode at V2-Lite's dimensions (batch 32, context 2048, 16 heads, latent 512 + rope 64, blocks of
   16, bfloat16), both builds interleaved, each output checked against float64 attention. A
-  revision before ``decode_attention`` is refused for it (its ``rows`` and ``--step`` still run).
-- ``--step``: the V2-Lite slice's graph step (context 256) at the given batches, one captured
-  runner, the two builds swapped between calls (``kernels.build._library``), interleaved.
+  revision before ``decode_attention`` is refused for it (its ``rows`` still run).
 
-    python -m benchmarks.kernel_builds --old 09f01da [--isa avx2] [--rows 1,2,4,8,16,32,64] [--attention] \
-        [--step 8,32]
+A whole step before and after a change to the kernels: ``benchmarks.before_after`` (two
+checkouts; the ops' kernels are linked into the build the package loads, so one process cannot
+swap them).
+
+    python -m benchmarks.kernel_builds --old 09f01da [--isa avx2] [--rows 1,2,4,8,16,32,64] [--attention]
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from ascend_graph import kernels  # noqa: E402
-from benchmarks.common import interleaved_samples  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -159,14 +159,34 @@ def mla_attention_oracle(q: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor
     return torch.stack(out), torch.stack(spread)
 
 
+def attention_run(dll: ctypes.CDLL, q: torch.Tensor, q_rope: torch.Tensor | None, k_cache: torch.Tensor,
+                  rope_cache: torch.Tensor | None, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor, scale: float, hk: int, g: int, threads: int) -> torch.Tensor:
+    """The ``decode_attention`` entry of the build ``dll`` (bound: ``kernels.build._bind``) on
+    arguments that ``ascend_graph::decode_attention`` accepts, with ``hk`` kv heads of ``g`` query
+    heads each: its index conversion and output allocation, then the C call."""
+    q = q.contiguous()
+    q_rope = q_rope.contiguous() if q_rope is not None else None
+    tables, ctx = block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
+    out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype)
+    rope = rope_cache if rope_cache is not None else k_cache
+    strides = (ctypes.c_long * 9)(*(s for t in (k_cache, rope, v_cache) for s in t.stride()[:3]))
+    status = dll.decode_attention(
+        q.data_ptr(), q_rope.data_ptr() if q_rope is not None else None, k_cache.data_ptr(), rope.data_ptr(),
+        v_cache.data_ptr(), tables.data_ptr(), ctx.data_ptr(), out.data_ptr(), q.shape[0], hk, g, q.shape[2],
+        q_rope.shape[-1] if q_rope is not None else 0, out.shape[-1], strides, tables.shape[1], k_cache.shape[1],
+        float(scale), int(q.dtype == torch.bfloat16), threads)
+    if status != 0:
+        raise RuntimeError("kernel_builds: decode_attention could not run (out of memory for its work list)")
+    return out
+
+
 def attention_times(dlls: dict[str, ctypes.CDLL], batch: int = 32, context: int = 2048, heads: int = 16,
                     latent: int = 512, rope: int = 64, block: int = 16, runs: int = 15) -> dict[str, float]:
     """Median ms of each build's ``decode_attention`` (one thread), MLA absorbed over bf16 caches
     in shuffled blocks, every row at ``context``; each output within 2^-7 (|out| + p . |kv_c|) of
     float64 attention (its one rounding, the probabilities' rounding to bf16 for the values and
     the float32 softmax stay well inside), else ValueError; so too for a build without it."""
-    from ascend_graph.kernels.attention import run
-
     require_entry(dlls, "decode_attention")
     per = context // block
     kv_c = torch.randn(batch * per + 8, block, 1, latent).to(torch.bfloat16)
@@ -181,40 +201,11 @@ def attention_times(dlls: dict[str, ctypes.CDLL], batch: int = 32, context: int 
     for i in range(runs):
         for name, dll in alternating(dlls, i):
             start = time.thread_time()
-            out = run(dll, q, q_pe, kv_c, k_pe, kv_c, tables, lens, scale, 1, heads, 1)
+            out = attention_run(dll, q, q_pe, kv_c, k_pe, kv_c, tables, lens, scale, 1, heads, 1)
             times[name].append(time.thread_time() - start)
             if not ((out.double() - exact).abs() <= bound).all():
                 raise ValueError(f"kernel_builds: {name}'s decode_attention is not within its rounding of float64")
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
-
-
-def step_times(dlls: dict[str, ctypes.CDLL], sizes: tuple[int, ...], rounds: int = 7) -> list[dict]:
-    """Per batch, ms of a V2-Lite-slice graph step with each build, one runner, interleaved."""
-    from ascend_graph.engine.block_manager import BlockManager
-    from ascend_graph.config import GraphConfig
-    from benchmarks.models import build as build_model, cases, decode_batch, make_runner
-
-    case = cases(False)["v2_lite_slice"]
-    config = GraphConfig(enabled=True, backend="inductor", capture_sizes=sizes, max_batch_size=max(sizes))
-    runner = make_runner(build_model(case), config, sizes, case.context)
-    runner.capture(show_progress=False)
-    blocks, found, kept = BlockManager(runner.num_blocks, runner.block_size), [], kernels.build._library
-    try:
-        for n in sizes:
-            entries = decode_batch(runner, blocks, n, case.context)
-
-            def with_build(name: str):
-                def step():
-                    kernels.build._library = lambda: dlls[name]
-                    runner.execute(entries, mode="graph")
-                return step
-
-            samples = interleaved_samples({name: with_build(name) for name in dlls}, rounds=rounds,
-                                          calls_per_round=2, warmup=1)
-            found.append({"batch": n, **{name: statistics.median(s) * 1e3 for name, s in samples.items()}})
-    finally:
-        kernels.build._library = kept
-    return found
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -226,7 +217,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=7, help="interleaved runs per row count (medians)")
     parser.add_argument("--attention", action="store_true",
                         help="time decode_attention (MLA, batch 32, context 2048, bf16)")
-    parser.add_argument("--step", default="", help="batches of a V2-Lite-slice graph step to time, e.g. 8,32")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:
@@ -246,10 +236,6 @@ def main(argv: list[str] | None = None) -> None:
         ms = attention_times(dlls, runs=2 * args.runs + 1)
         print(f"decode_attention (MLA, batch 32, context 2048, 16 heads x 512 + 64, bf16): old {ms['old']:.2f} ms, "
               f"now {ms['now']:.2f} ms, old/now {ms['old'] / ms['now']:.2f}", flush=True)
-    if args.step:
-        for row in step_times(dlls, tuple(int(b) for b in args.step.split(","))):
-            print(f"batch {row['batch']:3d}: old {row['old']:8.1f} ms, now {row['now']:8.1f} ms, "
-                  f"old/now {row['old'] / row['now']:.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -89,3 +89,28 @@ def assert_graph_outputs_are_fresh(runner, sched: Schedule, seq_ids: list[int]) 
     second = runner.execute(sched.decode_entries(), mode="graph")
     assert first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
     assert torch.equal(first, saved) and not torch.equal(first, second)
+
+
+class KernelCalls:
+    """Within ``with KernelCalls() as calls:``, every call of an ``ascend_graph::*`` kernel op,
+    eager or from a compiled step's C++ wrapper (the dispatcher reports both to the profiler), as
+    ``(op name, its tensor arguments' shapes)`` in ``calls.found`` once the block ends."""
+
+    OPS = ("rows_mm", "rows_bmm", "expert_rows_mm", "decode_attention")
+
+    def __enter__(self) -> "KernelCalls":
+        self.found: list[tuple[str, list[tuple[int, ...]]]] = []
+        self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._profile.__exit__(*exc)
+        names = {f"ascend_graph::{op}": op for op in self.OPS}
+        self.found = [(names[e.name], [tuple(s) for s in e.input_shapes])
+                      for e in self._profile.events() if e.name in names]
+
+    def shapes(self, op: str, arg: int) -> list[tuple[int, ...]]:
+        """The shape of argument ``arg`` (its place in the schema; ``()`` for None or a number) at
+        each call of ``op``."""
+        return [shapes[arg] for name, shapes in self.found if name == op]

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 import torch
-from runner_helpers import (BLOCK_SIZE, MAX_MODEL_LEN, Schedule, assert_graph_outputs_are_fresh, make_runner,
-                            small_model)
+from runner_helpers import (BLOCK_SIZE, MAX_MODEL_LEN, KernelCalls, Schedule, assert_graph_outputs_are_fresh,
+                            make_runner, small_model)
 
 from ascend_graph.compile.aot_inductor import PACKAGE_SUBDIR, inductor_options, package_key
 from ascend_graph.config import GraphConfig, InductorOptions
@@ -68,17 +68,18 @@ def test_packages_equal_eager_for_every_size(compiled):
     assert all(p.endswith(".pt2") for p in packages)  # no partial package left behind
 
 
-def test_a_package_calls_the_projects_kernel_where_it_runs(compiled, monkeypatch):
+def test_a_package_calls_the_projects_kernel_where_it_runs(compiled):
     """At 2 rows the package multiplies as the Inductor backend's graphs do: the dense products in
     ``rows_mm``, the MoE's experts in ``expert_rows_mm`` (as eager does)."""
     from ascend_graph import kernels
 
     _, model, runner, sched = compiled
-    calls, run, kn, run_kn = [], kernels.ops._run, [], kernels.ops._run_kn
-    monkeypatch.setattr(kernels.ops, "_run", lambda name, x, w, *a: calls.append((name, w.shape[0])) or run(name, x, w, *a))
-    monkeypatch.setattr(kernels.ops, "_run_kn", lambda x, w: kn.append(x.shape) or run_kn(x, w))
-    report = compare_step(runner, sched.decode_entries()[:2])  # eager, then the package
+    with KernelCalls() as found:
+        report = compare_step(runner, sched.decode_entries()[:2])  # eager, then the package
     assert report.ok, report.summary()
+    # (op, its weight's first dimension: experts, or a rows_mm weight's N)
+    calls = [(op, shapes[1][0]) for op, shapes in found.found if op in ("rows_mm", "expert_rows_mm")]
+    kn = found.shapes("rows_bmm", 0)
     cfg = model.config
     moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
     if kernels.available():

@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ascend_graph import kernels
-from ascend_graph.kernels import attention as attention_op
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="the CPU kernel does not build here")
 op = torch.ops.ascend_graph.decode_attention
@@ -157,6 +156,7 @@ def test_bad_arguments_are_named_before_anything_runs():
 def test_each_instruction_set_build_computes_the_same_attention(build, tmp_path):
     """The AVX2 build (float32 FMAs) and the AVX512-BF16 build (vdpbf16ps pairs for bfloat16) as
     they run on a CPU with their instructions, whatever the native build here, against the oracle."""
+    from benchmarks.kernel_builds import attention_run
     from test_kernel_builds import BUILDS, _build_for
 
     from ascend_graph.runtime import machine
@@ -170,7 +170,7 @@ def test_each_instruction_set_build_computes_the_same_attention(build, tmp_path)
                                              (False, 1, 2, 8, 0, 1, [6, 3])]:
             case = dict(mla=mla, bs=bs, width=6, lens=lens, hk=hk, g=g, kw=kw, rw=rw, dtype=dtype, seed=5, threads=2)
             args = make(case)
-            out = attention_op.run(dll, *args, hk, g, 2)
+            out = attention_run(dll, *args, hk, g, 2)
             assert not out.isnan().any()
             torch.testing.assert_close(out.double(), oracle(*args), **TOL[dtype])
 

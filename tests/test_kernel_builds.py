@@ -115,8 +115,9 @@ def test_a_later_process_loads_the_built_kernel_without_compiling(tmp_path):
     cache = str(tmp_path / "kernels")
     first = _fresh_process("from ascend_graph import kernels; assert kernels.available()", cache)
     assert first.returncode == 0, first.stderr[-2000:]
-    built = os.listdir(cache)
-    assert len(built) == 1 and built[0].startswith("expert_rows-") and built[0].endswith(".so")
+    built = sorted(os.listdir(cache))  # the library and the lock its build held
+    assert len(built) == 2 and built[0].startswith("kernels-") and built[0].endswith(".so"), built
+    assert built[1] == f"{built[0]}.lock"
     second = _fresh_process("""
 import subprocess
 run = subprocess.run
@@ -131,7 +132,7 @@ x, w = torch.ones(3, 40, dtype=torch.bfloat16), torch.ones(7, 40, dtype=torch.bf
 assert (torch.ops.ascend_graph.rows_mm(x, w) == 40).all()
 """, cache)
     assert second.returncode == 0, second.stderr[-2000:]
-    assert os.listdir(cache) == built
+    assert sorted(os.listdir(cache)) == built
 
 
 @needs_kernel

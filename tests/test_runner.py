@@ -10,7 +10,8 @@ import logging
 
 import pytest
 import torch
-from runner_helpers import Schedule, assert_graph_outputs_are_fresh, make_runner, prefilled, small_model
+from runner_helpers import (KernelCalls, Schedule, assert_graph_outputs_are_fresh, make_runner, prefilled,
+                            small_model)
 
 from ascend_graph.config import GraphConfig, InductorOptions
 from ascend_graph.runner.parity import compare_step
@@ -246,49 +247,44 @@ def test_inductor_graph_equals_eager_for_every_size_and_between(kind, dtype):
     assert runner.stats.recompiles == 0
 
 
-def test_inductor_graph_equals_eager_at_batches_that_run_the_wide_matmul_form(monkeypatch):
+def test_inductor_graph_equals_eager_at_batches_that_run_the_wide_matmul_form():
     """bfloat16 at 21 and 32 rows: the compiled step's dense products run ``rows_mm``'s wide form
     (``ascend_graph/kernels/csrc/``; aten in eager), padded and full. A dense model: in the
     small MoE model, eager's own routing at 32 tokens has near-ties (0.0005 between the 2nd and
     3rd expert's score), and graph and eager differ past the bf16 tolerance there with aten too."""
     from ascend_graph import kernels
 
-    rows_mm_rows, run = [], kernels.ops._run
-    monkeypatch.setattr(kernels.ops, "_run", lambda name, x, *a: rows_mm_rows.append(x.shape[0]) or run(name, x, *a))
     model = small_model("llama", torch.bfloat16)
     runner = make_runner(model, graph_config(backend="inductor", capture_sizes=(32,), max_batch_size=32))
     sched = Schedule()
     prefilled(runner, sched, 32, model.config.vocab_size)
-    for n in (21, 32):
-        report = compare_step(runner, sched.decode_entries()[:n])
-        assert report.ok and report.untouched_ok, report.summary()
+    with KernelCalls() as calls:
+        for n in (21, 32):
+            report = compare_step(runner, sched.decode_entries()[:n])
+            assert report.ok and report.untouched_ok, report.summary()
     assert runner.stats.recompiles == 0
-    assert set(rows_mm_rows) == ({32} if kernels.available() else set())  # graph mode only, padded to 32
+    rows_mm_rows = {x[0] for x in calls.shapes("rows_mm", 0)}
+    assert rows_mm_rows == ({32} if kernels.available() else set())  # graph mode only, padded to 32
 
 
 @pytest.mark.parametrize("attention", ["cpu_kernel", "reference"])
-def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(monkeypatch, attention):
+def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(attention):
     """bfloat16 MLA decode at 1-4 rows, with a pass that takes this small model's products. The
     cpu_kernel attention backend runs ``decode_attention`` (scores of the latent and rope parts,
     softmax, values by the latent rows) over the cache blocks where they lie, in eager and graph
     steps alike, at batch 1 too. The reference
     backend multiplies gathered rows: compiled, the pass runs those products as ``expert_rows_mm``
-    (one "expert" per sequence) and ``rows_bmm``. Both: the output by ``W_UV`` and the queries by
+    (one "expert" per sequence) and ``rows_bmm``, where aten's bf16 is native (where it is emulated,
+    as on AVX2, they are float32 products: ``paging.float32_products``). Both: the output by ``W_UV`` and the queries by
     ``W_UK`` with ``expert_rows_mm`` (one "expert" per head) in the graph, aten's ``bmm`` in eager.
     Graph equals eager."""
     from ascend_graph import kernels
+    from ascend_graph.attention.paging import aten_bf16_emulated
 
     paged = attention == "cpu_kernel"
     if paged and not kernels.available():
         pytest.skip("the CPU kernel does not build here")
 
-    weights, run, kn, run_kn = [], kernels.ops._run, [], kernels.ops._run_kn
-    pages, check_attention = [], kernels.attention._check
-    monkeypatch.setattr(kernels.ops, "_run", lambda name, x, w, *a: weights.append(tuple(w.shape)) or run(name, x, w, *a))
-    monkeypatch.setattr(kernels.ops, "_run_kn", lambda x, w: kn.append((tuple(x.shape), tuple(w.shape))) or run_kn(x, w))
-    monkeypatch.setattr(kernels.attention, "_check",  # each run of decode_attention (its fake never checks)
-                        lambda name, q, q_rope, k, *a: pages.append((name, k.shape[-1], q_rope.shape[-1]))
-                        or check_attention(name, q, q_rope, k, *a))
     from ascend_graph.compile.inductor import InductorBackend, config_patches
     from ascend_graph.compile.passes.decode_matmul import DecodeMatmulPass
     from ascend_graph.compile.passes.inline_writes import INLINE_CACHE_WRITES
@@ -305,25 +301,34 @@ def test_inductor_graph_equals_eager_with_mla_attention_products_in_the_kernel(m
     sched = Schedule()
     prefilled(runner, sched, 4, model.config.vocab_size)
     runner.capture(show_progress=False)  # every size's warm-up runs before anything is counted
-    weights.clear()  # the MoE runs the kernel in both modes; count the attention's
-    pages.clear()
-    report = compare_step(runner, sched.decode_entries()[:1])  # batch 1: in place too, or aten's mm
+    with KernelCalls() as first:
+        report = compare_step(runner, sched.decode_entries()[:1])  # batch 1: in place too, or aten's mm
     assert report.ok and report.untouched_ok, report.summary()
+    pages = first.shapes("decode_attention", 2)
     assert len(pages) == (2 * model.config.num_hidden_layers if on and paged else 0), pages  # per layer, eager and graph
-    for n in (2, 4):
-        report = compare_step(runner, sched.decode_entries()[:n])
-        assert report.ok and report.untouched_ok, report.summary()
+    with KernelCalls() as calls:
+        for n in (2, 4):
+            report = compare_step(runner, sched.decode_entries()[:n])
+            assert report.ok and report.untouched_ok, report.summary()
+    # each product's weight [X, N, K] (rows_mm's one "expert": [1, N, K]); rows_bmm's (x, w); decode_attention's
+    # (k_cache width, q_rope width)
+    weights = calls.shapes("expert_rows_mm", 1) + [(1, *w) for w in calls.shapes("rows_mm", 1)]
+    kn = list(zip(calls.shapes("rows_bmm", 0), calls.shapes("rows_bmm", 1)))
+    pages = {("decode_attention", k[-1], r[-1])
+             for k, r in zip(calls.shapes("decode_attention", 2), calls.shapes("decode_attention", 1))}
     cfg = model.config
     heads, latent, nope, rope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     tokens = runner.table_width * runner.block_size  # the gathered rows of a sequence
     gathered_scores = {w for w in weights if w[0] in (2, 4) and w[1:] in ((tokens, latent), (tokens, rope))}
-    assert bool(gathered_scores) == (on and not paged), weights
-    assert set(pages) == ({("decode_attention", latent, rope)} if on and paged else set()), pages
+    # the gathered rows' products in the kernel; where aten's bf16 is emulated they are float32 (paging.by_rows)
+    gathered_in_kernel = on and not paged and not aten_bf16_emulated()
+    assert bool(gathered_scores) == gathered_in_kernel, weights
+    assert pages == ({("decode_attention", latent, rope)} if on and paged else set()), pages
     by_w_uv = (heads, cfg.v_head_dim, latent) in weights  # the latent output by W_UV, one "expert" per head
     by_w_uk = (heads, latent, nope) in weights  # the queries by W_UK ([C, Dn] per head), likewise
     assert by_w_uv == on and by_w_uk == on, weights
     kinds = {"probs by kv_c" if w[1] == tokens else "other" for x, w in kn}
-    assert kinds == ({"probs by kv_c"} if on and not paged else set()), kn
+    assert kinds == ({"probs by kv_c"} if gathered_in_kernel else set()), kn
     assert runner.stats.recompiles == 0
 
 

@@ -1,9 +1,11 @@
-"""Native CPU kernels: sources (``csrc/``), their build and cache (``build``), and their
-``torch.library`` ops (``matmul``, ``attention``, ``moe``; what they share: ``ops``). Importing the package
-registers the ``ascend_graph::*`` ops. Design and measurements: ``docs/cpu-kernels.md``."""
+"""Native CPU kernels: sources (``csrc/``), their build and cache (``build``), and the
+``ascend_graph::*`` ops (``ops``: schemas, contracts, fakes; their CPU kernels are C++,
+``csrc/ops.cpp``; ``attention``: decode attention's contract and checks). Importing the package
+defines the ops; loading the build registers their CPU kernels. Design and measurements:
+``docs/cpu-kernels.md``."""
 
-from . import attention, matmul, moe, ops  # noqa: F401  (registers the ascend_graph::* ops)
-from .build import ONE_ROW_KERNEL, SOURCES, available, cache_dir, compiler, isa, one_row_kernel
+from . import attention, ops  # noqa: F401  (defines the ascend_graph::* ops)
+from .build import ONE_ROW_KERNEL, SOURCES, available, cache_dir, compiler, cxx_compiler, isa, one_row_kernel
 
-__all__ = ["ONE_ROW_KERNEL", "SOURCES", "attention", "available", "cache_dir", "compiler", "isa", "matmul", "moe",
+__all__ = ["ONE_ROW_KERNEL", "SOURCES", "attention", "available", "cache_dir", "compiler", "cxx_compiler", "isa",
            "one_row_kernel", "ops"]

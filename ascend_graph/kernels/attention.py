@@ -1,8 +1,16 @@
-"""``ascend_graph::decode_attention``: decode attention over a paged cache that reads each row's
-live tokens only (``context_lens``, a bound read when the op runs), in one pass per block: scores,
-online softmax, values (``csrc/decode_attention.c``). Its output shape depends only on its
-arguments' shapes, so a captured graph keeps it as one call over the full-width block table and
-the step still costs what the live context costs.
+"""``ascend_graph::decode_attention`` (schema: ``kernels/ops.py``; CPU kernel: ``csrc/ops.cpp``
+over ``csrc/decode_attention.c``): decode attention over a paged cache that reads each row's live
+tokens only (``context_lens``, a bound read when the op runs), in one pass per block: scores,
+online softmax, values. Its output shape depends only on its arguments' shapes, so a captured
+graph keeps it as one call over the full-width block table and the step still costs what the
+live context costs. Here: its contract, and the argument checks the ops of its contract on other
+devices share (``triton_attention``; the CPU kernel makes the same checks in C++).
+
+``out[b, h] = sum_t softmax_t(scale * (q[b, h] . k_t + q_rope[b, h] . r_t)) * v_t`` over the
+first ``context_lens[b]`` tokens of row b (token t in block ``block_tables[b, t // S]``, row ``t %
+S``, kv head ``h // (Hq / Hk)``) -> ``[B, Hq, Dv]`` in q's dtype. A row of context 0 reads nothing
+and gives zeros. Float32 sums and softmax, a bfloat16 output rounded once. CPU, float32 or
+bfloat16 throughout.
 
 Shape legend: B rows, Hq query heads, Hk kv heads (Hq a multiple), N blocks, S block size, W
 block-table width, Dk / Dv key / value width, R MLA's rope width.
@@ -14,73 +22,12 @@ v_cache = kv_c [N, S, 1, C]``, ``rope_cache = k_pe [N, S, 1, R]``; standard atte
 
 from __future__ import annotations
 
-import ctypes
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from . import build, ops
-
-_DTYPES = (torch.float32, torch.bfloat16)
-
-
-@torch.library.custom_op("ascend_graph::decode_attention", mutates_args=())
-def decode_attention(q: Tensor, q_rope: Optional[Tensor], k_cache: Tensor, rope_cache: Optional[Tensor],
-                     v_cache: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float) -> Tensor:
-    """``out[b, h] = sum_t softmax_t(scale * (q[b, h] . k_t + q_rope[b, h] . r_t)) * v_t`` over the
-    first ``context_lens[b]`` tokens of row b (token t in block ``block_tables[b, t // S]``, row ``t
-    % S``, kv head ``h // (Hq / Hk)``) -> ``[B, Hq, Dv]`` in q's dtype. A row of context 0 reads
-    nothing and gives zeros. Float32 sums and softmax, a bfloat16 output rounded once. CPU,
-    float32 or bfloat16 throughout; call only where ``build.available()``."""
-    hk, g = _check("decode_attention", q, q_rope, k_cache, rope_cache, v_cache, block_tables, context_lens)
-    out = run(build._library(), q, q_rope, k_cache, rope_cache, v_cache, block_tables, context_lens, scale, hk, g,
-              torch.get_num_threads())
-    return out
-
-
-@decode_attention.register_fake
-def _(q, q_rope, k_cache, rope_cache, v_cache, block_tables, context_lens, scale):
-    return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
-
-
-def run(lib, q: Tensor, q_rope: Optional[Tensor], k_cache: Tensor, rope_cache: Optional[Tensor], v_cache: Tensor,
-        block_tables: Tensor, context_lens: Tensor, scale: float, hk: int, g: int, threads: int) -> Tensor:
-    """``decode_attention`` (``csrc/decode_attention.c``) of the build ``lib`` (a bound library:
-    ``build._bind``) on checked arguments, with ``hk`` kv heads of ``g`` query heads each."""
-    q = q.contiguous()
-    q_rope = q_rope.contiguous() if q_rope is not None else None
-    tables = block_tables.to(torch.int32).contiguous()
-    ctx = context_lens.to(torch.int32).contiguous()
-    b, hq, kw = q.shape
-    rw = q_rope.shape[-1] if q_rope is not None else 0
-    out = torch.empty(b, hq, v_cache.shape[-1], dtype=q.dtype)
-    if out.numel() == 0:
-        return out
-    rope = rope_cache if rope_cache is not None else k_cache
-    strides = (ctypes.c_long * 9)(*(s for t in (k_cache, rope, v_cache) for s in t.stride()[:3]))
-    status = lib.decode_attention(
-        q.data_ptr(), q_rope.data_ptr() if q_rope is not None else None, k_cache.data_ptr(), rope.data_ptr(),
-        v_cache.data_ptr(), tables.data_ptr(), ctx.data_ptr(), out.data_ptr(), b, hk, g, kw, rw, out.shape[-1],
-        strides, tables.shape[1], k_cache.shape[1], float(scale), int(q.dtype == torch.bfloat16), threads)
-    ops._status("decode_attention", status, "work list")
-    return out
-
-
-def _check(name: str, q: Tensor, q_rope: Optional[Tensor], k: Tensor, r: Optional[Tensor], v: Tensor,
-           block_tables: Tensor, context_lens: Tensor) -> tuple[int, int]:
-    """``(Hk, Hq / Hk)``, or ValueError naming the argument that is off; nothing has run yet."""
-    tensors = [t for t in (q, q_rope, k, r, v) if t is not None]
-    if q.dtype not in _DTYPES or any(t.dtype != q.dtype or t.device.type != "cpu" for t in tensors):
-        raise ValueError(f"{name}: q, q_rope, k_cache, rope_cache and v_cache must be CPU tensors of one dtype, "
-                         f"float32 or bfloat16; got {[str(t.dtype) for t in tensors]} on "
-                         f"{sorted({t.device.type for t in tensors})}")
-    for arg, t in (("block_tables", block_tables), ("context_lens", context_lens)):
-        if t.device.type != "cpu":
-            raise ValueError(f"{name}: {arg} must be on the CPU, got {t.device}")
-    heads = check_layout(name, q, q_rope, k, r, v, block_tables, context_lens)
-    check_values(name, k, block_tables, context_lens)
-    return heads
+from . import ops
 
 
 def check_layout(name: str, q: Tensor, q_rope: Optional[Tensor], k: Tensor, r: Optional[Tensor], v: Tensor,

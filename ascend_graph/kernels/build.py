@@ -1,17 +1,22 @@
-"""The native kernels' build: the C sources under ``csrc/`` compiled into one shared object with the
+"""The native kernels' build: the C sources under ``csrc/`` (``SOURCES``) compiled with the
 system C compiler (``$CC``, else ``cc``, else ``gcc``) for this CPU (``-march=native``, with OpenMP
-where the compiler has it), kept in ``cache_dir()`` under a key over every source and header, the
-compiler, its flags and the CPU, and loaded through ctypes on first use.
+where the compiler has it), and ``csrc/ops.cpp``, their ops' dispatcher kernels, with the C++
+compiler (``$CXX``, else ``c++``, else ``g++``) against the running torch's headers, linked into
+one shared object. It is kept in ``cache_dir()`` under a key over every source and header, both
+compilers, their flags, torch's build and the CPU, and loaded on first use (``_library()``):
+loading registers the ``ascend_graph::*`` ops' CPU kernels.
 
 The build runs the widest form this CPU has (``isa()``): AVX512-BF16, else AVX2 and FMA. Where
-there is no compiler, neither instruction set, or ``ASCEND_GRAPH_EXPERT_KERNEL=0``, ``available()``
-is False and the callers keep their aten forms. Design, forms and measurements:
+either compiler is missing, the CPU has neither instruction set, or ``ASCEND_GRAPH_EXPERT_KERNEL=0``,
+``available()`` is False and the callers keep their aten forms. Design, forms and measurements:
 ``docs/cpu-kernels.md``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
@@ -23,13 +28,15 @@ import tempfile
 import torch
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-# The translation units linked into the one shared object: every ``csrc/*.c`` (they include ``csrc/*.h``).
+# The C translation units (every ``csrc/*.c``; they include ``csrc/*.h``): what ``_compile`` builds alone.
 SOURCES = tuple(sorted(os.path.join(CSRC, name) for name in os.listdir(CSRC) if name.endswith(".c")))
+# The ops' dispatcher kernels, linked beside ``SOURCES`` in the library the package loads.
+OPS_SOURCE = os.path.join(CSRC, "ops.cpp")
 
 
 def source_files() -> list[str]:
     """Every file the build reads: the sources and the headers under ``csrc/``, sorted."""
-    return sorted(os.path.join(CSRC, name) for name in os.listdir(CSRC) if name.endswith((".c", ".h")))
+    return sorted(os.path.join(CSRC, name) for name in os.listdir(CSRC) if name.endswith((".c", ".h", ".cpp")))
 
 
 def cache_dir() -> str:
@@ -39,16 +46,21 @@ def cache_dir() -> str:
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "ascend_graph")
 
 
-def _build_key(cc: str, flags: list[str]) -> str:
+def _build_key(cc: str, flags: list[str], cxx: str | None = None) -> str:
     """A digest of what the built library depends on: every source and header (name and text),
-    the compiler and its flags, and this CPU (``-march=native``; a cache directory may be shared
-    between machines)."""
+    the compilers (``cxx``: the C++ one, where the build has ``ops.cpp``) and their flags, torch's
+    version, headers and C++ ABI (``ops.cpp`` is compiled against them), and this CPU
+    (``-march=native``; a cache directory may be shared between machines)."""
     h = hashlib.sha256()
     for path in source_files():
         with open(path, "rb") as f:
             h.update(repr((os.path.basename(path), f.read())).encode())
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    h.update(repr((os.path.realpath(cc), version, flags, platform.machine())).encode())
+    for tool in (cc, cxx) if cxx else (cc,):
+        version = subprocess.run([tool, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+        h.update(repr((os.path.realpath(tool), version)).encode())
+    h.update(repr((flags, platform.machine())).encode())
+    if cxx:
+        h.update(repr((torch.__version__, torch.__file__, _cxx_flags(), _torch_link_flags())).encode())
     try:
         with open("/proc/cpuinfo") as f:
             h.update(next((line for line in f if line.startswith(("flags", "Features"))), "").encode())
@@ -57,21 +69,74 @@ def _build_key(cc: str, flags: list[str]) -> str:
     return h.hexdigest()[:32]
 
 
-def _built(cc: str) -> str | None:
-    """The library's path, built by an earlier process (kept in ``cache_dir()``) or now; None
-    where it does not compile, with OpenMP or without."""
+def _cxx_flags() -> list[str]:
+    """``ops.cpp``'s compile flags: torch's headers and C++ ABI (glue code: ``-O1`` builds fastest)."""
+    include = os.path.join(os.path.dirname(torch.__file__), "include")
+    return ["-O1", "-std=c++20", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            f"-I{include}", f"-I{os.path.join(include, 'torch', 'csrc', 'api', 'include')}"]
+
+
+def _torch_link_flags() -> list[str]:
+    """The libraries ``ops.cpp`` calls into (the dispatcher, ``at::empty``), found where torch lies."""
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    return [f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
+
+
+def _built(cc: str, cxx: str) -> str | None:
+    """The library's path, built by an earlier process (kept in ``cache_dir()``) or now (one
+    process at a time per key; the others wait and load it); None where it does not build, with
+    OpenMP or without."""
     for openmp in (["-fopenmp"], []):
-        flags = ["-O3", "-march=native", *openmp, "-shared", "-fPIC"]
-        path = os.path.join(cache_dir(), f"expert_rows-{_build_key(cc, flags)}.so")
-        if os.path.exists(path) or (path := _compile(cc, flags, path)):
-            return path
+        flags = ["-O3", "-march=native", *openmp, "-fPIC"]
+        path = os.path.join(cache_dir(), f"kernels-{_build_key(cc, flags, cxx)}.so")
+        with _one_builder(path):
+            if os.path.exists(path) or (path := _write_atomically(path, lambda out: _link(cc, cxx, flags, out))):
+                return path
     return None
 
 
+@contextlib.contextmanager
+def _one_builder(path: str):
+    """Held while ``path`` is checked and built: an exclusive lock on ``path.lock`` (none where the
+    directory cannot be written: that build goes to a directory of its own)."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        lock = open(f"{path}.lock", "a")
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _link(cc: str, cxx: str, flags: list[str], out: str) -> bool:
+    """``SOURCES`` compiled with ``flags`` and ``ops.cpp`` against torch (the two side by side),
+    linked into the shared object ``out``; False where any step fails."""
+    openmp = [f for f in flags if f == "-fopenmp"]
+    with tempfile.TemporaryDirectory(prefix="ascend_graph-objects-") as d:
+        c = subprocess.Popen([cc, *flags, "-c", *SOURCES], cwd=d, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        ops = subprocess.run([cxx, *_cxx_flags(), "-c", OPS_SOURCE, "-o", os.path.join(d, "ops.o")],
+                             capture_output=True)
+        if c.wait() != 0 or ops.returncode != 0:
+            return False
+        objects = sorted(os.path.join(d, name) for name in os.listdir(d) if name.endswith(".o"))
+        return subprocess.run([cxx, "-shared", *openmp, *objects, *_torch_link_flags(), "-o", out],
+                              capture_output=True).returncode == 0
+
+
 def _compile(cc: str, flags: list[str], path: str, sources: tuple[str, ...] = SOURCES) -> str | None:
-    """Build ``sources`` into ``path`` under a temporary name, then rename (a concurrent process
-    never loads half a file); where its directory cannot be written, into a temporary directory of
-    its own (the caller loads and removes it). None where it does not compile."""
+    """The C ``sources`` alone (no ops: the entry points for ctypes, as tests and
+    ``benchmarks.kernel_builds`` bind them) built with ``flags`` into ``path``
+    (``_write_atomically``); None where they do not compile."""
+    return _write_atomically(path, lambda out: subprocess.run([cc, *flags, *sources, "-o", out],
+                                                              capture_output=True).returncode == 0)
+
+
+def _write_atomically(path: str, build) -> str | None:
+    """``build(out)`` into a temporary name, then renamed to ``path`` (a concurrent process never
+    loads half a file); where its directory cannot be written, into a temporary directory of its
+    own, whose path is returned (the caller loads and removes it). None where ``build`` fails."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
@@ -79,7 +144,7 @@ def _compile(cc: str, flags: list[str], path: str, sources: tuple[str, ...] = SO
         path = None
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=tempfile.mkdtemp(prefix="ascend_graph-kernel-"))
     os.close(fd)
-    if subprocess.run([cc, *flags, *sources, "-o", tmp], capture_output=True).returncode != 0:
+    if not build(tmp):
         if path is None:
             shutil.rmtree(os.path.dirname(tmp), ignore_errors=True)
         else:
@@ -96,11 +161,17 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
+def cxx_compiler() -> str | None:
+    """The system C++ compiler's path: ``$CXX`` (default ``c++``), else ``g++``; None where there is none."""
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+
+
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    """The built kernel, or None where it cannot be built or this CPU has neither AVX512-BF16 nor AVX2 and FMA."""
-    cc = compiler()
-    lib = cc and _built(cc)
+    """The built kernels, loaded (the ``ascend_graph::*`` ops' CPU kernels registered), or None
+    where they cannot be built or this CPU has neither AVX512-BF16 nor AVX2 and FMA."""
+    cc, cxx = compiler(), cxx_compiler()
+    lib = cc and cxx and _built(cc, cxx)
     if not lib:
         return None
     dll = ctypes.CDLL(lib)

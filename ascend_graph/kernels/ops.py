@@ -1,10 +1,25 @@
-"""What the ``ascend_graph::*`` ops share: their argument checks (each error names the op, the
-argument and what was expected, raised before anything runs) and their calls into the native
-library (``build._library()``). The ops themselves: ``matmul`` (``rows_mm``, ``rows_bmm``),
-``moe`` (``expert_rows_mm``), ``attention`` (``decode_attention``).
+"""The ``ascend_graph::*`` kernel ops: their schemas and contracts, their fake implementations
+(shapes for tracing), defined here; their CPU kernels are C++ (``csrc/ops.cpp``), registered with
+the dispatcher when the build loads (``build._library()``), so a compiled step calls them without
+entering Python. Each checks its arguments first: a ValueError naming the op, the argument and
+what was expected, before anything runs. CPU only; call them where ``build.available()``.
 
-CPU; ``expert_rows_mm``, ``rows_mm`` and ``decode_attention`` bfloat16 or float32, ``rows_bmm``
-bfloat16; each op is called only where ``build.available()``.
+- ``rows_mm(x [M, K], w [N, K]) -> [M, N]``: ``F.linear(x, w)`` over the weight as stored,
+  bfloat16 or float32. The compiled step runs it for the rows ``decode_matmul.runs_rows_mm`` names
+  (graph mode only; eager keeps aten's).
+- ``rows_bmm(x [X, M, K], w [X, K, N]) -> [X, M, N]``: ``torch.bmm`` over matrices stored with
+  the reduced dimension first (``w[e]`` row-major ``[K, N]``; the entries may lie apart, as per-head
+  slices of one weight do), bfloat16. The compiled MLA decode step runs it for the attention's
+  probabilities times the latent cache rows.
+- ``expert_rows_mm(x [P, K], w [X, N, K], ends [X]) -> [P, N]``: rows sorted by expert, each
+  times its expert's weight transposed, ``ends`` (int32 or int64) the end of each expert's rows
+  (``ends[-1] = P``), as ``torch._grouped_mm(x, w.transpose(1, 2), offs=ends)``; bfloat16 or
+  float32. Eager and compiled steps run it for the MoE (``RoutedExperts.sorted_by_expert``), the
+  compiled MLA decode step also with one "expert" per sequence or head.
+- ``decode_attention(q, q_rope, k_cache, rope_cache, v_cache, block_tables, context_lens, scale)``:
+  ``kernels/attention.py``.
+
+The products sum in float32 and round each bfloat16 output once (``docs/cpu-kernels.md``).
 """
 
 from __future__ import annotations
@@ -14,18 +29,14 @@ from torch import Tensor
 
 from . import build
 
-
-# The element types of the row-major forms' entries (``_run``): bfloat16 and float32.
-ROWS_ENTRIES = {torch.bfloat16: "expert_rows", torch.float32: "expert_rows_f32"}
-
-
-def check_bf16_cpu(name: str, x: Tensor, w: Tensor, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> None:
-    """``x`` and the weight or cache ``w`` must be CPU tensors of one dtype among ``dtypes``
-    (default bfloat16 only): ValueError otherwise."""
-    if x.dtype not in dtypes or w.dtype != x.dtype or x.device.type != "cpu" or w.device.type != "cpu":
-        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(f"{name}: x and w must be {names} CPU tensors of one dtype, got {x.dtype}/{w.dtype} "
-                         f"on {x.device}/{w.device}")
+# Each op's schema (``csrc/ops.cpp`` registers a CPU kernel for each name).
+SCHEMAS = {
+    "rows_mm": "(Tensor x, Tensor w) -> Tensor",
+    "rows_bmm": "(Tensor x, Tensor w) -> Tensor",
+    "expert_rows_mm": "(Tensor x, Tensor w, Tensor ends) -> Tensor",
+    "decode_attention": "(Tensor q, Tensor? q_rope, Tensor k_cache, Tensor? rope_cache, Tensor v_cache, "
+                        "Tensor block_tables, Tensor context_lens, float scale) -> Tensor",
+}
 
 
 def check_shapes(name: str, ok: bool, expected: str, *tensors: Tensor) -> None:
@@ -34,35 +45,46 @@ def check_shapes(name: str, ok: bool, expected: str, *tensors: Tensor) -> None:
         raise ValueError(f"{name}: expected {expected}; got {', '.join(str(tuple(t.shape)) for t in tensors)}")
 
 
-def _status(name: str, status: int, what: str) -> None:
-    if status != 0:
-        raise RuntimeError(f"{name}: the kernel could not run (out of memory for the {what})")
+def _before_the_build(name: str):
+    """The op's kernel for any tensors while its CPU kernel is not registered: loads the build
+    (which registers it) and calls the op again; a ValueError for tensors off the CPU, a
+    RuntimeError where the kernels do not run here."""
+    def kernel(*args):
+        devices = {a.device.type for a in args if isinstance(a, Tensor)}
+        if devices != {"cpu"}:
+            raise ValueError(f"{name}: its tensors must be CPU tensors, got {sorted(devices)}")
+        if not build.available():
+            raise RuntimeError(f"ascend_graph::{name}: the native kernels do not run here (kernels.available() "
+                               "is False: no C/C++ compiler, no AVX2, or ASCEND_GRAPH_EXPERT_KERNEL=0)")
+        return getattr(torch.ops.ascend_graph, name).default(*args)
+    return kernel
 
 
-def _run(name: str, x: Tensor, w: Tensor, ends: int) -> Tensor:
-    """``expert_rows`` (``csrc/moe.c``; ``expert_rows_f32`` for float32) on checked arguments:
-    ``x [P, K]``, ``w [X, N, K]``, ``ends`` the address of X int32 row ends (kept alive by the
-    caller) -> ``[P, N]`` in their dtype."""
-    x, w = x.contiguous(), w.contiguous()
-    out = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype)
-    entry = getattr(build._library(), ROWS_ENTRIES[x.dtype])
-    status = entry(x.data_ptr(), w.data_ptr(), ends, out.data_ptr(), w.shape[0], w.shape[1], w.shape[2],
-                   torch.get_num_threads())
-    _status(name, status, "copied rows")
-    return out
+def _define() -> None:
+    """Each op of ``SCHEMAS``, with ``_before_the_build``'s kernel for any device."""
+    for name, schema in SCHEMAS.items():
+        torch.library.define(f"ascend_graph::{name}", schema)
+        torch.library.impl(f"ascend_graph::{name}", "CompositeExplicitAutograd")(_before_the_build(name))
 
 
-def _run_kn(x: Tensor, w: Tensor) -> Tensor:
-    """``kn_rows`` (``csrc/matmul_kn.c``) on checked arguments ``x [X, M, K]``, ``w [X, K, N]``
-    (rows of each entry contiguous; entries may lie apart) -> ``[X, M, N]``."""
-    x = x.contiguous()
-    if w.stride(2) != 1 or w.stride(1) != w.shape[2]:
-        w = w.contiguous()
-    experts, rows, k = x.shape
-    n = w.shape[2]
-    out = torch.empty(experts, rows, n, dtype=torch.bfloat16)
-    status = build._library().kn_rows(x.data_ptr(), w.data_ptr(), w.stride(0), out.data_ptr(), experts, rows, k, n,
-                                      torch.get_num_threads())
-    _status("rows_bmm", status, "packed rows")
-    return out
+_define()
 
+
+@torch.library.register_fake("ascend_graph::rows_mm")
+def _(x: Tensor, w: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+@torch.library.register_fake("ascend_graph::rows_bmm")
+def _(x: Tensor, w: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], x.shape[1], w.shape[2])
+
+
+@torch.library.register_fake("ascend_graph::expert_rows_mm")
+def _(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+@torch.library.register_fake("ascend_graph::decode_attention")
+def _(q, q_rope, k_cache, rope_cache, v_cache, block_tables, context_lens, scale):
+    return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])

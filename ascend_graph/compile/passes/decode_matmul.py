@@ -21,8 +21,8 @@ FLOAT32_ROWS_MM_MIN = 1
 BATCHED_LIMITS = {"AVX512-BF16": (32, 1 << 17), "AVX2": (ROWS_MM_MAX, 1 << 13)}
 BATCHED_ROWS_MAX, BATCHED_MIN_ELEMENTS = BATCHED_LIMITS["AVX512-BF16"]
 
-# the kernel's Python side, every kernels/ module (its ops' schemas and checks): a change to any of it is a new pass
-KERNEL_FILES = tuple(m.__file__ for m in (kernels.build, kernels.ops, kernels.matmul, kernels.attention, kernels.moe))
+# the kernels' Python side (their ops' schemas, the build's choices): a change to any of it is a new pass
+KERNEL_FILES = tuple(m.__file__ for m in (kernels.build, kernels.ops, kernels.attention))
 
 
 def batched_limits() -> tuple[int, int]:
