@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import sys
 
 import torch
 
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append({"case": name, **{f"{k}_us": round(v, 2) for k, v in us.items()},
                      "op_over_bare": round(us["op"] / us["bare"], 2)})
         print(f"{name:52s} op {us['op']:7.1f} us  bare {us['bare']:7.1f} us  op / bare {us['op'] / us['bare']:.2f}")
-    out = {"conditions": conditions(), "threads": a.threads, "rows": rows}
+    out = {"conditions": conditions(), "threads": a.threads, "rows": rows,
+           "command": " ".join(["python -m benchmarks.op_call_cost", *(argv if argv is not None else sys.argv[1:])])}
     write_json(a.json, out)
     return out
 

@@ -227,6 +227,15 @@ def vllm_peer_markdown(path: str) -> str:
         f"`{d['command']}` → `{rel}`"]) + "\n"
 
 
+def op_call_markdown(path: str) -> str:
+    """A ``benchmarks.op_call_cost`` run: µs per call of each op and of its bare entry."""
+    d, rel = load(path), os.path.relpath(os.path.join(ROOT, path), ROOT)
+    body = [[r["case"], fmt(r["op_us"], 1), fmt(r["bare_us"], 1), f"{r['op_over_bare']:.2f}x"] for r in d["rows"]]
+    cmd = d.get("command", "python -m benchmarks.op_call_cost")
+    return "\n".join(table(["case", "op µs", "bare µs", "op / bare"], body) + [
+        "", f"{machine(d['conditions'])}, {d['threads']} thread, {d['conditions']['when'][:10]} · `{cmd}` → `{rel}`"]) + "\n"
+
+
 def toy_markdown(paths: list[str]) -> str:
     """The toy step's µs per call under each option set (``levers.toy_options``), one row per batch."""
     lines, body, names = [], [], []
@@ -258,6 +267,9 @@ def render(template: str = TEMPLATE) -> str:
             return cuda_markdown(os.path.join(ROOT, args[0])).rstrip()
         if kind == "before_after":
             return before_after_markdown(args[0]).rstrip() if os.path.exists(os.path.join(ROOT, args[0])) else (
+                "Not measured yet.")
+        if kind == "op_call_cost":
+            return op_call_markdown(args[0]).rstrip() if os.path.exists(os.path.join(ROOT, args[0])) else (
                 "Not measured yet.")
         if kind == "vllm_peer":
             return vllm_peer_markdown(args[0]).rstrip() if os.path.exists(os.path.join(ROOT, args[0])) else (

@@ -64,13 +64,17 @@ void check_status(const char *op, int status, const char *what) {
     TORCH_CHECK(status == 0, op, ": the kernel could not run (out of memory for the ", what, ")");
 }
 
-// expert_rows over checked x [P, K], w [X, N, K] and X int32 row ends -> [P, N].
+// t itself where it is int32 and contiguous (no dispatch), else an int32 contiguous copy.
+Tensor as_int32(const Tensor &t) { return t.scalar_type() == at::kInt ? t.contiguous() : t.to(at::kInt).contiguous(); }
+
+// expert_rows over checked x [P, K], w [X, N, K] (rows_mm: [N, K], one "expert") and X int32 row ends -> [P, N].
 Tensor run_rows(const char *op, const Tensor &x, const Tensor &w, const int32_t *ends) {
     Tensor xc = x.contiguous(), wc = w.contiguous();
-    Tensor out = at::empty({x.size(0), w.size(1)}, x.options());
+    const int64_t experts = w.dim() == 3 ? w.size(0) : 1, n = w.size(-2), k = w.size(-1);
+    Tensor out = at::empty({x.size(0), n}, x.options());
     auto entry = x.scalar_type() == at::kFloat ? expert_rows_f32 : expert_rows;
-    check_status(op, entry(xc.data_ptr(), wc.data_ptr(), ends, out.data_ptr(), w.size(0), w.size(1), w.size(2),
-                           at::get_num_threads()), "copied rows");
+    check_status(op, entry(xc.data_ptr(), wc.data_ptr(), ends, out.data_ptr(), experts, n, k, at::get_num_threads()),
+                 "copied rows");
     return out;
 }
 
@@ -78,14 +82,14 @@ Tensor rows_mm(const Tensor &x, const Tensor &w) {
     check_rows_dtypes("rows_mm", x, w, true);
     check_shapes("rows_mm", x.dim() == 2 && w.dim() == 2 && w.size(1) == x.size(1), "x [M, K] and w [N, K]", {&x, &w});
     int32_t end = static_cast<int32_t>(x.size(0));  // one "expert"
-    return run_rows("rows_mm", x, w.unsqueeze(0), &end);
+    return run_rows("rows_mm", x, w, &end);
 }
 
 Tensor expert_rows_mm(const Tensor &x, const Tensor &w, const Tensor &ends) {
     check_rows_dtypes("expert_rows_mm", x, w, true);
     check_shapes("expert_rows_mm", x.dim() == 2 && w.dim() == 3 && w.size(2) == x.size(1) && ends.dim() == 1
                  && ends.size(0) == w.size(0), "x [P, K], w [X, N, K], ends [X]", {&x, &w, &ends});
-    Tensor e = ends.to(at::kInt).contiguous();
+    Tensor e = as_int32(ends);
     const int32_t *p = e.data_ptr<int32_t>();
     TORCH_CHECK_VALUE(x.size(0) == 0 || p[e.size(0) - 1] == x.size(0), "expert_rows_mm: ends[-1] must be the row count ",
                       x.size(0), ", got ", p[e.size(0) - 1]);
@@ -172,7 +176,7 @@ Tensor decode_attention_op(const Tensor &q, const std::optional<Tensor> &q_rope,
                            const std::optional<Tensor> &rope_cache, const Tensor &v_cache, const Tensor &block_tables,
                            const Tensor &context_lens, double scale) {
     auto [hk, g] = check_attention(q, q_rope, k_cache, rope_cache, v_cache, block_tables, context_lens);
-    Tensor tables = block_tables.to(at::kInt).contiguous(), ctx = context_lens.to(at::kInt).contiguous();
+    Tensor tables = as_int32(block_tables), ctx = as_int32(context_lens);
     check_ranges(tables, ctx, k_cache.size(0), k_cache.size(1));
     Tensor qc = q.contiguous();
     std::optional<Tensor> qr = q_rope ? std::optional<Tensor>(q_rope->contiguous()) : std::nullopt;
