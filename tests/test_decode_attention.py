@@ -153,7 +153,7 @@ def test_bad_arguments_are_named_before_anything_runs():
 
 
 @pytest.mark.parametrize("build", ["avx2", "avx512-bf16"])
-def test_each_instruction_set_build_computes_the_same_attention(build, tmp_path):
+def test_each_instruction_set_build_computes_the_same_attention(build):
     """The AVX2 build (float32 FMAs) and the AVX512-BF16 build (vdpbf16ps pairs for bfloat16) as
     they run on a CPU with their instructions, whatever the native build here, against the oracle."""
     from benchmarks.kernel_builds import attention_run
@@ -163,7 +163,7 @@ def test_each_instruction_set_build_computes_the_same_attention(build, tmp_path)
 
     if not BUILDS[build][2] <= set(machine()["cpu_flags"]):
         pytest.skip(f"needs an x86 CPU with {', '.join(sorted(BUILDS[build][2]))}")
-    dll = _build_for(build, tmp_path)
+    dll = _build_for(build)
     for dtype in (torch.float32, torch.bfloat16):
         for mla, hk, g, kw, rw, bs, lens in [(True, 1, 16, 512, 64, 16, [0, 1, 16, 17, 96]),
                                              (True, 1, 3, 40, 8, 4, [7, 24]), (False, 2, 5, 64, 0, 16, [33, 1, 0]),

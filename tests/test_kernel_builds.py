@@ -6,10 +6,12 @@ library is kept for later processes under a key over every source and header; an
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -28,11 +30,17 @@ def _edited(sources: dict[str, str], edits: list[tuple[str, str, str]]) -> dict[
     return out
 
 
+@functools.cache
+def _tree_build():
+    """The working tree's sources as ``benchmarks.kernel_builds`` builds them, once per process."""
+    return kernel_builds.build(kernel_builds.sources_now(), tempfile.mkdtemp(prefix="ascend_graph-test-build-"), "now")
+
+
 @needs_kernel
 def test_two_builds_are_timed_side_by_side_and_a_wrong_one_is_refused(tmp_path):
     sources = kernel_builds.sources_now()
-    dlls = {"old": kernel_builds.build(sources, str(tmp_path), "old"),
-            "now": kernel_builds.build(sources, str(tmp_path), "now")}
+    now = _tree_build()
+    dlls = {"old": now, "now": now}  # the same build under both names: what is timed and checked is the harness
     rows = kernel_builds.rows_rates(dlls, rows=(1, 5, 17), n=70, k=96, runs=1)
     assert [r["rows"] for r in rows] == [1, 5, 17]
     assert all(r["old"] > 0 and r["now"] > 0 for r in rows)
@@ -55,8 +63,7 @@ def test_an_old_build_without_decode_attention_times_rows_but_refuses_attention(
     their rows; timing the attention names the build that lacks it, before anything runs."""
     sources = kernel_builds.sources_now()
     older = {name: text for name, text in sources.items() if name not in ("decode_attention.c", "attention_tiles.h")}
-    dlls = {"old": kernel_builds.build(older, str(tmp_path), "old"),
-            "now": kernel_builds.build(sources, str(tmp_path), "now")}
+    dlls = {"old": kernel_builds.build(older, str(tmp_path), "old"), "now": _tree_build()}
     assert [r["rows"] for r in kernel_builds.rows_rates(dlls, rows=(3,), n=70, k=96, runs=1)] == [3]
     with pytest.raises(ValueError, match="the old build has no decode_attention"):
         kernel_builds.attention_times(dlls, batch=2, context=64, runs=1)
@@ -152,24 +159,30 @@ BUILDS = {
 }
 
 
-def _build_for(name: str, tmp_path):
-    """The kernels' sources built with ``BUILDS[name]``'s flags and bound (skip without a C compiler
-    that takes them)."""
+def _build_for(name: str):
+    """The kernels' C sources built with ``BUILDS[name]``'s flags and bound, once per process (the
+    tests only read a build; skip without a C compiler that takes them)."""
     cc = kernels.compiler()
     if cc is None:
         pytest.skip("needs a C compiler")
-    path = kernels.build._compile(cc, ["-O3", *BUILDS[name][0], "-shared", "-fPIC"], str(tmp_path / f"{name}.so"))
+    path = _built_for(cc, name)
     if path is None:
         pytest.skip(f"the C compiler does not build for {name} ({' '.join(BUILDS[name][0])})")
     return kernels.build._bind(ctypes.CDLL(path))
 
 
+@functools.cache
+def _built_for(cc: str, name: str) -> str | None:
+    out = os.path.join(tempfile.mkdtemp(prefix="ascend_graph-test-build-"), f"{name}.so")
+    return kernels.build._compile(cc, ["-O3", *BUILDS[name][0], "-shared", "-fPIC"], out)
+
+
 @pytest.mark.parametrize("name", sorted(BUILDS))
-def test_each_build_runs_the_form_its_instructions_allow(name, tmp_path):
+def test_each_build_runs_the_form_its_instructions_allow(name):
     """A build for AVX512-BF16 has the AVX-512 kernel, one for AVX2 and FMA the AVX2 kernel. Runs on
     any CPU: ``expert_rows_available`` returns a constant, no vector instruction. (A build whose
     AVX-512 test read ``#ifdef KERNEL`` before anything defined it ran the AVX2 form on every CPU.)"""
-    assert _build_for(name, tmp_path).expert_rows_available() == BUILDS[name][1]
+    assert _build_for(name).expert_rows_available() == BUILDS[name][1]
 
 
 def test_the_native_build_is_the_widest_form_this_cpu_runs():
@@ -184,7 +197,7 @@ def test_the_native_build_is_the_widest_form_this_cpu_runs():
 
 
 @pytest.mark.parametrize("name", sorted(BUILDS))
-def test_each_build_computes_what_the_kernel_computes(name, tmp_path):
+def test_each_build_computes_what_the_kernel_computes(name):
     """Each build as it runs on a CPU that has its instructions, whatever the native build here:
     ``expert_rows`` through the forms that build has (AVX-512: 1-4 rows tiles, 5-8 pairs, 9 and
     more wide; AVX2: its tiles at every count, part tiles of rows and of weight rows), with K
@@ -196,7 +209,7 @@ def test_each_build_computes_what_the_kernel_computes(name, tmp_path):
 
     if not BUILDS[name][2] <= set(machine()["cpu_flags"]):
         pytest.skip(f"needs an x86 CPU with {', '.join(sorted(BUILDS[name][2]))}")
-    dll = _build_for(name, tmp_path)
+    dll = _build_for(name)
     gen = torch.Generator().manual_seed(3)
     for n, k in [(300, 2048), (125, 80), (9, 33), (7, 47)]:
         counts = torch.tensor([1, 3, 0, 5, 8, 12, 40])

@@ -52,13 +52,6 @@ AG_EXPORT int AG_TYPED(expert_rows)(const ag_elem_t *x, const ag_elem_t *w, cons
         ag_put_rows(x + (start + wide) * k, k, count - wide, xp + (start + wide) * ldx, ldx);
     }
     long blocks = (n + AG_COLS - 1) / AG_COLS, items = experts * blocks;
-#if AG_F32
-    /* one row per weight streams it at about one core's read rate: on one thread, no team to wait
-     * for at the end (docs/cpu-kernels.md, "Float32 weights") */
-    long most = 0;
-    for (long e = 0; e < experts; e++) most = ends[e] - first_row(ends, e) > most ? ends[e] - first_row(ends, e) : most;
-    if (most < 2) threads = 1;
-#endif
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
     for (long item = 0; item < items; item++) {
         long e = item / blocks, b = item % blocks;
