@@ -304,10 +304,12 @@ def headline() -> str:
     mem = [fmt((d.get("memory") or {}).get("peak_ratio")) for _, d in cpus] + (["—"] if gpu else [])
     body.append(["peak RSS graph / eager"] + mem)
     body += _width_rows(cpus, ["—"] if gpu else [])
-    body += _vllm_rows(cpus, ["—"] if gpu else [])
-    return "\n".join(table(["ratio"] + heads, body) + [
+    vllm_rows = _vllm_rows(cpus, ["—"] if gpu else [])
+    dated = (f" The vLLM rows ran on {load(VLLM_PEER)['conditions']['when'][:10]}, tokens checked against stock vLLM."
+             if vllm_rows else "")
+    return "\n".join(table(["ratio"] + heads, body + vllm_rows) + [
         "", "Medians, timed interleaved in one process; conditions, every table and how to reproduce it: "
-        "[docs/performance.md](docs/performance.md)."]) + "\n"
+        "[docs/performance.md](docs/performance.md)." + dated]) + "\n"
 
 
 BEFORE_AFTER = "benchmarks/results/before_after_decode_attention.json"
