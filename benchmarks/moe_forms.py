@@ -3,7 +3,7 @@
 ``gathered`` (each token's experts' weights indexed, einsum) was the only decode form before;
 ``sorted_by_expert`` (rows sorted by expert, one grouped matmul) reads each chosen expert once
 without a host sync, its matmuls by ``torch._grouped_mm`` before and by the project's
-``expert_rows_mm`` now where that runs (``ascend_graph/kernels/moe.py``); ``decode (now)`` is
+``expert_rows_mm`` now where that runs (``ascend_graph/kernels/ops.py``); ``decode (now)`` is
 what the model now runs (its MoE backend, ``ascend_graph.moe.backend``). Compiled forms go through the runner's
 backend (Inductor with the single-row matmul pass). Bandwidth counts each distinct chosen
 expert's weights once; the copy bandwidth is timed in the same rounds (the MoE's roofline).
