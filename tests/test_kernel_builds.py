@@ -5,6 +5,7 @@ library is kept for later processes under a key over every source and header; an
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import os
@@ -31,9 +32,17 @@ def _edited(sources: dict[str, str], edits: list[tuple[str, str, str]]) -> dict[
 
 
 @functools.cache
+def _scratch() -> str:
+    """One directory for this process's shared test builds, removed at exit."""
+    d = tempfile.mkdtemp(prefix="ascend_graph-test-build-")
+    atexit.register(shutil.rmtree, d, True)
+    return d
+
+
+@functools.cache
 def _tree_build():
     """The working tree's sources as ``benchmarks.kernel_builds`` builds them, once per process."""
-    return kernel_builds.build(kernel_builds.sources_now(), tempfile.mkdtemp(prefix="ascend_graph-test-build-"), "now")
+    return kernel_builds.build(kernel_builds.sources_now(), _scratch(), "now")
 
 
 @needs_kernel
@@ -173,7 +182,7 @@ def _build_for(name: str):
 
 @functools.cache
 def _built_for(cc: str, name: str) -> str | None:
-    out = os.path.join(tempfile.mkdtemp(prefix="ascend_graph-test-build-"), f"{name}.so")
+    out = os.path.join(_scratch(), f"{name}.so")
     return kernels.build._compile(cc, ["-O3", *BUILDS[name][0], "-shared", "-fPIC"], out)
 
 
