@@ -129,8 +129,9 @@ class InductorOptions:
       combinable with ``aot`` or ``freezing_min_batch``.
     - ``precompile``: each compiled step (dynamo's trace and Inductor's code) saved under the
       compile cache and loaded by a later process instead of traced (``compile.precompile``; torch's
-      ``aot_compile``, which torch calls experimental). A CPU runner's own Inductor backend only;
-      not combinable with ``aot`` or ``freezing_min_batch``.
+      ``aot_compile``, which torch calls experimental). ``None`` = on wherever it applies: a CPU
+      runner's own Inductor backend without ``aot`` or ``freezing_min_batch``, built outside
+      ``torch.inference_mode`` (``True`` with another backend is refused).
 
     Costs and measured effects: docs/configuration.md.
     """
@@ -141,7 +142,7 @@ class InductorOptions:
     freezing_min_batch: Optional[PositiveInt] = None
     aot: bool = False
     dynamic_batch: Optional[bool] = None
-    precompile: bool = False
+    precompile: Optional[bool] = None
 
     def __post_init__(self) -> None:
         check_fields(self, f"{self.KEY}.")

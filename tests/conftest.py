@@ -1,9 +1,18 @@
 """Shared test setup."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # Inductor's parallel compile workers oversubscribe the 2-core CI machines; compile in-process.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+# A compile cache of the test session's own (its workers and subprocesses share it), removed at
+# exit: a step an earlier run compiled or precompiled never turns a test's compile into a load.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="ag-tests-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

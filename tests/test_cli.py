@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from ascend_graph.cli import commands, main, report
+from ascend_graph.cli import build_parser, commands, main, report
 
 QUICK = ["--backend", "aot_eager", "--capture-sizes", "1,2", "--max-model-len", "64", "--no-progress", "--json"]
 
@@ -100,6 +100,12 @@ def test_demo_capture_table_names_each_sizes_cache_outcome_and_the_start(outcome
     assert report.capture_start(capture) == start
     assert lines[-1].split()[:2] == ["total", "3.00"] and (f"({start} start)" in lines[-1]) == (start is not None)
     assert [line.split()[-1] for line in lines[2:4]] == [o or "-" for o in outcomes]
+
+
+@pytest.mark.parametrize("flag, precompile", [([], None), (["--precompile"], True), (["--no-precompile"], False)])
+def test_precompile_flags_set_the_option_and_leave_its_default_alone_otherwise(flag, precompile):
+    args = build_parser().parse_args(["demo", *QUICK, *flag])
+    assert commands.graph_config(args, graph=True).inductor.precompile is precompile
 
 
 def test_aot_inductor_on_another_backend_exits_2_naming_it(capsys):

@@ -98,10 +98,12 @@ def test_a_group_that_fails_to_compile_falls_back_to_a_compile_per_size():
 
 def test_inductor_group_equals_eager_and_a_warm_start_loads_it_with_identical_logits(tmp_path):
     """Cold: the group compiles (a miss); warm, a fresh runner on the same cache directory loads
-    it (a hit) and gives the cold runner's logits bit for bit; other cache shapes miss."""
+    it from Inductor's own cache (a hit; precompile off, test_precompile has that path) and gives
+    the cold runner's logits bit for bit; other cache shapes miss."""
     model = small_model("mla")
     cfg = GraphConfig(enabled=True, backend="inductor", capture_sizes=(2, 4), max_batch_size=4,
-                      compile_cache_dir=str(tmp_path))  # dynamic_batch=None: on for this fp32 model
+                      compile_cache_dir=str(tmp_path),  # dynamic_batch=None: on for this fp32 model
+                      inductor=InductorOptions(precompile=False))
     logits, outcomes = [], []
     for _ in range(2):
         runner, sched = make_runner(model, cfg), Schedule(seed=2)

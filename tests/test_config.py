@@ -175,7 +175,7 @@ def test_to_dict_is_json_safe_and_round_trips():
                       inductor=InductorOptions(cpp_wrapper=False, freezing_min_batch=4))
     d = cfg.to_dict()
     assert d["inductor"] == {"cpp_wrapper": False, "freezing_min_batch": 4, "aot": False, "dynamic_batch": None,
-                             "precompile": False}
+                             "precompile": None}
     assert d["torchair"]["mode"] == "reduce-overhead" and d["capture_sizes"] == [1, 4]
     assert GraphConfig.from_dict(json.loads(json.dumps(d))) == cfg
 

@@ -9,6 +9,7 @@ same files and must compute with its own weights.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -19,7 +20,8 @@ from runner_helpers import BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS, Schedule, make
 
 from ascend_graph.compile import precompile
 from ascend_graph.config import GraphConfig, InductorOptions
-from ascend_graph.runner import GraphRunner
+from ascend_graph.runner import GraphRunner, RecompileError
+from ascend_graph.runner.groups import resolve_compile_options
 from ascend_graph.runner.parity import compare_step
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -113,3 +115,49 @@ def test_precompile_is_refused_where_it_cannot_apply():
     with pytest.raises(ValueError, match="and a backend callable"):
         make_runner(model, GraphConfig(enabled=True, capture_sizes=(1,), max_batch_size=1,
                                        inductor=InductorOptions(precompile=True)), backend=lambda gm, inputs: gm)
+
+
+def test_precompile_is_on_by_default_only_where_it_applies(tmp_path):
+    """Default (``precompile=None``): on for a CPU runner's own Inductor backend, off for other
+    backends, a backend callable, ``aot``, freezing and graph mode off; ``False`` turns it off."""
+    model, cpu = small_model("llama"), torch.device("cpu")
+
+    def resolved(callable_backend=None, **fields) -> bool:
+        inductor = {k: fields.pop(k) for k in ("aot", "freezing_min_batch", "precompile") if k in fields}
+        cfg = GraphConfig(**{"enabled": True, "capture_sizes": (1,), "max_batch_size": 1, **fields},
+                          inductor=InductorOptions(**inductor))
+        return resolve_compile_options(model, cfg, cpu, callable_backend).precompile
+
+    assert resolved() and resolved(backend="inductor")
+    assert not any([resolved(backend="aot_eager"), resolved(backend="eager"), resolved(aot=True),
+                    resolved(freezing_min_batch=1), resolved(precompile=False), resolved(enabled=False),
+                    resolved(lambda gm, inputs: gm)])
+    with torch.inference_mode():  # as vLLM's worker builds the runner: its caches are inference tensors
+        assert not resolved() and resolved(precompile=True)
+    runner = make_runner(model, GraphConfig(enabled=True, capture_sizes=(1,), max_batch_size=1,
+                                            compile_cache_dir=str(tmp_path)))
+    runner.capture(show_progress=False)  # the default backend on CPU is Inductor: the step is saved
+    assert [f.startswith("decode_step_1-") for f in os.listdir(tmp_path / "ascend_graph_precompiled")] == [True]
+
+
+def test_a_precompiled_step_whose_guards_fail_compiles_again_as_a_recompile(tmp_path, caplog):
+    """A guarded attribute of the model changes after warm-up: the precompiled step's guards fail,
+    and the step compiles again through the runner's backend, which counts it as a recompile
+    (raised or warned by ``on_recompile``); the new graph computes what eager does."""
+    for policy in ("error", "warn"):
+        model = small_model("llama")
+        cfg = GraphConfig(enabled=True, backend="inductor", capture_sizes=(2,), max_batch_size=2,
+                          compile_cache_dir=str(tmp_path), on_recompile=policy)
+        runner, sched = make_runner(model, cfg), Schedule()
+        prefilled(runner, sched, 2, model.config.vocab_size)
+        runner.execute(sched.decode_entries())
+        assert runner.stats.compiles + runner.stats.packages_loaded == 1 and runner.stats.recompiles == 0
+        model.layers[0].self_attn.cfg = type(model.config)(rope_theta=5000.0)
+        if policy == "error":
+            with pytest.raises(RecompileError, match="compiled again after warm-up"):
+                runner.execute(sched.decode_entries())
+            continue
+        with caplog.at_level(logging.WARNING):
+            report = compare_step(runner, sched.decode_entries())
+        assert report.ok and report.untouched_ok, report.summary()
+        assert runner.stats.recompiles == 1 and "guards failed" in caplog.text

@@ -45,9 +45,11 @@ def assert_caches_equal(runner, saved) -> None:
 
 def test_capture_records_per_size_whether_it_was_compiled_or_loaded_from_the_compile_cache(tmp_path):
     """Two runners on one model and one cache directory: the first compiles the size, the second
-    loads it; the debug backend has no Inductor cache to ask."""
+    loads it from Inductor's cache (precompile off: test_precompile has that path); the debug
+    backend has no Inductor cache to ask."""
     model = small_model("llama", layers=1)
-    config = graph_config(backend="inductor", capture_sizes=(2,), max_batch_size=2, compile_cache_dir=str(tmp_path))
+    config = graph_config(backend="inductor", capture_sizes=(2,), max_batch_size=2, compile_cache_dir=str(tmp_path),
+                          inductor=InductorOptions(precompile=False))
     outcomes = []
     for _ in range(2):
         runner = make_runner(model, config)

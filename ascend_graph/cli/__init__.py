@@ -80,9 +80,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--aot-inductor", action="store_true",
                    help="CPU: compile each capture size ahead of time into an AOTInductor package, loaded "
                         "instead of compiled by later runs with the same --compile-cache-dir (GraphConfig.inductor.aot)")
-    g.add_argument("--precompile", action="store_true",
+    g.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                    help="CPU: save each compiled step (trace and code) under the compile cache; later runs with the "
-                        "same --compile-cache-dir load it instead of tracing (GraphConfig.inductor.precompile)")
+                        "same --compile-cache-dir load it instead of tracing (GraphConfig.inductor.precompile; "
+                        "default: on wherever it applies)")
     g.add_argument("--graph-config", default=None, metavar="JSON|FILE",
                    help="graph settings over the flags above: a JSON object (or a file holding one) of GraphConfig "
                         "keys and/or vllm-ascend's torchair_graph_config / additional_config; its 'enabled' "

@@ -60,7 +60,7 @@ def graph_config(args: argparse.Namespace, graph: bool) -> GraphConfig:
     """The flags' graph settings, ``--graph-config`` over them, graph mode ``graph`` whatever it says."""
     sizes = tuple(sorted(set(args.capture_sizes)))
     config = GraphConfig(enabled=True, backend=args.backend, capture_sizes=sizes, max_batch_size=max(sizes),
-                         inductor=InductorOptions(aot=args.aot_inductor, precompile=getattr(args, "precompile", False)),
+                         inductor=InductorOptions(aot=args.aot_inductor, precompile=getattr(args, "precompile", None)),
                          compile_cache_dir=args.compile_cache_dir)
     text = getattr(args, "graph_config", None)
     if text:

@@ -55,11 +55,15 @@ DIM_MARKS = ("_dynamo_dynamic_indices", "_dynamo_dynamic_range", "_dynamo_weak_d
 
 class PrecompiledStep:
     """A loaded or just compiled step, called like the step's method (the module bound first).
-    A loaded one takes its inputs' dynamic-dimension marks off at their first call (the runner's
-    views of a compile group carry them for the cold compile)."""
+    Its guards are checked on each call; where they fail (e.g. a guarded attribute of the model
+    changed) the call goes to ``fallback``, the method's plain ``torch.compile``, which compiles it
+    again as any graph's guard failure does (the runner counts that as a recompile). A loaded one
+    takes its inputs' dynamic-dimension marks off at their first call (the runner's views of a
+    compile group carry them for the cold compile)."""
 
-    def __init__(self, fn: Callable, step: nn.Module, loaded: bool) -> None:
-        self.fn, self.step, self.loaded, self._unmarked = fn, step, loaded, set()
+    def __init__(self, fn: Any, step: nn.Module, loaded: bool, fallback: Callable) -> None:
+        fn.disable_guard_check()  # checked here instead, where a failure can compile again
+        self.fn, self.step, self.loaded, self.fallback, self._unmarked = fn, step, loaded, fallback, set()
 
     def __call__(self, *args: Any) -> Any:
         if self.loaded and id(args[0]) not in self._unmarked:
@@ -69,7 +73,10 @@ class PrecompiledStep:
                         delattr(t, name)
             self._unmarked.add(id(args[0]))  # the runner's views live as long as the runner
         with grad_off():
-            return self.fn(self.step, *args)
+            if self.fn.guard_check(self.step, *args):
+                return self.fn(self.step, *args)
+            log.warning("a precompiled step's guards failed; the step compiles again")
+            return self.fallback(*args)
 
 
 def grad_off():
@@ -105,13 +112,13 @@ def load_or_precompile(method: Callable, step: nn.Module, inputs: Sequence[Any],
     ``inputs`` and saved; and whether it was loaded. Where aot_compile fails,
     ``torch.compile(method)`` (compiled at its first call) is returned."""
     path = precompiled_path(step, method.__name__, inputs, config, inductor)
+    compiled = torch.compile(method, backend=backend, fullgraph=True, dynamic=False)  # compiles at first call
     if os.path.exists(path):
         try:
             with open(path, "rb") as f, loading(config, inductor):
-                return PrecompiledStep(torch.compiler.load_compiled_function(f), step, loaded=True), True
+                return PrecompiledStep(torch.compiler.load_compiled_function(f), step, True, compiled), True
         except Exception as e:  # noqa: BLE001 - a stale or damaged file is compiled again
             log.warning("loading the precompiled step %s failed, compiling it again: %s", path, e)
-    compiled = torch.compile(method, backend=backend, fullgraph=True, dynamic=False)
     try:
         aot = aot_compile(compiled, inputs)
     except Exception as e:  # noqa: BLE001 - what dynamo cannot save still compiles as a graph
@@ -124,4 +131,4 @@ def load_or_precompile(method: Callable, step: nn.Module, inputs: Sequence[Any],
         os.replace(partial, path)  # never a partial file under the final name
     except Exception as e:  # noqa: BLE001 - the compiled step still runs in this process
         log.warning("saving the precompiled step %s failed: %s", path, e)
-    return PrecompiledStep(aot, step, loaded=False), False
+    return PrecompiledStep(aot, step, False, compiled), False

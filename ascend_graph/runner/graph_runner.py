@@ -46,7 +46,7 @@ class GraphRunner:
         self.model = model
         self.config = config
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        dynamic = resolve_compile_options(model, config, self.device, backend)
+        self.compile_options = resolve_compile_options(model, config, self.device, backend)
         self.recipe = compile_recipe_for(config, self.device, backend)
         backends = model_attention_backends(model)
         self.block_size = choose_block_size(backends, block_size)
@@ -56,7 +56,7 @@ class GraphRunner:
         self.max_model_len = max_model_len
         self.table_width = math.ceil(max_model_len / self.block_size)
         self.capture_sizes = config.resolved_capture_sizes() if config.enabled else ()
-        self.compile_groups: dict[int, CompileGroup] = compile_groups(self.capture_sizes, dynamic)
+        self.compile_groups: dict[int, CompileGroup] = compile_groups(self.capture_sizes, self.compile_options.dynamic_batch)
         self.kv_caches = allocate_kv_caches(model.kv_cache_specs(), num_blocks, self.block_size, self.device,
                                             align_bytes=cache_align_bytes, huge_pages=self.device.type == "cpu")
         self.stats = RunnerStats()
@@ -285,7 +285,7 @@ class GraphRunner:
         if group in self._shared:
             return self._shared[group][0]
         method = step_for_size(self._step, group.label)
-        if self.config.inductor.precompile:
+        if self.compile_options.precompile:
             from ..compile.precompile import load_or_precompile
 
             ids_v, pos_v, meta_v = self._views(size)
@@ -300,7 +300,7 @@ class GraphRunner:
 
     def _loads_files(self) -> bool:
         """Whether capture loads compiled steps from files (AOTInductor packages, precompiled steps)."""
-        return self.config.inductor.aot or self.config.inductor.precompile
+        return self.config.inductor.aot or self.compile_options.precompile
 
     def _split_group(self, group: CompileGroup) -> None:
         """Give each size of a failed compile group that has no graph yet its own static compile."""

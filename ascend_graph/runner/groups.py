@@ -48,31 +48,45 @@ class CompileGroup:
         return str(self.hi) if not self.dynamic else f"{self.lo}-{self.hi}"
 
 
-def dynamic_batch_default(model: nn.Module, config: GraphConfig, device: torch.device,
-                          backend_given: bool) -> bool:
-    """What ``inductor.dynamic_batch=None`` means for this runner: on for the runner's own Inductor
-    backend on CPU, without ``aot`` or freezing, when no parameter is bf16/fp16 (the decode-matmul
-    pass then rewrites nothing by row count, so a shared compile gives the same code per row)."""
+def own_cpu_inductor(config: GraphConfig, device: torch.device, backend_given: bool) -> bool:
+    """Whether this runner compiles with its own Inductor backend on CPU, the plain way: no
+    backend callable, backend ``auto`` or ``inductor``, no ``aot`` or freezing."""
     from ..compile import AUTO_BACKEND
 
     if backend_given or device.type not in DYNAMIC_BATCH_PLATFORMS:
         return False
     if (AUTO_BACKEND[device.type] if config.backend == "auto" else config.backend) != "inductor":
         return False
-    if config.inductor.aot or config.inductor.freezing_min_batch is not None:
-        return False
-    return not any(p.dtype in ROW_COUNT_DTYPES for p in model.parameters())
+    return not (config.inductor.aot or config.inductor.freezing_min_batch is not None)
+
+
+def dynamic_batch_default(model: nn.Module, config: GraphConfig, device: torch.device,
+                          backend_given: bool) -> bool:
+    """What ``inductor.dynamic_batch=None`` means for this runner: on for the runner's own Inductor
+    backend on CPU, without ``aot`` or freezing, when no parameter is bf16/fp16 (the decode-matmul
+    pass then rewrites nothing by row count, so a shared compile gives the same code per row)."""
+    return (own_cpu_inductor(config, device, backend_given)
+            and not any(p.dtype in ROW_COUNT_DTYPES for p in model.parameters()))
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """The Inductor options a runner compiles with, defaults resolved."""
+
+    dynamic_batch: bool
+    precompile: bool
 
 
 def resolve_compile_options(model: nn.Module, config: GraphConfig, device: torch.device,
-                            backend: Optional[Callable]) -> bool:
+                            backend: Optional[Callable]) -> CompileOptions:
     """Check the Inductor options against this runner (ValueError naming the option) and return
-    ``inductor.dynamic_batch`` with its default resolved. ``freezing_min_batch``, ``aot``,
-    ``dynamic_batch=True`` and ``precompile`` are for CPU runners; ``aot`` and ``precompile``
+    them with their defaults resolved: ``dynamic_batch`` as ``dynamic_batch_default`` says,
+    ``precompile`` on wherever it applies (``own_cpu_inductor``, not under inference mode). ``freezing_min_batch``, ``aot``,
+    ``dynamic_batch=True`` and ``precompile=True`` are for CPU runners; ``aot`` and ``precompile``
     compile with the runner's own Inductor backend."""
     options = config.inductor
     if not config.enabled:
-        return False
+        return CompileOptions(False, False)
     if options.freezing_min_batch is not None and device.type != "cpu":
         # Frozen graphs keep the caches as ordinary inputs (see freezing.py): a CUDA graph
         # would then copy them in on every replay, or not be recorded at all.
@@ -80,11 +94,15 @@ def resolve_compile_options(model: nn.Module, config: GraphConfig, device: torch
     for name in ("aot", "precompile"):
         if getattr(options, name):
             _check_own_inductor(f"inductor.{name}=True", config, device, backend)
+    # Built under inference mode (vLLM's worker), the caches are inference tensors, which a
+    # precompiled step (compiled and called outside inference mode, see grad_off) cannot write.
+    precompile = (own_cpu_inductor(config, device, backend is not None) and not torch.is_inference_mode_enabled()
+                  if options.precompile is None else options.precompile)
     if options.dynamic_batch is None:
-        return dynamic_batch_default(model, config, device, backend is not None)
+        return CompileOptions(dynamic_batch_default(model, config, device, backend is not None), precompile)
     if options.dynamic_batch and device.type not in DYNAMIC_BATCH_PLATFORMS:
         raise ValueError(f"inductor.dynamic_batch=True is for CPU runners; this one runs on {device}")
-    return options.dynamic_batch
+    return CompileOptions(options.dynamic_batch, precompile)
 
 
 def _check_own_inductor(what: str, config: GraphConfig, device: torch.device, backend: Optional[Callable]) -> None:
