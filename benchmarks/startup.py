@@ -192,13 +192,16 @@ def demo_pair(sizes: str, checkout: str | None = None, graph_config: str | None 
         return {start: run_child("demo", sizes, cache, False, checkout, **flags) for start in ("cold", "warm")}
 
 
-PRECOMPILE = '{"inductor": {"precompile": true}}'  # the demo's --graph-config for --precompile
+# Where the demo's start-up lies in the startup part's JSON, and how that demo ran (a CLI flag);
+# "demo_precompiled" is in results from before precompile was the default.
+DEMO_VARIANTS = (("demo", ""), ("demo_no_precompile", " with --no-precompile"), ("demo_precompiled", " with --precompile"))
+NO_PRECOMPILE = '{"inductor": {"precompile": false}}'  # the demo's --graph-config for --no-precompile
 
 
 def measure_demo(repeats: int = 1, sizes: tuple[int, ...] = DEMO_SIZES, graph_config: str | None = None) -> dict:
     """The demo's capture cold (empty cache directory) and warm (the directory the cold run
     filled), each in a fresh process, ``repeats`` times: per size and in total, with phases;
-    ``graph_config``: the demo's ``--graph-config`` (``PRECOMPILE``: its ``--precompile``)."""
+    ``graph_config``: the demo's ``--graph-config`` (``NO_PRECOMPILE``: its ``--no-precompile``)."""
     runs = [demo_pair(",".join(map(str, sizes)), graph_config=graph_config) for _ in range(repeats)]
     return summarise_demo(runs, sizes)
 
@@ -253,14 +256,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1, help="with --demo: cold and warm pairs")
     p.add_argument("--json", default=None, help="also write the result to this file")
     p.add_argument("--old", default=None, help="with --demo: also a checkout to compare against, turn about")
-    p.add_argument("--precompile", action="store_true", help="with --demo: the demo with --precompile")
+    p.add_argument("--no-precompile", action="store_true", help="with --demo: the demo with --no-precompile")
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args)))
     elif args.demo:
         sizes = tuple(int(s) for s in args.sizes.split(",")) if args.sizes else DEMO_SIZES
         res = (demo_before_after(args.old, args.repeats, sizes) if args.old
-               else measure_demo(args.repeats, sizes, PRECOMPILE if args.precompile else None))
+               else measure_demo(args.repeats, sizes, NO_PRECOMPILE if args.no_precompile else None))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=2)

@@ -10,6 +10,7 @@ import os
 
 from benchmarks.targets import case_title
 from benchmarks.compile_phases import PHASES
+from benchmarks.startup import DEMO_VARIANTS
 
 
 def fmt(v, digits: int = 2) -> str:
@@ -247,8 +248,9 @@ def startup(out: dict) -> list[str]:
                          v.get("packages_loaded", "—")])
     return [f"Start-up: capture sizes {s['sizes']} of the {s['model']} model, fresh process each"] + table(
         ["variant", "capture s", "loading artifacts s", "total process s", "compiles", "C++ compiler runs",
-         "C++ compiler s", "packages loaded"], body) + startup_demo(s.get("demo")) + startup_demo(
-        s.get("demo_precompiled"), " with `--precompile` (`inductor.precompile`)")
+         "C++ compiler s", "packages loaded"], body) + [
+        line for key, how in DEMO_VARIANTS
+        for line in startup_demo(s.get(key), how and f" with `{how.split()[-1]}` (`inductor.precompile`)")]
 
 
 def startup_demo(d: dict | None, variant: str = "") -> list[str]:

@@ -7,7 +7,7 @@ else: the best it can be on this machine while the limit stands.
 
 from __future__ import annotations
 
-from benchmarks.startup import DEMO_GOALS, DEMO_SIZES
+from benchmarks.startup import DEMO_GOALS, DEMO_SIZES, DEMO_VARIANTS
 
 # limit -> column heading of the report's limits table (docs/performance.md explains each)
 LIMITS = {"at_copy_roofline": "at copy roofline", "at_read_ceiling": "at read ceiling",
@@ -190,8 +190,10 @@ def targets(out: dict) -> list[dict]:
             "worst batch", value, 1.15, "live_context", at_most=True, limits=limits)
     st = out.get("startup")
     add("start-up: cold / warm capture time", st and st["warm_speedup_capture"], 5.0, "startup")
-    for key, how in (("demo", ""), ("demo_precompiled", " with --precompile")):
+    for key, how in DEMO_VARIANTS:
         demo = (st or {}).get(key)
+        if key != "demo" and demo is None:
+            continue
         for start in ("cold", "warm"):
             add(f"start-up: the demo's capture of sizes {', '.join(map(str, DEMO_SIZES))}{how}, {start}, s (median)",
                 demo and demo[f"{start}_capture_s"]["median"], DEMO_GOALS[f"{start}_capture_s"], "startup",
