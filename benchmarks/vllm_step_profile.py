@@ -1,7 +1,8 @@
 """Where a decode step's time goes inside vLLM: stock vLLM against vLLM with our graph mode.
 
-``python -m benchmarks.vllm_step_profile --vllm-python VENV/bin/python [--dtypes float32,bfloat16]
-[--batch 1] [--json PATH]`` writes ``benchmarks.vllm_peer``'s tiny checkpoint, then for each dtype
+``python -m benchmarks.vllm_step_profile --vllm-python VENV/bin/python [--model tiny|v2lite]
+[--dtypes float32,bfloat16] [--batch 1] [--json PATH]`` writes one of ``benchmarks.vllm_peer``'s
+checkpoints (default tiny), then for each dtype
 and side runs one vLLM in a subprocess of the vLLM venv's python (this file as a script, graph
 mode's side with this checkout's plugin on ``PYTHONPATH``; with ``--graph-before ROOT`` also one
 with ROOT's). There every call of the functions in
@@ -86,12 +87,13 @@ def worker(spec: dict) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from benchmarks.common import conditions, write_json
-    from benchmarks.vllm_peer import prompts, write_checkpoint
+    from benchmarks.vllm_peer import MODELS, prompts, write_checkpoint
     from benchmarks.vllm_peer_sides import vllm_env
     from benchmarks.vllm_plugin_env import ROOT, pythonpath
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--vllm-python", required=True)
+    p.add_argument("--model", default="tiny", choices=MODELS)
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--new-tokens", type=int, default=200)
@@ -105,11 +107,12 @@ def main(argv: list[str] | None = None) -> dict:
            "command": "python -m benchmarks.vllm_step_profile " + " ".join(sys.argv[1:]),
            "settings": {k: v for k, v in vars(args).items() if k not in ("json", "vllm_python")}, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="ag-vllm-profile-") as work:
-        config = write_checkpoint("tiny", os.path.join(work, "tiny"))
+        model = os.path.join(work, args.model)
+        config = write_checkpoint(args.model, model)
         for dtype in args.dtypes.split(","):
             for side, root in sides.items():
                 graph = root is not None
-                spec = {"model": os.path.join(work, "tiny"), "dtype": dtype, "graph": graph, "batch": args.batch,
+                spec = {"model": model, "dtype": dtype, "graph": graph, "batch": args.batch,
                         "prompts": prompts(args.batch, config.vocab_size), "new_tokens": args.new_tokens,
                         "generations": args.generations, "threads": args.threads}
                 spec_path, out_path = os.path.join(work, "spec.json"), os.path.join(work, "out.json")
