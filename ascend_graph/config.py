@@ -130,8 +130,8 @@ class InductorOptions:
     - ``precompile``: each compiled step (dynamo's trace and Inductor's code) saved under the
       compile cache and loaded by a later process instead of traced (``compile.precompile``; torch's
       ``aot_compile``, which torch calls experimental). ``None`` = on wherever it applies: a CPU
-      runner's own Inductor backend without ``aot`` or ``freezing_min_batch``, built outside
-      ``torch.inference_mode`` (``True`` with another backend is refused).
+      runner's own Inductor backend without ``aot`` or ``freezing_min_batch`` (``True`` elsewhere
+      is refused).
 
     Costs and measured effects: docs/configuration.md.
     """

@@ -132,8 +132,6 @@ def test_precompile_is_on_by_default_only_where_it_applies(tmp_path):
     assert not any([resolved(backend="aot_eager"), resolved(backend="eager"), resolved(aot=True),
                     resolved(freezing_min_batch=1), resolved(precompile=False), resolved(enabled=False),
                     resolved(lambda gm, inputs: gm)])
-    with torch.inference_mode():  # as vLLM's worker builds the runner: its caches are inference tensors
-        assert not resolved() and resolved(precompile=True)
     runner = make_runner(model, GraphConfig(enabled=True, capture_sizes=(1,), max_batch_size=1,
                                             compile_cache_dir=str(tmp_path)))
     runner.capture(show_progress=False)  # the default backend on CPU is Inductor: the step is saved
@@ -161,3 +159,26 @@ def test_a_precompiled_step_whose_guards_fail_compiles_again_as_a_recompile(tmp_
             report = compare_step(runner, sched.decode_entries())
         assert report.ok and report.untouched_ok, report.summary()
         assert runner.stats.recompiles == 1 and "guards failed" in caplog.text
+
+
+def test_a_runner_built_under_inference_mode_precompiles_and_loads_its_steps(tmp_path):
+    """As vLLM's worker builds it: caches and buffers are inference tensors, which the step writes
+    in inference mode; its files are its own (the mode is part of the key), and a second runner
+    loads them and computes what eager does."""
+    model = small_model("llama")
+    with torch.inference_mode():
+        counts = []
+        for _ in range(2):
+            runner, sched = make_runner(model, config(str(tmp_path))), Schedule(seed=4)
+            assert runner.kv_caches[0].k.is_inference()
+            runner.capture(show_progress=False)
+            prefilled(runner, sched, 3, model.config.vocab_size)
+            for n in (1, 3, 2):
+                report = compare_step(runner, sched.decode_entries()[:n])
+                assert report.ok and report.untouched_ok, report.summary()
+            counts.append((runner.stats.compiles, runner.stats.packages_loaded, runner.stats.recompiles))
+    assert counts == [(2, 0, 0), (0, 2, 0)]  # size 1 and group 2-4
+    outside = make_runner(model, config(str(tmp_path)))  # the same shapes outside inference mode: other files
+    outside.capture(show_progress=False)
+    assert (outside.stats.compiles, outside.stats.packages_loaded) == (2, 0)
+    assert len(os.listdir(tmp_path / "ascend_graph_precompiled")) == 4

@@ -6,8 +6,10 @@ A step is compiled through ``torch.compile(...).aot_compile`` and saved with
 load_compiled_function``, whose guards are checked on every call as a dynamo graph's are. The
 file holds code and guards only: weights and caches are the step's inputs, read at each call (a
 weight changed in place, or a different checkpoint of the same shapes, is what the loaded step
-computes with). It is compiled, and called, with grad mode off outside inference mode
-(``grad_off``), whatever mode the caller is in.
+computes with). It is compiled, and called, in the mode its inputs were made in (``step_mode``):
+inference mode where the runner's caches are inference tensors (a runner built under
+``torch.inference_mode``, as vLLM's worker builds it), else grad mode off outside inference
+mode, whatever mode the caller is in; the mode is part of the file's key.
 
 A file is found by ``aot_inductor.package_key`` (torch's version, the CPU's vector capability
 and thread count, this package's sources, the model's class, config and parameter shapes, the
@@ -41,7 +43,7 @@ def precompiled_path(step: nn.Module, name: str, inputs: Sequence[Any], config: 
     """Where the precompiled ``name`` (``decode_step_<size or group>``) of these inputs lives, for
     the compile cache of ``config`` and the options of ``backend`` (an ``InductorBackend``)."""
     options = {**getattr(backend, "config_patches", {}), "inline_writes": getattr(backend, "inline_writes", None),
-               "precompiled": name}
+               "precompiled": name, "inference": made_in_inference_mode(inputs)}
     key = package_key(step, inputs, options)
     return os.path.join(os.path.dirname(package_dir(config)), SUBDIR, f"{name}-{key[:32]}.bin")
 
@@ -61,9 +63,10 @@ class PrecompiledStep:
     takes its inputs' dynamic-dimension marks off at their first call (the runner's views of a
     compile group carry them for the cold compile)."""
 
-    def __init__(self, fn: Any, step: nn.Module, loaded: bool, fallback: Callable) -> None:
+    def __init__(self, fn: Any, step: nn.Module, loaded: bool, fallback: Callable, inference: bool) -> None:
         fn.disable_guard_check()  # checked here instead, where a failure can compile again
-        self.fn, self.step, self.loaded, self.fallback, self._unmarked = fn, step, loaded, fallback, set()
+        self.fn, self.step, self.loaded, self.fallback, self.inference = fn, step, loaded, fallback, inference
+        self._unmarked: set[int] = set()
 
     def __call__(self, *args: Any) -> Any:
         if self.loaded and id(args[0]) not in self._unmarked:
@@ -72,16 +75,24 @@ class PrecompiledStep:
                     if isinstance(t, torch.Tensor) and hasattr(t, name):
                         delattr(t, name)
             self._unmarked.add(id(args[0]))  # the runner's views live as long as the runner
-        with grad_off():
+        with step_mode(self.inference):
             if self.fn.guard_check(self.step, *args):
                 return self.fn(self.step, *args)
             log.warning("a precompiled step's guards failed; the step compiles again")
             return self.fallback(*args)
 
 
-def grad_off():
-    """Grad mode off outside inference mode, as the step is compiled and called: the dispatch
-    keys a saved step's guards expect are those of tensors seen there."""
+def made_in_inference_mode(inputs: Sequence[Any]) -> bool:
+    """Whether the step's inputs (the runner's caches and buffers among them) are inference tensors."""
+    return any(isinstance(t, torch.Tensor) and t.is_inference() for t in pytree.tree_leaves(list(inputs)))
+
+
+def step_mode(inference: bool):
+    """The mode a step is compiled and called in: inference mode for inference-tensor inputs
+    (only there can it write them), else grad mode off outside inference mode. The dispatch keys
+    a saved step's guards expect are those of tensors seen in that mode."""
+    if inference:
+        return torch.inference_mode(True)
     stack = contextlib.ExitStack()
     stack.enter_context(torch.inference_mode(False))
     stack.enter_context(torch.no_grad())
@@ -101,7 +112,7 @@ def loading(config: GraphConfig, inductor: Callable):
 
 def aot_compile(compiled: Callable, inputs: Sequence[Any]) -> Any:
     """``compiled`` (a ``torch.compile`` function) traced and compiled now for ``inputs``."""
-    with grad_off():
+    with step_mode(made_in_inference_mode(inputs)):
         return compiled.aot_compile((tuple(inputs), {}))
 
 
@@ -111,12 +122,12 @@ def load_or_precompile(method: Callable, step: nn.Module, inputs: Sequence[Any],
     through ``backend`` (``inductor``, the ``InductorBackend`` inside it, keys the file) on
     ``inputs`` and saved; and whether it was loaded. Where aot_compile fails,
     ``torch.compile(method)`` (compiled at its first call) is returned."""
-    path = precompiled_path(step, method.__name__, inputs, config, inductor)
+    path, inference = precompiled_path(step, method.__name__, inputs, config, inductor), made_in_inference_mode(inputs)
     compiled = torch.compile(method, backend=backend, fullgraph=True, dynamic=False)  # compiles at first call
     if os.path.exists(path):
         try:
             with open(path, "rb") as f, loading(config, inductor):
-                return PrecompiledStep(torch.compiler.load_compiled_function(f), step, True, compiled), True
+                return PrecompiledStep(torch.compiler.load_compiled_function(f), step, True, compiled, inference), True
         except Exception as e:  # noqa: BLE001 - a stale or damaged file is compiled again
             log.warning("loading the precompiled step %s failed, compiling it again: %s", path, e)
     try:
@@ -131,4 +142,4 @@ def load_or_precompile(method: Callable, step: nn.Module, inputs: Sequence[Any],
         os.replace(partial, path)  # never a partial file under the final name
     except Exception as e:  # noqa: BLE001 - the compiled step still runs in this process
         log.warning("saving the precompiled step %s failed: %s", path, e)
-    return PrecompiledStep(aot, step, False, compiled), False
+    return PrecompiledStep(aot, step, False, compiled, inference), False

@@ -81,7 +81,7 @@ def resolve_compile_options(model: nn.Module, config: GraphConfig, device: torch
                             backend: Optional[Callable]) -> CompileOptions:
     """Check the Inductor options against this runner (ValueError naming the option) and return
     them with their defaults resolved: ``dynamic_batch`` as ``dynamic_batch_default`` says,
-    ``precompile`` on wherever it applies (``own_cpu_inductor``, not under inference mode). ``freezing_min_batch``, ``aot``,
+    ``precompile`` on wherever it applies (``own_cpu_inductor``). ``freezing_min_batch``, ``aot``,
     ``dynamic_batch=True`` and ``precompile=True`` are for CPU runners; ``aot`` and ``precompile``
     compile with the runner's own Inductor backend."""
     options = config.inductor
@@ -94,10 +94,8 @@ def resolve_compile_options(model: nn.Module, config: GraphConfig, device: torch
     for name in ("aot", "precompile"):
         if getattr(options, name):
             _check_own_inductor(f"inductor.{name}=True", config, device, backend)
-    # Built under inference mode (vLLM's worker), the caches are inference tensors, which a
-    # precompiled step (compiled and called outside inference mode, see grad_off) cannot write.
-    precompile = (own_cpu_inductor(config, device, backend is not None) and not torch.is_inference_mode_enabled()
-                  if options.precompile is None else options.precompile)
+    precompile = (own_cpu_inductor(config, device, backend is not None) if options.precompile is None
+                  else options.precompile)
     if options.dynamic_batch is None:
         return CompileOptions(dynamic_batch_default(model, config, device, backend is not None), precompile)
     if options.dynamic_batch and device.type not in DYNAMIC_BATCH_PLATFORMS:
