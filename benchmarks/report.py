@@ -353,7 +353,7 @@ def _vllm_rows(cpus: list[tuple[str, dict]], rest: list[str]) -> tuple[list[list
         cells = [_vllm_ratio(runs.get(machine(c["conditions"])), model, dtype, batch, side) for _, c in cpus]
         if any(cell != "—" for cell in cells):
             rows.append([title] + cells + rest)
-    shown = [d for d in runs.values() if any(machine(c["conditions"]) == machine(d["conditions"]) for _, c in cpus)]
+    shown = [runs[m] for m in {machine(c["conditions"]) for _, c in cpus} if m in runs]
     dated = (" The vLLM rows ran on " + " and ".join(sorted(d["conditions"]["when"][:10] for d in shown))
              + ", tokens checked against stock vLLM.") if rows else ""
     return rows, dated

@@ -91,7 +91,7 @@ def test_other_cache_shapes_compile_their_own_steps(tmp_path):
 
 
 def test_what_cannot_be_precompiled_compiles_as_a_plain_graph(tmp_path, monkeypatch, caplog):
-    def refuse(compiled, inputs):
+    def refuse(compiled, inputs, inference):
         raise RuntimeError("simulated: cannot save this")
 
     model = small_model("llama")

@@ -110,9 +110,10 @@ def loading(config: GraphConfig, inductor: Callable):
         yield
 
 
-def aot_compile(compiled: Callable, inputs: Sequence[Any]) -> Any:
-    """``compiled`` (a ``torch.compile`` function) traced and compiled now for ``inputs``."""
-    with step_mode(made_in_inference_mode(inputs)):
+def aot_compile(compiled: Callable, inputs: Sequence[Any], inference: bool) -> Any:
+    """``compiled`` (a ``torch.compile`` function) traced and compiled now for ``inputs``, in
+    ``step_mode(inference)``."""
+    with step_mode(inference):
         return compiled.aot_compile((tuple(inputs), {}))
 
 
@@ -131,7 +132,7 @@ def load_or_precompile(method: Callable, step: nn.Module, inputs: Sequence[Any],
         except Exception as e:  # noqa: BLE001 - a stale or damaged file is compiled again
             log.warning("loading the precompiled step %s failed, compiling it again: %s", path, e)
     try:
-        aot = aot_compile(compiled, inputs)
+        aot = aot_compile(compiled, inputs, inference)
     except Exception as e:  # noqa: BLE001 - what dynamo cannot save still compiles as a graph
         log.warning("precompiling %s failed, it compiles as a plain graph: %s", os.path.basename(path), e)
         return compiled, False
