@@ -139,19 +139,22 @@ def weights_on_huge_pages(model: torch.nn.Module, min_bytes: int = HUGE_PAGE) ->
     MLA's ``W_UK`` / ``W_UV``), of ``min_bytes`` or more onto transparent huge pages; the bytes
     moved. A decode step streams the weights (``python -m benchmarks --parts huge_pages``).
     Call it before building a runner: the parameters are new tensors (same values), which
-    graphs compiled before would see as a change. Needs Linux with transparent huge pages set
+    graphs compiled before would see as a change. A parameter shared by several modules (tied
+    embeddings) is moved once and stays shared. Needs Linux with transparent huge pages set
     to ``madvise`` or ``always``; elsewhere it moves nothing and returns 0.
     """
     if not huge_pages_supported():
         return 0
-    moved = 0
+    moved, new = 0, {}  # id(old parameter) -> its moved parameter
     with torch.no_grad():
         for module in model.modules():
             for name, p in list(module._parameters.items()):
                 if p is None or p.device.type != "cpu" or p.numel() * p.element_size() < min_bytes:
                     continue
-                module._parameters[name] = torch.nn.Parameter(on_huge_pages(p.data), requires_grad=p.requires_grad)
-                moved += p.numel() * p.element_size()
+                if id(p) not in new:
+                    new[id(p)] = torch.nn.Parameter(on_huge_pages(p.data), requires_grad=p.requires_grad)
+                    moved += p.numel() * p.element_size()
+                module._parameters[name] = new[id(p)]
             for name in module._non_persistent_buffers_set:
                 b = module._buffers.get(name)
                 if b is not None and b.device.type == "cpu" and b.numel() * b.element_size() >= min_bytes:

@@ -79,3 +79,19 @@ def test_derived_weight_forms_move_with_the_weights():
     for n, b in model.named_buffers():
         if n in derived:
             assert torch.equal(b, derived[n]) and b.data_ptr() % HUGE_PAGE == 0, n
+
+
+@needs_madvise
+def test_a_tied_parameter_moves_once_and_stays_tied():
+    """Llama's tied embedding and LM head: one moved tensor, counted once, not two copies."""
+    from ascend_graph.models.llama import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True))
+    tied = model.lm_head.weight
+    assert tied is model.embed_tokens.weight
+    value, nbytes = tied.detach().clone(), tied.numel() * tied.element_size()
+    others = sum(p.numel() * p.element_size() for p in model.parameters() if p is not tied)
+    moved = weights_on_huge_pages(model, min_bytes=0)
+    assert model.lm_head.weight is model.embed_tokens.weight and model.lm_head.weight is not tied
+    assert torch.equal(model.lm_head.weight, value) and model.lm_head.weight.data_ptr() % HUGE_PAGE == 0
+    assert moved == nbytes + others

@@ -34,11 +34,10 @@ class AscendGraphLlamaForCausalLM(AscendGraphForCausalLM):
         model.tie_weights()
         return config, model.to(vllm_config.model_config.dtype)
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+    def _load(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Copy vLLM's stream of checkpoint tensors (transformers' names) into the model;
         ``CheckpointError`` naming what is misshapen, unexpected or missing."""
         load_llama_weights(self.model, weights)
-        return None  # our parameter names lack the checkpoint's "model." prefix: vLLM's strict check is off
 
     def embed_input_ids(self, input_ids: Tensor) -> Tensor:
         """vLLM's text-generation interface asks for it; our steps embed inside the model."""

@@ -25,6 +25,7 @@ from vllm.forward_context import get_forward_context
 from ..models import DeepseekConfig, DeepseekForCausalLM
 from ..models.loader import CheckpointError, _check_complete, _piece, _target
 from ..runner import GraphRunner, RunnerStats
+from ..runtime import weights_on_huge_pages
 from .flags import parse_additional_config
 from .layer import TupleCacheLayer
 from .steps import logits_at_last_tokens, sequence_steps
@@ -34,8 +35,8 @@ class AscendGraphForCausalLM(nn.Module):
     """What every architecture shares inside vLLM: the flag, the stand-in cache layers, the step.
 
     A subclass builds ascend_graph's model (``_build_model``: ``(config, model)``, the model
-    with ``kv_cache_specs()`` and the runner's step contract) and loads vLLM's weight stream
-    (``load_weights``).
+    with ``kv_cache_specs()`` and the runner's step contract) and copies vLLM's weight stream
+    into it (``_load``).
     """
 
     checkpoint_architecture: str
@@ -58,6 +59,14 @@ class AscendGraphForCausalLM(nn.Module):
         raise NotImplementedError
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Fill the model from vLLM's stream of checkpoint tensors (``_load``), then, on CPU, move
+        its weights onto huge pages, as the Engine's loader does (decode streams them faster)."""
+        self._load(weights)
+        if next(self.model.parameters()).device.type == "cpu":
+            weights_on_huge_pages(self.model)
+        return None  # vLLM's strict check compares parameter names, which ours do not share
+
+    def _load(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         raise NotImplementedError
 
     def forward(self, input_ids: Tensor, positions: Tensor, intermediate_tensors: Any = None,
@@ -115,7 +124,7 @@ class AscendGraphDeepseekV2ForCausalLM(AscendGraphForCausalLM):
         return config, DeepseekForCausalLM(config, dtype=vllm_config.model_config.dtype, device="cpu",
                                            init_weights=False)
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+    def _load(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Copy vLLM's stream of checkpoint tensors into the model (names as the checkpoint's);
         ``CheckpointError`` naming what is misshapen, unexpected or missing."""
         state, filled, unexpected = self.model.state_dict(), set(), []
@@ -134,7 +143,6 @@ class AscendGraphDeepseekV2ForCausalLM(AscendGraphForCausalLM):
             filled.add(name)
         _check_complete(self.model, filled, unexpected)
         self.model.process_weights_after_loading()
-        return None  # vLLM's strict check compares parameter names, which stacked experts do not share
 
 
 class AscendGraphDeepseekV3ForCausalLM(AscendGraphDeepseekV2ForCausalLM):
