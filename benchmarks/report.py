@@ -215,13 +215,15 @@ def before_after_markdown(path: str) -> str:
 
 def vllm_peer_markdown(path: str) -> str:
     """A ``benchmarks.vllm_peer`` run: its table, the conditions and the command."""
-    from benchmarks.vllm_peer_rows import render
+    from benchmarks.vllm_peer_rows import render, render_floors
 
     d, rel = load(path), os.path.relpath(os.path.join(ROOT, path), ROOT)
     c, s, v = d["conditions"], d["settings"], d["versions"]["vllm_side"] or {}
     k, cache = (d.get("compared") or {}).get("capacity"), s.get("kv_cache_memory_bytes")
     kv = (f"KV cache {cache >> 20} MiB" + (f" ({k}x: {(cache * k) >> 20} MiB)" if k else "") + ", ") if cache else ""
-    return "\n".join(render(d["rows"]) + [
+    floors = [f"- {line}" for line in render_floors(d["rows"])]
+    floors = [""] + floors if floors else []
+    return "\n".join(render(d["rows"]) + floors + [
         "", f"{machine(c)}, {s['threads']} threads, {c['when'][:10]}; vLLM {v.get('vllm')}, torch {c['torch']}; "
         f"{s['new_tokens']} new tokens, max_model_len {s['max_model_len']}, {kv}{s['rounds']} rounds · "
         f"`{d['command']}` → `{rel}`"]) + "\n"

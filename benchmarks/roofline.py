@@ -46,29 +46,42 @@ class CopyProbe:
 
 class ReadProbe:
     """One pass over ``mib`` MiB of float32, bytes read only: the most a read-only stream gets on
-    one core. A hand-written loop (``peak.c``'s ``read_f32``: four AVX-512 or eight AVX2 vector
-    sums, nothing stored) over memory on 2 MiB pages, as the weights lie; where that does not build,
-    torch's ``sum`` over ordinary memory (``self.how`` says which); the loop reads faster than ``sum``
-    (``read_bandwidth`` in the suite's results)."""
+    one core, or with ``threads`` > 1 on that many (the buffer cut into equal parts, one thread
+    each; ctypes lets go of the GIL). A hand-written loop (``peak.c``'s ``read_f32``: four AVX-512
+    or eight AVX2 vector sums, nothing stored) over memory on 2 MiB pages, as the weights lie; where
+    that does not build, torch's ``sum`` over ordinary memory on torch's threads (``self.how`` says
+    which); the loop reads faster than ``sum`` (``read_bandwidth`` in the suite's results)."""
 
-    def __init__(self, mib: int = 256) -> None:
+    def __init__(self, mib: int = 256, threads: int = 1) -> None:
         from ascend_graph.runtime import huge_page_buffer
         from benchmarks import peak
 
         self.lib, self.sink = peak.library(), torch.zeros(64)
         if self.lib is not None and self.lib.read_f32(self.sink.data_ptr(), 64, self.sink.data_ptr()) == 0.0:
             self.lib = None  # neither AVX-512 nor AVX2
+        self.threads, self.pool = threads, None
         if self.lib is not None:
             self.src = huge_page_buffer(mib << 20).view(torch.float32)
             self.src.normal_()
-            self.how = f"a {mib} MiB float32 read loop ({peak.vector_isa()}, 2 MiB pages)"
+            self.how = f"a {mib} MiB float32 read loop ({peak.vector_isa()}, 2 MiB pages, {threads} thread(s))"
+            if threads > 1:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self.pool, per = ThreadPoolExecutor(threads), self.src.numel() // threads // 1024 * 1024
+                self.parts = [self.src[i * per:(i + 1) * per] for i in range(threads)]  # 4 KiB-aligned starts
+                self.sink = torch.zeros(16 * threads)
         else:
             self.src = torch.empty(mib * 2 ** 20 // 4).normal_()
             self.how = f"a {mib} MiB float32 `sum`"
-        self.bytes = self.src.numel() * 4
+        self.bytes = sum(p.numel() for p in self.parts) * 4 if self.pool is not None else self.src.numel() * 4
+
+    def _read(self, part: torch.Tensor, sink: int) -> None:
+        self.lib.read_f32(part.data_ptr(), part.numel(), sink)
 
     def __call__(self) -> None:
-        if self.lib is not None:
+        if self.pool is not None:
+            list(self.pool.map(self._read, self.parts, [self.sink[16 * i:].data_ptr() for i in range(self.threads)]))
+        elif self.lib is not None:
             self.lib.read_f32(self.src.data_ptr(), self.src.numel(), self.sink.data_ptr())
         else:
             self.src.sum()
@@ -103,9 +116,12 @@ def _experts_used(model: torch.nn.Module, run_step) -> dict[str, int]:
     return used
 
 
-def step_bytes(model: torch.nn.Module, batch: int, context: int, run_step) -> dict:
-    """Bytes one decode step of ``batch`` rows at ``context`` tokens must read, by part."""
-    used = _experts_used(model, run_step)
+def step_bytes(model: torch.nn.Module, batch: int, context: int, run_step=None,
+               experts_used: dict[str, int] | None = None) -> dict:
+    """Bytes one decode step of ``batch`` rows at ``context`` tokens must read, by part; the
+    distinct experts each MoE layer reads are counted in a run of ``run_step`` or given
+    (``experts_used``: MoE module name -> count)."""
+    used = experts_used if experts_used is not None else _experts_used(model, run_step)
     weights = routed = 0
     for name, module in model.named_modules():
         if isinstance(module, RoutedExperts):
@@ -120,3 +136,10 @@ def step_bytes(model: torch.nn.Module, batch: int, context: int, run_step) -> di
     kv = c.num_hidden_layers * batch * context * (c.kv_lora_rank + c.qk_rope_head_dim) * model.dtype.itemsize
     return {"weights": weights, "routed_experts": routed, "kv": kv, "total": weights + routed + kv,
             "experts_used_per_layer": used}
+
+
+def batch_one_bytes(model: torch.nn.Module, context: int) -> dict:
+    """``step_bytes`` of one row: each MoE layer reads exactly its ``num_experts_per_tok`` experts
+    (a top-k of distinct experts), so nothing needs to run; ``model`` may be on the meta device."""
+    k = model.config.num_experts_per_tok
+    return step_bytes(model, 1, context, experts_used={n: k for n, m in model.named_modules() if isinstance(m, MoE)})

@@ -55,6 +55,7 @@ import dataclasses
 import gc
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 
@@ -67,9 +68,10 @@ import torch  # noqa: E402
 from ascend_graph.models import DeepseekConfig  # noqa: E402
 from benchmarks.common import conditions, write_json  # noqa: E402
 from benchmarks.models import hf_model, v2_lite_slice  # noqa: E402
+from benchmarks.roofline import ReadProbe  # noqa: E402
 from benchmarks.tables import fmt  # noqa: E402,F401
 from benchmarks.vllm_peer_rows import (BEFORE, ENGINE, GRAPH, STOCK, Referee, capacity_side,  # noqa: E402,F401
-                                       compare, first_difference, render, with_referee)
+                                       compare, first_difference, render, render_floors, with_referee)
 from benchmarks.vllm_peer_sides import (EngineSide, VllmSide, check_vllm_python, graph_config,  # noqa: E402
                                         interleaved_decode)
 
@@ -181,15 +183,20 @@ def measure(args: argparse.Namespace, path: str, spec: dict, workdir: str) -> tu
         sides = {k: sides[k] for k in order if k in sides}
         for side in sides.values():
             getattr(side, "ready", lambda: None)()
-        rows = {}
+        rows, probe = {}, ReadProbe(1024, threads=spec["threads"]) if 1 in spec["batches"] else None
+        read_s: list[float] = []  # the read ceiling's time, once per batch-1 round
         for batch in spec["batches"]:
-            rows[batch] = interleaved_decode(sides, batch, spec["new_tokens"], spec["rounds"])
+            rows[batch] = interleaved_decode(sides, batch, spec["new_tokens"], spec["rounds"],
+                                             probe=probe if batch == 1 else None, probe_s=read_s)
             print(f"  {spec['dtype']} batch {batch:>3}: "
                   + "  ".join(f"{k} {v['ms_per_step']:8.2f} ms" for k, v in rows[batch].items()), flush=True)
     finally:
         for side in sides.values():
             side.close()
-    return rows, {name: side.about for name, side in sides.items()}
+    about = {name: side.about for name, side in sides.items()}
+    if probe is not None:
+        about["read_ceiling"] = {"how": probe.how, "bytes": probe.bytes, "round_s": read_s}
+    return rows, about
 
 
 def result_json(args: argparse.Namespace, settings: Settings, rows: list[dict], about: dict) -> dict:
@@ -212,6 +219,31 @@ def result_json(args: argparse.Namespace, settings: Settings, rows: list[dict], 
                          "graph_before": args.graph_before and {"root": os.path.abspath(args.graph_before),
                                                                 "commit": git_commit(args.graph_before)}},
             "rows": rows}
+
+
+def batch_one_floor(model: str, dtype: str, stock_ms: float, read_bytes_per_s: float, context: int) -> dict:
+    """The batch-1 step no side can beat on model ``model`` in ``dtype``: the bytes a step must
+    read (``roofline.batch_one_bytes``: the weights once, each MoE layer's top-k experts, the KV at
+    ``context``) at ``read_bytes_per_s``, the read ceiling timed in the same rounds as the sides;
+    ``max_vs_vllm``, stock vLLM's step over that floor, the most any side's ratio can be there."""
+    from ascend_graph.models import DeepseekForCausalLM
+    from benchmarks.roofline import batch_one_bytes
+
+    meta = DeepseekForCausalLM(MODELS[model](), dtype=getattr(torch, dtype), device="meta", init_weights=False)
+    nbytes = batch_one_bytes(meta, context)["total"]
+    floor_ms = nbytes / read_bytes_per_s * 1e3
+    return {"bytes": nbytes, "read_bytes_per_s": read_bytes_per_s, "floor_ms": floor_ms,
+            "max_vs_vllm": stock_ms / floor_ms}
+
+
+def with_floor(row: dict, ceiling: dict | None, context: int) -> dict:
+    """A batch-1 ``row`` with its ``floor`` (``batch_one_floor`` at the read ceiling's median
+    round, timed among the sides' rounds), others as they are."""
+    if row["batch"] != 1 or ceiling is None:
+        return row
+    rate = ceiling["bytes"] / statistics.median(ceiling["round_s"])
+    return {**row, "floor": {**batch_one_floor(row["model"], row["dtype"], row["ms"][STOCK], rate, context),
+                             "read_how": ceiling["how"]}}
 
 
 def git_commit(root: str) -> str | None:
@@ -238,12 +270,15 @@ def main(argv: list[str] | None = None) -> dict:
                         "prompts": prompts(max(args.batches), config.vocab_size), **dataclasses.asdict(settings)}
                 timed, about[f"{model}/{dtype}"] = measure(args, path, spec, work)
                 referee = Referee(path)
-                rows += [with_referee(compare(model, dtype, b, timed[b]), referee, spec["prompts"], timed[b])
+                ceiling = about[f"{model}/{dtype}"].get("read_ceiling")
+                rows += [with_floor(with_referee(compare(model, dtype, b, timed[b]), referee, spec["prompts"], timed[b]),
+                                    ceiling, PROMPT_LEN + settings.new_tokens)
                          for b in args.batches]
                 referee.close()
             shutil.rmtree(path, ignore_errors=True)  # free its disk before the next model's
     print("\n".join(render(rows)))
     out = result_json(args, settings, rows, about)
+    print("\n".join(render_floors(rows)))
     write_json(args.json, out)
     return out
 

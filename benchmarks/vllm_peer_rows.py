@@ -190,3 +190,15 @@ def render(rows: list[dict]) -> list[str]:
             cells.append(fmt(r["before_after"]["ratio"]) + "x" if "before_after" in r else fmt(None))
         body.append(cells + [tokens_cell(r)])
     return table(head, body)
+
+
+def render_floors(rows: list[dict]) -> list[str]:
+    """The batch-1 rows' ``floor`` (``vllm_peer.batch_one_floor``) as lines; none without floors."""
+    lines = []
+    for r in rows:
+        f = r.get("floor")
+        if f:
+            lines.append(f"batch 1 floor, {r['model']} {r['dtype']}: {f['bytes'] / 1e6:.1f} MB a step at "
+                         f"{f['read_bytes_per_s'] / 1e9:.1f} GB/s ({f['read_how']}) = {f['floor_ms']:.2f} ms; "
+                         f"stock vLLM / floor {f['max_vs_vllm']:.2f}x")
+    return lines

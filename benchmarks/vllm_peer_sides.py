@@ -41,10 +41,12 @@ def decode_ms_per_step(t_new: float, t_one: float, new_tokens: int) -> float:
     return (t_new - t_one) / (new_tokens - 1) * 1e3
 
 
-def interleaved_decode(sides: dict[str, Side], batch: int, new_tokens: int, rounds: int) -> dict[str, dict]:
+def interleaved_decode(sides: dict[str, Side], batch: int, new_tokens: int, rounds: int,
+                       probe: Callable[[], None] | None = None, probe_s: list | None = None) -> dict[str, dict]:
     """Per side: the median decode ms per step at ``batch`` (``ms_per_step``), each round's
     (``round_ms``) and its two timed generations' seconds (``round_s``: 1 token, ``new_tokens``),
-    the warm-up's tokens and whether every round made the same (``tokens_stable``)."""
+    the warm-up's tokens and whether every round made the same (``tokens_stable``). With
+    ``probe``, it is also timed once a round, after the sides, its seconds appended to ``probe_s``."""
     out = {}
     for name, side in sides.items():  # warm-up: compiles, allocates, fills caches
         out[name] = {"round_ms": [], "round_s": [], "tokens": side(batch, new_tokens)[1], "tokens_stable": True}
@@ -57,6 +59,10 @@ def interleaved_decode(sides: dict[str, Side], batch: int, new_tokens: int, roun
             out[name]["round_s"].append([t_one, t_new])
             out[name]["round_ms"].append(decode_ms_per_step(t_new, t_one, new_tokens))
             out[name]["tokens_stable"] &= tokens == out[name]["tokens"]
+        if probe is not None:
+            start = time.perf_counter()
+            probe()
+            probe_s.append(time.perf_counter() - start)
     for row in out.values():
         row["ms_per_step"] = statistics.median(row["round_ms"])
     return out

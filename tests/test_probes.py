@@ -25,6 +25,37 @@ def test_the_read_probe_reads_every_element_once():
     assert abs(probe.sink[0].item() - exact - 1000.0) <= 1e-6 * probe.src.double().abs().sum().item()
 
 
+def test_the_read_probe_on_two_threads_reads_each_half_once():
+    """Two threads, each its half: the two sums are the halves' float64 sums; the bytes, both halves."""
+    probe = ReadProbe(mib=4, threads=2)
+    if probe.lib is None:
+        pytest.skip("no C compiler or vector read loop here: the probe is torch's sum")
+    half = probe.src.numel() // 2
+    assert probe.bytes == 4 << 20 and [p.numel() for p in probe.parts] == [half, half]
+    probe.src.copy_(torch.arange(probe.src.numel(), dtype=torch.float32) % 89 - 44)
+    probe.src[:half] += 0.5  # the halves differ, so a thread reading the wrong one shows
+    probe()
+    for i, part in enumerate((probe.src[:half], probe.src[half:])):
+        exact = part.double().sum().item()
+        assert abs(probe.sink[16 * i].item() - exact) <= 1e-6 * part.double().abs().sum().item()
+
+
+def test_a_batch_one_step_reads_every_weight_but_the_unchosen_experts_and_one_embedding_row():
+    """``batch_one_bytes`` against the model's whole size less what a one-token step skips."""
+    from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
+    from benchmarks.roofline import batch_one_bytes
+
+    c = DeepseekConfig.small()
+    model = DeepseekForCausalLM(c, dtype=torch.bfloat16, device="meta", init_weights=False)
+    everything = sum(p.numel() * p.element_size() for p in model.parameters())  # the router is float32
+    moe_layers = c.num_hidden_layers - c.first_k_dense_replace
+    expert = 3 * c.hidden_size * c.moe_intermediate_size * 2  # gate, up, down
+    skipped = moe_layers * (c.n_routed_experts - c.num_experts_per_tok) * expert
+    skipped += (c.vocab_size - 1) * c.hidden_size * 2  # the embedding: one row
+    kv = c.num_hidden_layers * 40 * (c.kv_lora_rank + c.qk_rope_head_dim) * 2
+    assert batch_one_bytes(model, context=40)["total"] == everything - skipped + kv
+
+
 def test_the_copy_probe_copies_its_buffer():
     probe = CopyProbe(mib=4)
     probe.src.normal_()

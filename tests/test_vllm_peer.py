@@ -78,6 +78,31 @@ def test_interleaved_decode_alternates_which_side_goes_first():
     assert all([n for _, n in r] == [1, 1, 3, 1, 1, 3] for r in rounds)  # untimed 1, timed 1, timed 3
 
 
+def test_interleaved_decode_times_a_probe_once_a_round_after_the_sides():
+    log = []
+    sides = {"a": FakeSide("a", 0.0, [0.0] * 3, log)}
+    probe_s = []
+    interleaved_decode(sides, batch=1, new_tokens=3, rounds=2, probe=lambda: log.append(("probe", 0)), probe_s=probe_s)
+    assert [name for name, _ in log] == ["a"] + ["a", "a", "a", "probe"] * 2 and len(probe_s) == 2
+
+
+def test_a_batch_one_row_gets_the_floor_of_its_bytes_at_the_read_ceiling_of_its_rounds():
+    """Floor = bytes / (ceiling bytes / median ceiling round); stock's ms over it; other rows untouched."""
+    from ascend_graph.models import DeepseekForCausalLM
+    from benchmarks.roofline import batch_one_bytes
+
+    ceiling = {"how": "a read loop", "bytes": 10 ** 9, "round_s": [0.05, 0.02, 0.04]}  # median 0.04: 25 GB/s
+    row = {"model": "tiny", "dtype": "bfloat16", "batch": 1, "ms": {"vllm": 2.0}}
+    out = vllm_peer.with_floor(row, ceiling, context=48)
+    meta = DeepseekForCausalLM(vllm_peer.MODELS["tiny"](), dtype=torch.bfloat16, device="meta", init_weights=False)
+    floor_ms = batch_one_bytes(meta, 48)["total"] / 25e9 * 1e3
+    assert out["floor"]["floor_ms"] == pytest.approx(floor_ms) and out["floor"]["max_vs_vllm"] == pytest.approx(2.0 / floor_ms)
+    assert out["floor"]["read_how"] == "a read loop" and "floor" not in row
+    assert vllm_peer.with_floor({**row, "batch": 8}, ceiling, context=48) == {**row, "batch": 8}
+    assert vllm_peer.with_floor(row, None, context=48) is row
+    assert "batch 1 floor, tiny bfloat16" in vllm_peer_rows.render_floors([out, row])[0]
+
+
 def test_interleaved_decode_notices_tokens_changing_between_rounds():
     calls = iter(range(100))
     out = interleaved_decode({"a": lambda batch, n: (0.0, [[next(calls)] * n])}, batch=1, new_tokens=3, rounds=2)
