@@ -12,6 +12,9 @@ every run: on a shared machine a call descheduled for other jobs would otherwise
 - ``rows``: GFLOP/s of ``expert_rows`` (one weight, ``r`` rows, what ``rows_mm`` runs) over a
   [12288, 2048] bf16 weight streamed from memory (four weights on 2 MiB pages taken in turn), both builds
   interleaved, medians; each result checked against a float64 product.
+- ``--moe``: ms of each build's ``expert_rows`` over V2-Lite's 64 routed gate/up weights at 1 and
+  8 tokens (top-6, random distinct experts), 2 OpenMP threads, wall time, interleaved, medians;
+  each output checked against float64.
 - ``--attention``: ms of each build's ``decode_attention`` (``attention_run``) for MLA
   decode at V2-Lite's dimensions (batch 32, context 2048, 16 heads, latent 512 + rope 64, blocks of
   16, bfloat16), both builds interleaved, each output checked against float64 attention. A
@@ -21,7 +24,7 @@ A whole step before and after a change to the kernels: ``benchmarks.before_after
 checkouts; the ops' kernels are linked into the build the package loads, so one process cannot
 swap them).
 
-    python -m benchmarks.kernel_builds --old 09f01da [--isa avx2] [--rows 1,2,4,8,16,32,64] [--attention]
+    python -m benchmarks.kernel_builds --old 09f01da [--isa avx2] [--rows 1,2,4,8,16,32,64] [--moe] [--attention]
 """
 
 from __future__ import annotations
@@ -136,6 +139,36 @@ def rows_rates(dlls: dict[str, ctypes.CDLL], rows=(1, 2, 4, 8, 16, 32, 64), n: i
     return found
 
 
+def moe_times(dlls: dict[str, ctypes.CDLL], tokens=(1, 8), experts: int = 64, top_k: int = 6, n: int = 2816,
+              k: int = 2048, threads: int = 2, runs: int = 15) -> list[dict]:
+    """Per token count, median ms (wall time: ``threads`` OpenMP threads) of each build's
+    ``expert_rows`` over V2-Lite's routed gate/up weights (``experts`` x [n, k] bf16 on 2 MiB pages),
+    each token's ``top_k`` distinct experts drawn at random, the rows sorted by expert as the MoE
+    runs them; each output within one bf16 rounding of the float64 products (else ValueError)."""
+    from ascend_graph.runtime import huge_page_buffer
+
+    w = huge_page_buffer(experts * n * k * 2).view(torch.bfloat16).view(experts, n, k)
+    w.normal_()
+    gen, found = torch.Generator().manual_seed(0), []
+    for t in tokens:
+        chosen = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(t)]).flatten().sort().values
+        ends = torch.bincount(chosen, minlength=experts).cumsum(0).to(torch.int32)
+        x = torch.randn(len(chosen), k).to(torch.bfloat16)
+        exact = torch.cat([x[i:i + 1].double() @ w[e].double().T for i, e in enumerate(chosen.tolist())])
+        times: dict[str, list[float]] = {name: [] for name in dlls}
+        for run in range(runs):
+            for name, dll in alternating(dlls, run):
+                out = torch.empty(len(chosen), n, dtype=torch.bfloat16)
+                start = time.perf_counter()
+                dll.expert_rows(x.data_ptr(), w.data_ptr(), ends.data_ptr(), out.data_ptr(), experts, n, k, threads)
+                times[name].append(time.perf_counter() - start)
+                if not ((out.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all():
+                    raise ValueError(f"kernel_builds: {name}'s experts at {t} tokens are not within one rounding")
+        found.append({"tokens": t, "distinct": int(chosen.unique().numel()),
+                      **{name: statistics.median(v) * 1e3 for name, v in times.items()}})
+    return found
+
+
 def require_entry(dlls: dict[str, ctypes.CDLL], entry: str) -> None:
     """ValueError naming the builds that lack ``entry`` (sources from before it), if any."""
     missing = [name for name, dll in dlls.items() if not hasattr(dll, entry)]
@@ -217,6 +250,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=7, help="interleaved runs per row count (medians)")
     parser.add_argument("--attention", action="store_true",
                         help="time decode_attention (MLA, batch 32, context 2048, bf16)")
+    parser.add_argument("--moe", action="store_true",
+                        help="time the routed experts (V2-Lite gate/up, 1 and 8 tokens top-6, 2 threads)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:
@@ -232,6 +267,10 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows_rates(dlls, tuple(int(r) for r in args.rows.split(",")), n=n, k=k, runs=args.runs):
         print(f"{row['rows']:3d} rows: old {row['old']:6.1f} GFLOP/s, now {row['now']:6.1f}, "
               f"now/old {row['now'] / row['old']:.2f}", flush=True)
+    if args.moe:
+        for row in moe_times(dlls, runs=2 * args.runs + 1):
+            print(f"experts, {row['tokens']} token(s), {row['distinct']} distinct: old {row['old']:.2f} ms, "
+                  f"now {row['now']:.2f} ms, old/now {row['old'] / row['now']:.2f}", flush=True)
     if args.attention:
         ms = attention_times(dlls, runs=2 * args.runs + 1)
         print(f"decode_attention (MLA, batch 32, context 2048, 16 heads x 512 + 64, bf16): old {ms['old']:.2f} ms, "

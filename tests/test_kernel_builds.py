@@ -54,6 +54,9 @@ def test_two_builds_are_timed_side_by_side_and_a_wrong_one_is_refused(tmp_path):
     assert [r["rows"] for r in rows] == [1, 5, 17]
     assert all(r["old"] > 0 and r["now"] > 0 for r in rows)
     assert set(kernel_builds.attention_times(dlls, batch=2, context=64, runs=1)) == {"old", "now"}
+    moe = kernel_builds.moe_times(dlls, tokens=(1, 3), experts=8, top_k=2, n=70, k=96, runs=1)
+    assert [(r["tokens"], r["old"] > 0, r["now"] > 0) for r in moe] == [(1, True, True), (3, True, True)]
+    assert moe[0]["distinct"] == 2 and 2 <= moe[1]["distinct"] <= 6
     # every rounding to bf16 (one at a time; 4, 8 and 16 at a time in the vector layers) doubling its input
     doubled = _edited(sources, [("vec.h", "ag_to_bf16(float f) {", "f = 2 * f;"),
                                 ("vec_avx2.h", "ag_round4(__m128 v) {", "v = _mm_add_ps(v, v);"),
@@ -64,6 +67,8 @@ def test_two_builds_are_timed_side_by_side_and_a_wrong_one_is_refused(tmp_path):
         kernel_builds.rows_rates(dlls, rows=(1,), n=70, k=96, runs=1)
     with pytest.raises(ValueError, match="now's decode_attention is not within its rounding"):
         kernel_builds.attention_times(dlls, batch=2, context=64, runs=1)
+    with pytest.raises(ValueError, match="now's experts at 1 tokens are not within one rounding"):
+        kernel_builds.moe_times(dlls, tokens=(1,), experts=8, top_k=2, n=70, k=96, runs=1)
 
 
 @needs_kernel
