@@ -99,6 +99,7 @@ class Settings:
     max_model_len: int = 256
     kv_cache_memory_bytes: int = 128 << 20
     threads: int = 2
+    restarts: int = 1
 
 
 def csv(kind, choices=None):
@@ -128,10 +129,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also vLLM+graph at K times the KV cache bytes (0: not measured)")
     p.add_argument("--graph-before", default=None, metavar="ROOT",
                    help="also vLLM+graph of the checkout at ROOT (e.g. a git worktree of an older commit)")
+    p.add_argument("--restarts", type=int, default=Settings.restarts, metavar="R",
+                   help="start the vLLM sides R times, the rounds split between the starts (a process "
+                        "keeps one draw of the host's speed for its life)")
     p.add_argument("--json", default=DEFAULT_JSON)
     args = p.parse_args(argv)
     if min(args.batches) < 1 or args.new_tokens < 2 or args.rounds < 1 or args.threads < 1:
         p.error("batches and threads must be >= 1, --new-tokens >= 2, --rounds >= 1")
+    if not 1 <= args.restarts <= args.rounds:
+        p.error("--restarts must be between 1 and --rounds")
     if args.capacity < 0 or args.capacity == 1:
         p.error("--capacity must be 0 (off) or >= 2")
     args.sides = [STOCK] + [s for s in SIDES[1:] if s in args.sides]
@@ -172,22 +178,29 @@ def vllm_sides(args: argparse.Namespace, spec: dict, workdir: str) -> dict[str, 
 
 
 def measure(args: argparse.Namespace, path: str, spec: dict, workdir: str) -> tuple[dict, dict]:
-    """Every side on one checkpoint and dtype: per batch, ``interleaved_decode``'s rows; and
-    what each side reported about itself."""
-    sides, order = {}, [STOCK, GRAPH, BEFORE, capacity_side(args.capacity), ENGINE]
+    """Every side on one checkpoint and dtype: per batch, ``interleaved_decode``'s rows (with
+    ``--restarts`` R, the vLLM sides started R times, each start taking its share of the rounds,
+    ``merge_rounds``); and what each side reported about itself (its last start)."""
+    order, sides, rows = [STOCK, GRAPH, BEFORE, capacity_side(args.capacity), ENGINE], {}, {}
+    probe = ReadProbe(1024, threads=spec["threads"]) if 1 in spec["batches"] else None
+    read_s: list[float] = []  # the read ceiling's time, once per batch-1 round
     try:
-        for name, (side_spec, root) in vllm_sides(args, spec, workdir).items():
-            sides[name] = VllmSide(args.vllm_python, side_spec, workdir, name=name, root=root)  # start up meanwhile
         if ENGINE in args.sides:
             sides[ENGINE] = EngineSide(path, spec)
-        sides = {k: sides[k] for k in order if k in sides}
-        for side in sides.values():
-            getattr(side, "ready", lambda: None)()
-        rows, probe = {}, ReadProbe(1024, threads=spec["threads"]) if 1 in spec["batches"] else None
-        read_s: list[float] = []  # the read ceiling's time, once per batch-1 round
+        for start, rounds in enumerate(split_rounds(spec["rounds"], args.restarts)):
+            for name, (side_spec, root) in vllm_sides(args, spec, workdir).items():  # they start up meanwhile
+                sides[name] = VllmSide(args.vllm_python, side_spec, workdir, name=name, root=root,
+                                       tag=f"_{start}" if start else "")
+            sides = {k: sides[k] for k in order if k in sides}
+            for side in sides.values():
+                getattr(side, "ready", lambda: None)()
+            for batch in spec["batches"]:
+                rows[batch] = merge_rounds(rows.get(batch), interleaved_decode(
+                    sides, batch, spec["new_tokens"], rounds, probe=probe if batch == 1 else None, probe_s=read_s))
+            if start < args.restarts - 1:  # end this start's vLLM processes
+                for name in [n for n in sides if n != ENGINE]:
+                    sides.pop(name).close()
         for batch in spec["batches"]:
-            rows[batch] = interleaved_decode(sides, batch, spec["new_tokens"], spec["rounds"],
-                                             probe=probe if batch == 1 else None, probe_s=read_s)
             print(f"  {spec['dtype']} batch {batch:>3}: "
                   + "  ".join(f"{k} {v['ms_per_step']:8.2f} ms" for k, v in rows[batch].items()), flush=True)
     finally:
@@ -197,6 +210,26 @@ def measure(args: argparse.Namespace, path: str, spec: dict, workdir: str) -> tu
     if probe is not None:
         about["read_ceiling"] = {"how": probe.how, "bytes": probe.bytes, "round_s": read_s}
     return rows, about
+
+
+def split_rounds(rounds: int, restarts: int) -> list[int]:
+    """``rounds`` shared between ``restarts`` starts as evenly as they go, the first ones taking one more."""
+    return [rounds // restarts + (i < rounds % restarts) for i in range(restarts)]
+
+
+def merge_rounds(before: dict | None, part: dict) -> dict:
+    """``interleaved_decode``'s rows of one more start joined to ``before``'s: rounds appended,
+    tokens stable only if every start made the first one's, the median over every round."""
+    if before is None:
+        return part
+    out = {}
+    for name, row in part.items():
+        old = before[name]
+        rounds = old["round_ms"] + row["round_ms"]
+        out[name] = {**old, "round_ms": rounds, "round_s": old["round_s"] + row["round_s"],
+                     "tokens_stable": old["tokens_stable"] and row["tokens_stable"] and row["tokens"] == old["tokens"],
+                     "ms_per_step": statistics.median(rounds)}
+    return out
 
 
 def result_json(args: argparse.Namespace, settings: Settings, rows: list[dict], about: dict) -> dict:
@@ -257,7 +290,7 @@ def git_commit(root: str) -> str | None:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     check_vllm_python(args.vllm_python)
-    settings = Settings(args.new_tokens, args.rounds, threads=args.threads)
+    settings = Settings(args.new_tokens, args.rounds, threads=args.threads, restarts=args.restarts)
     torch.set_num_threads(settings.threads)
     rows, about = [], {}
     with tempfile.TemporaryDirectory(prefix="ag-vllm-peer-") as work:

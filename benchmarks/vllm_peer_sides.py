@@ -109,13 +109,15 @@ def check_vllm_python(python: str) -> str:
 
 class VllmSide:
     """vLLM in a worker subprocess of ``python`` on ``spec`` (with its ``additional_config``, if
-    any), the plugin of the checkout at ``root`` visible where given; its log goes to ``log_path``."""
+    any), the plugin of the checkout at ``root`` visible where given; its log goes to ``log_path``
+    (``tag`` tells a restarted side's log from the first one's)."""
 
-    def __init__(self, python: str, spec: dict, workdir: str, name: str = "vllm", root: str | None = None) -> None:
+    def __init__(self, python: str, spec: dict, workdir: str, name: str = "vllm", root: str | None = None,
+                 tag: str = "") -> None:
         spec_path = os.path.join(workdir, f"spec_{name}.json")
         with open(spec_path, "w", encoding="utf-8") as f:
             json.dump(spec, f)
-        self.log_path = os.path.join(workdir, f"{name}_{spec['dtype']}.log")
+        self.log_path = os.path.join(workdir, f"{name}_{spec['dtype']}{tag}.log")
         self.log = open(self.log_path, "w", encoding="utf-8")
         path = pythonpath(os.path.join(workdir, "plugin"), root) if root is not None else None
         self.proc = subprocess.Popen([python, WORKER, spec_path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

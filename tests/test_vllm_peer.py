@@ -103,6 +103,28 @@ def test_a_batch_one_row_gets_the_floor_of_its_bytes_at_the_read_ceiling_of_its_
     assert "batch 1 floor, tiny bfloat16" in vllm_peer_rows.render_floors([out, row])[0]
 
 
+def test_rounds_are_shared_between_restarts_and_merged_across_them():
+    assert vllm_peer.split_rounds(5, 2) == [3, 2] and vllm_peer.split_rounds(4, 4) == [1] * 4
+    first = {"a": {"round_ms": [10.0, 30.0], "round_s": [[0.1, 0.2]] * 2, "tokens": [[1, 2]], "tokens_stable": True,
+                   "ms_per_step": 20.0}}
+    second = {"a": {"round_ms": [12.0], "round_s": [[0.1, 0.3]], "tokens": [[1, 2]], "tokens_stable": True,
+                    "ms_per_step": 12.0}}
+    merged = vllm_peer.merge_rounds(vllm_peer.merge_rounds(None, first), second)["a"]
+    assert merged["round_ms"] == [10.0, 30.0, 12.0] and merged["ms_per_step"] == 12.0
+    assert len(merged["round_s"]) == 3 and merged["tokens_stable"]
+    other = {"a": {**second["a"], "tokens": [[1, 3]]}}  # a restarted side made other tokens
+    assert not vllm_peer.merge_rounds(first, other)["a"]["tokens_stable"]
+
+
+def test_restarts_are_checked_against_the_rounds(capsys):
+    base = ["--vllm-python", "p"]
+    assert vllm_peer.parse_args(base + ["--rounds", "4", "--restarts", "2"]).restarts == 2
+    for bad in (["--restarts", "0"], ["--rounds", "2", "--restarts", "3"]):
+        with pytest.raises(SystemExit):
+            vllm_peer.parse_args(base + bad)
+        assert "--restarts must be between 1 and --rounds" in capsys.readouterr().err
+
+
 def test_interleaved_decode_notices_tokens_changing_between_rounds():
     calls = iter(range(100))
     out = interleaved_decode({"a": lambda batch, n: (0.0, [[next(calls)] * n])}, batch=1, new_tokens=3, rounds=2)
