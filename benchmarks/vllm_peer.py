@@ -25,7 +25,9 @@ answer our own questions: ``--capacity K`` (default 8) runs one at K times the K
 ROOT's). All on ``--threads`` torch threads, greedy with ``ignore_eos`` on the same seeded
 prompts of 16 tokens. Decode ms per step is measured the same way on every side, their rounds
 interleaved (``vllm_peer_sides.interleaved_decode``: per round,
-``(t(N new tokens) - t(1 new token)) / (N - 1)``; the median over rounds). A side's ratio is
+``(t(N new tokens) - t(1 new token)) / (N - 1)``; the median over rounds). With ``--restarts R``
+the vLLM sides are started R times, the rounds shared between the starts: a process keeps one
+draw of this host's speed for its life (one-off: the same step 7.2 or 9.3 ms by process). A side's ratio is
 ``vllm_ms / side_ms`` (> 1: faster than stock vLLM; ``vllm_peer_rows``), left out where its tokens
 differ from stock vLLM's. There transformers on the same checkpoint referees each differing
 request's first difference (``Referee.verdict``): its float32 choice, the float32 gap between the
@@ -45,7 +47,7 @@ Then::
 
     TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.vllm_peer --vllm-python /work/venvs/vllm/bin/python \\
         [--models tiny,v2lite] [--dtypes float32,bfloat16] [--batches 1,8,32] [--json PATH]
-        [--sides vllm,vllm_graph,engine] [--capacity 8] [--graph-before ROOT]
+        [--sides vllm,vllm_graph,engine] [--capacity 8] [--graph-before ROOT] [--rounds 5] [--restarts 1]
 """
 
 from __future__ import annotations
@@ -270,11 +272,11 @@ def batch_one_floor(model: str, dtype: str, stock_ms: float, read_bytes_per_s: f
 
 
 def with_floor(row: dict, ceiling: dict | None, context: int) -> dict:
-    """A batch-1 ``row`` with its ``floor`` (``batch_one_floor`` at the read ceiling's median
-    round, timed among the sides' rounds), others as they are."""
+    """A batch-1 ``row`` with its ``floor`` (``batch_one_floor`` at the read ceiling's fastest
+    round, timed among the sides' rounds: noise only lowers a ceiling), others as they are."""
     if row["batch"] != 1 or ceiling is None:
         return row
-    rate = ceiling["bytes"] / statistics.median(ceiling["round_s"])
+    rate = ceiling["bytes"] / min(ceiling["round_s"])
     return {**row, "floor": {**batch_one_floor(row["model"], row["dtype"], row["ms"][STOCK], rate, context),
                              "read_how": ceiling["how"]}}
 

@@ -42,11 +42,13 @@ def decode_ms_per_step(t_new: float, t_one: float, new_tokens: int) -> float:
 
 
 def interleaved_decode(sides: dict[str, Side], batch: int, new_tokens: int, rounds: int,
-                       probe: Callable[[], None] | None = None, probe_s: list | None = None) -> dict[str, dict]:
+                       probe: Callable[[], None] | None = None, probe_s: list | None = None,
+                       probe_pause_s: float = 0.5) -> dict[str, dict]:
     """Per side: the median decode ms per step at ``batch`` (``ms_per_step``), each round's
     (``round_ms``) and its two timed generations' seconds (``round_s``: 1 token, ``new_tokens``),
     the warm-up's tokens and whether every round made the same (``tokens_stable``). With
-    ``probe``, it is also timed once a round, after the sides, its seconds appended to ``probe_s``."""
+    ``probe``, each round also appends to ``probe_s`` the fastest of 3 calls of it, made after the
+    sides and a pause of ``probe_pause_s`` (a side's OpenMP threads spin on for a while after it)."""
     out = {}
     for name, side in sides.items():  # warm-up: compiles, allocates, fills caches
         out[name] = {"round_ms": [], "round_s": [], "tokens": side(batch, new_tokens)[1], "tokens_stable": True}
@@ -60,12 +62,17 @@ def interleaved_decode(sides: dict[str, Side], batch: int, new_tokens: int, roun
             out[name]["round_ms"].append(decode_ms_per_step(t_new, t_one, new_tokens))
             out[name]["tokens_stable"] &= tokens == out[name]["tokens"]
         if probe is not None:
-            start = time.perf_counter()
-            probe()
-            probe_s.append(time.perf_counter() - start)
+            time.sleep(probe_pause_s)
+            probe_s.append(min(_seconds(probe) for _ in range(3)))
     for row in out.values():
         row["ms_per_step"] = statistics.median(row["round_ms"])
     return out
+
+
+def _seconds(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def vllm_env(cache_root: str, threads: int, path: str | None = None) -> dict:

@@ -82,16 +82,17 @@ def test_interleaved_decode_times_a_probe_once_a_round_after_the_sides():
     log = []
     sides = {"a": FakeSide("a", 0.0, [0.0] * 3, log)}
     probe_s = []
-    interleaved_decode(sides, batch=1, new_tokens=3, rounds=2, probe=lambda: log.append(("probe", 0)), probe_s=probe_s)
-    assert [name for name, _ in log] == ["a"] + ["a", "a", "a", "probe"] * 2 and len(probe_s) == 2
+    interleaved_decode(sides, batch=1, new_tokens=3, rounds=2, probe=lambda: log.append(("probe", 0)), probe_s=probe_s,
+                       probe_pause_s=0.0)
+    assert [name for name, _ in log] == ["a"] + ["a", "a", "a", "probe", "probe", "probe"] * 2 and len(probe_s) == 2
 
 
 def test_a_batch_one_row_gets_the_floor_of_its_bytes_at_the_read_ceiling_of_its_rounds():
-    """Floor = bytes / (ceiling bytes / median ceiling round); stock's ms over it; other rows untouched."""
+    """Floor = bytes / (ceiling bytes / fastest ceiling round); stock's ms over it; other rows untouched."""
     from ascend_graph.models import DeepseekForCausalLM
     from benchmarks.roofline import batch_one_bytes
 
-    ceiling = {"how": "a read loop", "bytes": 10 ** 9, "round_s": [0.05, 0.02, 0.04]}  # median 0.04: 25 GB/s
+    ceiling = {"how": "a read loop", "bytes": 10 ** 9, "round_s": [0.05, 0.04, 0.08]}  # fastest 0.04: 25 GB/s
     row = {"model": "tiny", "dtype": "bfloat16", "batch": 1, "ms": {"vllm": 2.0}}
     out = vllm_peer.with_floor(row, ceiling, context=48)
     meta = DeepseekForCausalLM(vllm_peer.MODELS["tiny"](), dtype=torch.bfloat16, device="meta", init_weights=False)
