@@ -56,35 +56,37 @@ class ReadProbe:
         from ascend_graph.runtime import huge_page_buffer
         from benchmarks import peak
 
-        self.lib, self.sink = peak.library(), torch.zeros(64)
+        self.lib, self.sink = peak.library(), torch.zeros(max(64, 16 * threads))  # one 64-byte line per thread
         if self.lib is not None and self.lib.read_f32(self.sink.data_ptr(), 64, self.sink.data_ptr()) == 0.0:
             self.lib = None  # neither AVX-512 nor AVX2
-        self.threads, self.pool = threads, None
+        self.pool = None
         if self.lib is not None:
             self.src = huge_page_buffer(mib << 20).view(torch.float32)
             self.src.normal_()
             self.how = f"a {mib} MiB float32 read loop ({peak.vector_isa()}, 2 MiB pages, {threads} thread(s))"
+            per = self.src.numel() // threads // 1024 * 1024
+            self.parts = [self.src[i * per:(i + 1) * per] for i in range(threads)]  # 4 KiB-aligned starts
             if threads > 1:
                 from concurrent.futures import ThreadPoolExecutor
 
-                self.pool, per = ThreadPoolExecutor(threads), self.src.numel() // threads // 1024 * 1024
-                self.parts = [self.src[i * per:(i + 1) * per] for i in range(threads)]  # 4 KiB-aligned starts
-                self.sink = torch.zeros(16 * threads)
+                self.pool = ThreadPoolExecutor(threads)
+            self.bytes = per * threads * 4
         else:
             self.src = torch.empty(mib * 2 ** 20 // 4).normal_()
             self.how = f"a {mib} MiB float32 `sum`"
-        self.bytes = sum(p.numel() for p in self.parts) * 4 if self.pool is not None else self.src.numel() * 4
+            self.bytes = self.src.numel() * 4
 
-    def _read(self, part: torch.Tensor, sink: int) -> None:
-        self.lib.read_f32(part.data_ptr(), part.numel(), sink)
+    def _read(self, i: int) -> None:
+        """Part ``i`` read, its sum into the sink's ``i``-th line."""
+        self.lib.read_f32(self.parts[i].data_ptr(), self.parts[i].numel(), self.sink[16 * i:].data_ptr())
 
     def __call__(self) -> None:
-        if self.pool is not None:
-            list(self.pool.map(self._read, self.parts, [self.sink[16 * i:].data_ptr() for i in range(self.threads)]))
-        elif self.lib is not None:
-            self.lib.read_f32(self.src.data_ptr(), self.src.numel(), self.sink.data_ptr())
-        else:
+        if self.lib is None:
             self.src.sum()
+        elif self.pool is None:
+            self._read(0)
+        else:
+            list(self.pool.map(self._read, range(len(self.parts))))
 
 
 def read_vs_copy(rounds: int = 9) -> dict:

@@ -59,11 +59,10 @@ class AscendGraphForCausalLM(nn.Module):
         raise NotImplementedError
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Fill the model from vLLM's stream of checkpoint tensors (``_load``), then, on CPU, move
-        its weights onto huge pages, as the Engine's loader does (decode streams them faster)."""
+        """Fill the model from vLLM's stream of checkpoint tensors (``_load``), then move its CPU
+        weights onto huge pages, as the Engine's loader does (decode streams them faster)."""
         self._load(weights)
-        if next(self.model.parameters()).device.type == "cpu":
-            weights_on_huge_pages(self.model)
+        weights_on_huge_pages(self.model)  # moves CPU tensors only
         return None  # vLLM's strict check compares parameter names, which ours do not share
 
     def _load(self, weights: Iterable[tuple[str, Tensor]]) -> None:
