@@ -171,16 +171,21 @@ CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx_ne_convert", "amx_bf1
 def machine(device: str = "cpu") -> dict:
     """What figures are measured on: torch and Python versions, the CPU's model name, its cores,
     torch's threads, the CPU's ``CPU_FLAGS`` it has (``cpu_flags``: two machines of one model
-    name may differ), and where ``device`` is a CUDA device its name (``gpu``)."""
-    cpu, flags = platform.processor() or platform.machine(), []
+    name may differ), its vendor, family and model numbers where Linux lists them (``cpu_id``: a
+    virtual machine may name every generation alike), and where ``device`` is a CUDA device its
+    name (``gpu``)."""
+    cpu, flags, cpu_id = platform.processor() or platform.machine(), [], None
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             lines = f.read().splitlines()
-        cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), cpu)
-        have = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
-        flags = [f for f in CPU_FLAGS if f in have]
+        field = lambda name: next((line.split(":", 1)[1].strip() for line in lines  # noqa: E731
+                                   if line.split(":", 1)[0].strip() == name), None)
+        cpu = field("model name") or cpu
+        flags = [f for f in CPU_FLAGS if f in set((field("flags") or "").split())]
+        if field("cpu family") is not None:
+            cpu_id = f"{field('vendor_id')} family {field('cpu family')} model {field('model')}"
     except OSError:
         pass
     return {"torch": torch.__version__, "python": platform.python_version(), "cpu": cpu, "cpu_flags": flags,
-            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            **({"cpu_id": cpu_id} if cpu_id else {}), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             **({"gpu": torch.cuda.get_device_name(device)} if torch.device(device).type == "cuda" else {})}

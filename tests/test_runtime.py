@@ -95,3 +95,19 @@ def test_a_tied_parameter_moves_once_and_stays_tied():
     assert model.lm_head.weight is model.embed_tokens.weight and model.lm_head.weight is not tied
     assert torch.equal(model.lm_head.weight, value) and model.lm_head.weight.data_ptr() % HUGE_PAGE == 0
     assert moved == nbytes + others
+
+
+def test_machine_names_the_cpu_generation_from_cpuinfo(monkeypatch):
+    """A virtual machine may call every generation "AMD EPYC": family and model numbers tell them apart."""
+    import io
+
+    from ascend_graph import runtime
+
+    text = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+            "model name\t: AMD EPYC\nflags\t\t: fpu fma avx2 avx512f avx512_bf16\n")
+    monkeypatch.setattr(runtime, "open", lambda *a, **k: io.StringIO(text), raising=False)
+    found = runtime.machine()
+    assert (found["cpu"], found["cpu_id"]) == ("AMD EPYC", "AuthenticAMD family 26 model 2")
+    assert found["cpu_flags"] == ["avx2", "fma", "avx512f", "avx512_bf16"]
+    monkeypatch.setattr(runtime, "open", lambda *a, **k: io.StringIO("model name\t: a CPU\n"), raising=False)
+    assert "cpu_id" not in runtime.machine() and runtime.machine()["cpu"] == "a CPU"
