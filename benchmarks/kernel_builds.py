@@ -10,8 +10,9 @@ every run: on a shared machine a call descheduled for other jobs would otherwise
 (docs/cpu-kernels.md); contention for caches and memory still counts.
 
 - ``rows``: GFLOP/s of ``expert_rows`` (one weight, ``r`` rows, what ``rows_mm`` runs) over a
-  [12288, 2048] bf16 weight streamed from memory (four weights on 2 MiB pages taken in turn), both builds
-  interleaved, medians; each result checked against a float64 product.
+  [12288, 2048] weight streamed from memory (four weights on 2 MiB pages taken in turn), bf16 or
+  (``--dtype float32``) float32, on ``--threads`` threads, both builds interleaved, medians; each
+  result checked against a float64 product.
 - ``--moe``: ms of each build's ``expert_rows`` over V2-Lite's 64 routed gate/up weights at 1 and
   8 tokens (top-6, random distinct experts), 2 OpenMP threads, wall time, interleaved, medians;
   each output checked against float64.
@@ -24,7 +25,8 @@ A whole step before and after a change to the kernels: ``benchmarks.before_after
 checkouts; the ops' kernels are linked into the build the package loads, so one process cannot
 swap them).
 
-    python -m benchmarks.kernel_builds --old 09f01da [--isa avx2] [--rows 1,2,4,8,16,32,64] [--moe] [--attention]
+    python -m benchmarks.kernel_builds --old 09f01da [--isa avx2] [--rows 1,2,4,8,16,32,64]
+        [--dtype float32] [--threads 2] [--moe] [--attention]
 """
 
 from __future__ import annotations
@@ -112,28 +114,37 @@ def alternating(dlls: dict[str, ctypes.CDLL], run: int) -> list[tuple[str, ctype
 
 
 def rows_rates(dlls: dict[str, ctypes.CDLL], rows=(1, 2, 4, 8, 16, 32, 64), n: int = 12288, k: int = 2048,
-               runs: int = 7) -> list[dict]:
-    """Per row count, GFLOP/s of each build's ``expert_rows`` on one thread, medians of ``runs``
-    interleaved; each output within one bf16 rounding of the float64 product (else ValueError).
-    The weights lie on 2 MiB pages, as the runner puts a model's."""
+               runs: int = 7, dtype: torch.dtype = torch.bfloat16, threads: int = 1) -> list[dict]:
+    """Per row count, GFLOP/s of each build's ``expert_rows`` (``expert_rows_f32`` for float32) on
+    ``threads`` OpenMP threads, medians of ``runs`` interleaved: one thread's CPU time, or wall time
+    for more; each output within one bf16 rounding (float32: the float32 error bound of K products)
+    of the float64 product (else ValueError). The weights lie on 2 MiB pages, as the runner puts a
+    model's."""
     from ascend_graph.runtime import huge_page_buffer
 
-    buf = huge_page_buffer(4 * n * k * 2).view(torch.bfloat16)
+    size = torch.finfo(dtype).bits // 8
+    buf = huge_page_buffer(4 * n * k * size).view(dtype)
     buf.normal_()
     weights = [buf[i * n * k:(i + 1) * n * k].view(n, k) for i in range(4)]
+    clock = time.thread_time if threads == 1 else time.perf_counter
     found, made = [], 0
     for r in rows:
-        x, ends = torch.randn(r, k).to(torch.bfloat16), torch.tensor([r], dtype=torch.int32)
+        x, ends = torch.randn(r, k).to(dtype), torch.tensor([r], dtype=torch.int32)
         times: dict[str, list[float]] = {name: [] for name in dlls}
         for run in range(runs):
             for name, dll in alternating(dlls, run):
-                w, out = weights[made % 4], torch.empty(r, n, dtype=torch.bfloat16)
+                w, out = weights[made % 4], torch.empty(r, n, dtype=dtype)
+                entry = dll.expert_rows_f32 if dtype == torch.float32 else dll.expert_rows
                 made += 1
-                start = time.thread_time()
-                dll.expert_rows(x.data_ptr(), w.data_ptr(), ends.data_ptr(), out.data_ptr(), 1, n, k, 1)
-                times[name].append(time.thread_time() - start)
+                start = clock()
+                entry(x.data_ptr(), w.data_ptr(), ends.data_ptr(), out.data_ptr(), 1, n, k, threads)
+                times[name].append(clock() - start)
                 exact = x.double() @ w.double().T
-                if not ((out.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all():
+                if dtype == torch.float32:
+                    bound = (x.double().abs() @ w.double().abs().T) * k * 2 ** -23
+                else:
+                    bound = exact.abs() * 2 ** -8 + 1e-3
+                if not ((out.double() - exact).abs() <= bound).all():
                     raise ValueError(f"kernel_builds: {name} at {r} rows is not within one rounding")
         found.append({"rows": r, **{name: 2 * r * n * k / statistics.median(t) / 1e9 for name, t in times.items()}})
     return found
@@ -248,6 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", default="1,2,4,8,16,32,64")
     parser.add_argument("--weight", default="12288,2048", help="the rows' weight N,K (default: streamed from memory)")
     parser.add_argument("--runs", type=int, default=7, help="interleaved runs per row count (medians)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the rows' weights and rows")
+    parser.add_argument("--threads", type=int, default=1, help="the rows' OpenMP threads (more than 1: wall time)")
     parser.add_argument("--attention", action="store_true",
                         help="time decode_attention (MLA, batch 32, context 2048, bf16)")
     parser.add_argument("--moe", action="store_true",
@@ -264,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             parser.error(str(e).removeprefix("kernel_builds: "))
     n, k = (int(v) for v in args.weight.split(","))
-    for row in rows_rates(dlls, tuple(int(r) for r in args.rows.split(",")), n=n, k=k, runs=args.runs):
+    for row in rows_rates(dlls, tuple(int(r) for r in args.rows.split(",")), n=n, k=k, runs=args.runs,
+                          dtype=getattr(torch, args.dtype), threads=args.threads):
         print(f"{row['rows']:3d} rows: old {row['old']:6.1f} GFLOP/s, now {row['now']:6.1f}, "
               f"now/old {row['now'] / row['old']:.2f}", flush=True)
     if args.moe:

@@ -53,6 +53,8 @@ def test_two_builds_are_timed_side_by_side_and_a_wrong_one_is_refused(tmp_path):
     rows = kernel_builds.rows_rates(dlls, rows=(1, 5, 17), n=70, k=96, runs=1)
     assert [r["rows"] for r in rows] == [1, 5, 17]
     assert all(r["old"] > 0 and r["now"] > 0 for r in rows)
+    rows = kernel_builds.rows_rates(dlls, rows=(3, 8), n=70, k=97, runs=1, dtype=torch.float32, threads=2)
+    assert [r["rows"] for r in rows] == [3, 8] and all(r["old"] > 0 and r["now"] > 0 for r in rows)
     assert set(kernel_builds.attention_times(dlls, batch=2, context=64, runs=1)) == {"old", "now"}
     moe = kernel_builds.moe_times(dlls, tokens=(1, 3), experts=8, top_k=2, n=70, k=96, runs=1)
     assert [(r["tokens"], r["old"] > 0, r["now"] > 0) for r in moe] == [(1, True, True), (3, True, True)]
@@ -69,6 +71,13 @@ def test_two_builds_are_timed_side_by_side_and_a_wrong_one_is_refused(tmp_path):
         kernel_builds.attention_times(dlls, batch=2, context=64, runs=1)
     with pytest.raises(ValueError, match="now's experts at 1 tokens are not within one rounding"):
         kernel_builds.moe_times(dlls, tokens=(1,), experts=8, top_k=2, n=70, k=96, runs=1)
+    # the float32 tiles' sums doubled each step (AVX-512: its float32 units come first in the header)
+    step = "ag_tile_dot(ag_tile_acc acc, ag_tile_w w, const ag_xrow_t *x) {"
+    dlls["now"] = kernel_builds.build(_edited(sources, [("vec_avx2.h", step, "acc = _mm256_add_ps(acc, acc);"),
+                                                        ("vec_avx512.h", step, "acc = _mm512_add_ps(acc, acc);")]),
+                                      str(tmp_path), "doubled_f32")
+    with pytest.raises(ValueError, match="now at 3 rows is not within one rounding"):
+        kernel_builds.rows_rates(dlls, rows=(3,), n=70, k=96, runs=1, dtype=torch.float32)
 
 
 @needs_kernel
