@@ -226,7 +226,7 @@ def vllm_peer_markdown(path: str) -> str:
     return "\n".join(render(d["rows"]) + floors + [
         "", f"{machine(c)}, {s['threads']} threads, {c['when'][:10]}; vLLM {v.get('vllm')}, torch {c['torch']}; "
         f"{s['new_tokens']} new tokens, max_model_len {s['max_model_len']}, {kv}{s['rounds']} rounds"
-        f"{f' over {n} starts of the vLLM sides' if (n := s.get('restarts', 1)) > 1 else ''} · "
+        f"{f' over {n} starts of ' + s.get('restarts_cover', 'the vLLM sides') if (n := s.get('restarts', 1)) > 1 else ''} · "
         f"`{d['command']}` → `{rel}`"]) + "\n"
 
 

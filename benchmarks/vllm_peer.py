@@ -15,10 +15,11 @@ the same ``max_model_len`` and the same KV cache bytes. For each model and dtype
 reference), ``vllm_graph``: the same vLLM with our graph mode switched on by its flag
 (``additional_config``, ``vllm_peer_sides.graph_config``: ``graph_batch_sizes`` = the measured
 batches, a failed compile raising), and ``engine``: the project's Engine (``Engine.from_pretrained``,
-graph mode on, every batch size captured, compile failures raising). Each vLLM side is a
-subprocess of the vLLM venv's python (``benchmarks/vllm_peer_worker.py``); graph sides see this
-checkout and its plugin's entry point on ``PYTHONPATH`` (``vllm_plugin_env``) and must run every
-decode step as a graph (their runner's counters are checked and kept). Two more vLLM+graph sides
+graph mode on, every batch size captured, compile failures raising). Each side is a subprocess
+(``benchmarks/vllm_peer_worker.py``): the vLLM sides of the vLLM venv's python, the Engine of this
+python; graph sides see this checkout (vLLM's: and its plugin's entry point) on ``PYTHONPATH``
+(``vllm_plugin_env``) and must run every decode step as a graph (their runner's counters are
+checked and kept). Two more vLLM+graph sides
 answer our own questions: ``--capacity K`` (default 8) runs one at K times the KV cache bytes
 (``capacity``: its ms over 1x's; near 1 means no step copies or scans a whole cache), and
 ``--graph-before ROOT`` one of an older checkout (``before_after``: this checkout's ms over
@@ -26,10 +27,11 @@ ROOT's). All on ``--threads`` torch threads, greedy with ``ignore_eos`` on the s
 prompts of 16 tokens. Decode ms per step is measured the same way on every side, their rounds
 interleaved (``vllm_peer_sides.interleaved_decode``: per round,
 ``(t(N new tokens) - t(1 new token)) / (N - 1)``; the median over rounds). With ``--restarts R``
-the vLLM sides are started R times, the rounds shared between the starts: a process keeps one
-draw of this host's speed for its life (one-off: the same step 7.2 or 9.3 ms by process). A side's ratio is
+every side is started R times, the rounds shared between the starts: a process keeps one draw of
+this host's speed for its life (one-off: the same step 7.2 or 9.3 ms by process). A side's ratio is
 ``vllm_ms / side_ms`` (> 1: faster than stock vLLM; ``vllm_peer_rows``), left out where its tokens
-differ from stock vLLM's. There transformers on the same checkpoint referees each differing
+differ from stock vLLM's; beside it, the range of the rounds' own ratios (each round's sides ran
+back to back: a host that switches speed mid-run moves a round's sides together). There transformers on the same checkpoint referees each differing
 request's first difference (``Referee.verdict``): its float32 choice, the float32 gap between the
 two tokens, and its own bfloat16 error on that request so far. Where every difference is such a
 near-tie (gap within that error), ``ratio_near_ties`` gives the ratio all the same: both sides
@@ -74,7 +76,7 @@ from benchmarks.roofline import ReadProbe  # noqa: E402
 from benchmarks.tables import fmt  # noqa: E402,F401
 from benchmarks.vllm_peer_rows import (BEFORE, ENGINE, GRAPH, STOCK, Referee, capacity_side,  # noqa: E402,F401
                                        compare, first_difference, render, render_floors, with_referee)
-from benchmarks.vllm_peer_sides import (EngineSide, VllmSide, check_vllm_python, graph_config,  # noqa: E402
+from benchmarks.vllm_peer_sides import (WorkerSide, check_vllm_python, engine_side, graph_config,  # noqa: E402
                                         interleaved_decode)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,7 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--graph-before", default=None, metavar="ROOT",
                    help="also vLLM+graph of the checkout at ROOT (e.g. a git worktree of an older commit)")
     p.add_argument("--restarts", type=int, default=Settings.restarts, metavar="R",
-                   help="start the vLLM sides R times, the rounds split between the starts (a process "
+                   help="start every side R times, the rounds split between the starts (a process "
                         "keeps one draw of the host's speed for its life)")
     p.add_argument("--json", default=DEFAULT_JSON)
     args = p.parse_args(argv)
@@ -181,26 +183,26 @@ def vllm_sides(args: argparse.Namespace, spec: dict, workdir: str) -> dict[str, 
 
 def measure(args: argparse.Namespace, path: str, spec: dict, workdir: str) -> tuple[dict, dict]:
     """Every side on one checkpoint and dtype: per batch, ``interleaved_decode``'s rows (with
-    ``--restarts`` R, the vLLM sides started R times, each start taking its share of the rounds,
+    ``--restarts`` R, every side started R times, each start taking its share of the rounds,
     ``merge_rounds``); and what each side reported about itself (its last start)."""
     order, sides, rows = [STOCK, GRAPH, BEFORE, capacity_side(args.capacity), ENGINE], {}, {}
     probe = ReadProbe(1024, threads=spec["threads"]) if 1 in spec["batches"] else None
     read_s: list[float] = []  # the read ceiling's time, once per batch-1 round
     try:
-        if ENGINE in args.sides:
-            sides[ENGINE] = EngineSide(path, spec)
         for start, rounds in enumerate(split_rounds(spec["rounds"], args.restarts)):
+            tag = f"_{start}" if start else ""
             for name, (side_spec, root) in vllm_sides(args, spec, workdir).items():  # they start up meanwhile
-                sides[name] = VllmSide(args.vllm_python, side_spec, workdir, name=name, root=root,
-                                       tag=f"_{start}" if start else "")
+                sides[name] = WorkerSide(args.vllm_python, side_spec, workdir, name=name, root=root, tag=tag)
+            if ENGINE in args.sides:
+                sides[ENGINE] = engine_side(spec, workdir, ROOT, tag=tag)
             sides = {k: sides[k] for k in order if k in sides}
             for side in sides.values():
-                getattr(side, "ready", lambda: None)()
+                side.ready()
             for batch in spec["batches"]:
                 rows[batch] = merge_rounds(rows.get(batch), interleaved_decode(
                     sides, batch, spec["new_tokens"], rounds, probe=probe if batch == 1 else None, probe_s=read_s))
-            if start < args.restarts - 1:  # end this start's vLLM processes
-                for name in [n for n in sides if n != ENGINE]:
+            if start < args.restarts - 1:  # end this start's processes
+                for name in list(sides):
                     sides.pop(name).close()
         for batch in spec["batches"]:
             print(f"  {spec['dtype']} batch {batch:>3}: "
@@ -243,7 +245,8 @@ def result_json(args: argparse.Namespace, settings: Settings, rows: list[dict], 
     return {"benchmark": "vllm_peer", "conditions": conditions(), "note": NOISE_NOTE,
             "command": "python -m benchmarks.vllm_peer " + " ".join(sys.argv[1:]),
             "settings": {**dataclasses.asdict(settings), "prompt_len": PROMPT_LEN, "block_size": 16,
-                         "checkpoint_dtype": "bfloat16", "greedy": True, "ignore_eos": True},
+                         "checkpoint_dtype": "bfloat16", "greedy": True, "ignore_eos": True,
+                         "restarts_cover": "every side"},
             "models": {m: dataclasses.asdict(MODELS[m]()) for m in args.models},
             "versions": {"vllm_side": vllm_versions,
                          "engine_side": {"torch": torch.__version__, "transformers": transformers.__version__}},

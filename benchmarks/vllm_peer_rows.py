@@ -2,7 +2,8 @@
 
 A row (``compare``) is one model, dtype and batch: each side's decode ms per step (``ms``), its
 rounds, and per side other than stock vLLM (``vs_vllm``) the ratio ``vllm_ms / side_ms`` (> 1:
-that side is faster than stock vLLM), left out where its tokens differ from stock vLLM's. There
+that side is faster than stock vLLM), left out where its tokens differ from stock vLLM's, with
+each round's own ratio (the table shows their range). There
 ``Referee`` (transformers on the same checkpoint) judges each differing request's first
 difference; where all are near-ties, ``ratio_near_ties`` gives the ratio all the same. Two of our
 own comparisons come with it: ``capacity`` (vLLM+graph at ``k`` times the KV cache bytes over
@@ -60,9 +61,11 @@ def request_differences(a: list[list[int]], b: list[list[int]]) -> list[tuple[in
 
 
 def versus(base: dict, other: dict) -> dict:
-    """``other`` against ``base`` (two sides' timed rows): ``base_ms / other_ms`` where the tokens agree."""
+    """``other`` against ``base`` (two sides' timed rows): ``base_ms / other_ms`` where the tokens
+    agree; and each round's own ratio (``round_ratios``, the rounds as both sides ran them)."""
     diff = first_difference(base["tokens"], other["tokens"])
     return {"ratio": base["ms_per_step"] / other["ms_per_step"] if diff is None else None,
+            "round_ratios": [b / o for b, o in zip(base["round_ms"], other["round_ms"])],
             "tokens_equal": diff is None, "first_difference": diff}
 
 
@@ -147,13 +150,16 @@ def with_referee(row: dict, referee: Referee, prompts: list[list[int]], timed: d
 
 
 def ratio_cell(cmp: dict | None) -> str:
-    """A comparison's ratio; where tokens differ only at near-ties, that ratio marked so; else empty."""
+    """A comparison's ratio with the range of its rounds' own ratios; where tokens differ only at
+    near-ties, that ratio marked so; else empty."""
     if cmp is None:
         return fmt(None)
+    rounds = cmp.get("round_ratios")
+    spread = f"{fmt(min(rounds))}-{fmt(max(rounds))}" if rounds else ""
     if cmp["ratio"] is not None:
-        return fmt(cmp["ratio"]) + "x"
+        return fmt(cmp["ratio"]) + "x" + (f" ({spread})" if spread else "")
     if cmp.get("ratio_near_ties") is not None:
-        return fmt(cmp["ratio_near_ties"]) + "x (near-ties)"
+        return fmt(cmp["ratio_near_ties"]) + "x (near-ties" + (f"; {spread})" if spread else ")")
     return fmt(None)
 
 

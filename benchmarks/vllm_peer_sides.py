@@ -2,8 +2,11 @@
 
 A side is a callable ``(batch, new_tokens) -> (seconds, tokens)``: one greedy generation of
 ``new_tokens`` new tokens for the first ``batch`` prompts, the seconds its generate call took
-and the new tokens of each prompt. ``VllmSide`` asks a stock vLLM in a subprocess of the vLLM
-venv's python (``vllm_peer_worker.py``); ``EngineSide`` runs the project's Engine here.
+and the new tokens of each prompt. ``WorkerSide`` asks a worker subprocess
+(``vllm_peer_worker.py``): vLLM under the vLLM venv's python, or the project's Engine under this
+python (``engine_side``). Every side runs in a process of its own, so that each can be started
+again (a process keeps one draw of a shared host's speed for its life) and none spins threads in
+the process that times the others.
 
 How a decode step is timed (``interleaved_decode``): after one warm-up generation per side, each
 round times, per side, a generation of 1 new token (prefill only) and then one of ``new_tokens``
@@ -21,12 +24,10 @@ import os
 import statistics
 import subprocess
 import tempfile
+import sys
 import time
 from typing import Callable
 
-import torch
-
-from ascend_graph.config import GraphConfig
 from benchmarks.vllm_peer_worker import REPLY
 from benchmarks.vllm_plugin_env import pythonpath
 
@@ -98,7 +99,7 @@ def check_graph_steps(stats: dict) -> None:
     """``RuntimeError`` where a runner ran anything but prefills eagerly (a decode step out of graph)."""
     eager = {k: v for k, v in stats["eager_steps"].items() if k != "prefill"}
     if eager or not stats["graph_steps"]:
-        raise RuntimeError(f"vLLM+graph ran decode steps eagerly: {stats}")
+        raise RuntimeError(f"a graph-mode side ran decode steps eagerly: {stats}")
 
 
 def check_vllm_python(python: str) -> str:
@@ -114,10 +115,11 @@ def check_vllm_python(python: str) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-class VllmSide:
-    """vLLM in a worker subprocess of ``python`` on ``spec`` (with its ``additional_config``, if
-    any), the plugin of the checkout at ``root`` visible where given; its log goes to ``log_path``
-    (``tag`` tells a restarted side's log from the first one's)."""
+class WorkerSide:
+    """A worker subprocess of ``python`` on ``spec``: vLLM (with its ``additional_config``, if
+    any; the plugin of the checkout at ``root`` visible where given), or the Engine of the checkout
+    at ``root`` where ``spec["engine"]``; its log goes to ``log_path`` (``tag`` tells a restarted
+    side's log from the first one's)."""
 
     def __init__(self, python: str, spec: dict, workdir: str, name: str = "vllm", root: str | None = None,
                  tag: str = "") -> None:
@@ -126,11 +128,11 @@ class VllmSide:
             json.dump(spec, f)
         self.log_path = os.path.join(workdir, f"{name}_{spec['dtype']}{tag}.log")
         self.log = open(self.log_path, "w", encoding="utf-8")
-        path = pythonpath(os.path.join(workdir, "plugin"), root) if root is not None else None
+        path = None if root is None else root if spec.get("engine") else pythonpath(os.path.join(workdir, "plugin"), root)
         self.proc = subprocess.Popen([python, WORKER, spec_path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True,
                                      env=vllm_env(os.path.join(workdir, f"{name}_cache"), spec["threads"], path))
-        self.graph = "additional_config" in spec
+        self.graph = "additional_config" in spec or bool(spec.get("engine"))
         self.about: dict | None = None
 
     def ready(self) -> dict:
@@ -154,7 +156,7 @@ class VllmSide:
         self.log.flush()
         with open(self.log_path, encoding="utf-8") as f:
             tail = f.read()[-4000:]
-        raise RuntimeError(f"the vLLM worker stopped (exit {self.proc.wait()}); its log ends:\n{tail}")
+        raise RuntimeError(f"the {os.path.basename(self.log_path)} worker stopped (exit {self.proc.wait()}); its log ends:\n{tail}")
 
     def close(self) -> None:
         """With graph mode: read the runner's counters into ``about`` and check every decode step
@@ -173,32 +175,6 @@ class VllmSide:
             check_graph_steps(stats)
 
 
-class EngineSide:
-    """The project's Engine on the checkpoint at ``path``, graph mode on, every batch captured."""
-
-    def __init__(self, path: str, spec: dict) -> None:
-        from ascend_graph.engine import Engine
-
-        batches = spec["batches"]
-        config = GraphConfig(enabled=True, capture_sizes=tuple(batches), max_batch_size=max(batches),
-                             fallback_on_compile_error=False)  # a failed compile must not time eager
-        start = time.perf_counter()
-        self.engine = Engine.from_pretrained(path, graph_config=config, dtype=getattr(torch, spec["dtype"]),
-                                             block_size=16, max_model_len=spec["max_model_len"],
-                                             cache_memory_bytes=spec["kv_cache_memory_bytes"])
-        self.engine.capture(show_progress=False)
-        self.prompts = spec["prompts"]
-        self.about = {"init_s": time.perf_counter() - start}
-
-    def __call__(self, batch: int, new_tokens: int) -> tuple[float, list[list[int]]]:
-        start = time.perf_counter()
-        tokens = self.engine.generate(self.prompts[:batch], new_tokens, ignore_eos=True)
-        return time.perf_counter() - start, tokens
-
-    def close(self) -> None:
-        """Check every decode step ran as a graph; free the engine."""
-        stats = self.engine.stats
-        del self.engine
-        torch._dynamo.reset()
-        if stats["graph_steps"] != stats["decode_steps"]:
-            raise RuntimeError(f"some Engine decode steps ran eagerly: {stats}")
+def engine_side(spec: dict, workdir: str, root: str, tag: str = "") -> WorkerSide:
+    """The project's Engine of the checkout at ``root`` on ``spec`` in a worker subprocess of this python."""
+    return WorkerSide(sys.executable, {**spec, "engine": True}, workdir, name="engine", root=root, tag=tag)

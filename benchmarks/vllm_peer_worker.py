@@ -1,15 +1,17 @@
-"""The stock vLLM side of ``benchmarks.vllm_peer``: a script the vLLM venv's python runs.
+"""A side of ``benchmarks.vllm_peer`` in a process of its own: a script a python runs.
 
 ``python vllm_peer_worker.py SPEC.json`` builds one ``vllm.LLM`` on the spec's checkpoint and
-dtype with vLLM's defaults (the compiled path; CPU MLA), says it is ready, then serves requests
-until its stdin closes: each stdin line ``{"batch": b, "new_tokens": n}`` generates greedily
-(``ignore_eos``) for the spec's first ``b`` prompts and answers with the seconds
-``LLM.generate`` took and the new tokens of each prompt; ``{"stats": true}`` answers with the
-graph runner's counters. A spec's ``additional_config`` goes to ``vllm.LLM``: with our graph
-mode's flag in it, the parent has put a checkout and its plugin's entry point on
-``PYTHONPATH`` (``vllm_plugin_env``). Answers are stdout lines that start with ``REPLY``
-(anything else on stdout is a log line). Standard library and vLLM only: the counters are
-read through the worker method the plugin adds, by name.
+dtype with vLLM's defaults (the compiled path; CPU MLA), or, where the spec says ``"engine":
+true``, the project's Engine (graph mode on, every batch of the spec captured, a failed compile
+raising), says it is ready, then serves requests until its stdin closes: each stdin line
+``{"batch": b, "new_tokens": n}`` generates greedily (``ignore_eos``) for the spec's first ``b``
+prompts and answers with the seconds the generate call took and the new tokens of each prompt;
+``{"stats": true}`` answers with the graph runner's counters. A spec's ``additional_config``
+goes to ``vllm.LLM``: with our graph mode's flag in it, or for the Engine, the parent has put a
+checkout (and its plugin's entry point) on ``PYTHONPATH`` (``vllm_plugin_env``). Answers are
+stdout lines that start with ``REPLY`` (anything else on stdout is a log line). Standard library
+and vLLM only (the Engine: torch and the checkout): the vLLM counters are read through the worker
+method the plugin adds, by name.
 """
 
 from __future__ import annotations
@@ -46,25 +48,67 @@ def build(spec: dict):
     return llm, about
 
 
-def serve(spec: dict) -> None:
-    """Build the LLM, then answer generation requests from stdin until it closes."""
-    import vllm
+class VllmServed:
+    """``build``'s LLM: greedy generations and the plugin's counters."""
 
-    llm, about = build(spec)
-    reply({"ready": True, **about})
+    def __init__(self, spec: dict) -> None:
+        self.llm, self.about = build(spec)
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        import vllm
+
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    def stats(self) -> dict:
+        (stats,) = self.llm.collective_rpc("ascend_graph_runner_stats")  # the plugin's worker method
+        return stats
+
+
+class EngineServed:
+    """The project's Engine on the spec's checkpoint: graph mode on, every batch of the spec
+    captured (a failed compile raising: never timed as eager), the same block size, length and
+    KV cache bytes as the vLLM sides."""
+
+    def __init__(self, spec: dict) -> None:
+        import torch
+
+        from ascend_graph.config import GraphConfig
+        from ascend_graph.engine import Engine
+
+        torch.set_num_threads(spec["threads"])
+        batches = spec["batches"]
+        config = GraphConfig(enabled=True, capture_sizes=tuple(batches), max_batch_size=max(batches),
+                             fallback_on_compile_error=False)
+        start = time.perf_counter()
+        self.engine = Engine.from_pretrained(spec["model"], graph_config=config, dtype=getattr(torch, spec["dtype"]),
+                                             block_size=16, max_model_len=spec["max_model_len"],
+                                             cache_memory_bytes=spec["kv_cache_memory_bytes"])
+        self.engine.capture(show_progress=False)
+        self.about = {"init_s": time.perf_counter() - start, "torch_threads": torch.get_num_threads(),
+                      "versions": {"torch": torch.__version__}}
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        return self.engine.generate(prompts, new_tokens, ignore_eos=True)
+
+    def stats(self) -> dict:
+        return self.engine.stats
+
+
+def serve(spec: dict) -> None:
+    """Build the side, then answer generation requests from stdin until it closes."""
+    served = EngineServed(spec) if spec.get("engine") else VllmServed(spec)
+    reply({"ready": True, **served.about})
     for line in sys.stdin:
         request = json.loads(line)
         if request.get("stats"):
-            (stats,) = llm.collective_rpc("ascend_graph_runner_stats")  # the plugin's worker method
-            reply({"stats": stats})
+            reply({"stats": served.stats()})
             continue
-        prompts = [{"prompt_token_ids": p} for p in spec["prompts"][:request["batch"]]]
-        params = vllm.SamplingParams(temperature=0.0, max_tokens=request["new_tokens"], ignore_eos=True,
-                                     detokenize=False)
+        prompts = spec["prompts"][:request["batch"]]
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        reply({"seconds": seconds, "tokens": [list(o.outputs[0].token_ids) for o in outputs]})
+        tokens = served.generate(prompts, request["new_tokens"])
+        reply({"seconds": time.perf_counter() - start, "tokens": tokens})
 
 
 if __name__ == "__main__":  # vLLM may spawn processes: the work must not run on import

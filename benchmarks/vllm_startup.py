@@ -24,7 +24,7 @@ if __package__ in (None, ""):
 
 from benchmarks.common import conditions, write_json  # noqa: E402
 from benchmarks.vllm_peer import MODELS, prompts, write_checkpoint  # noqa: E402
-from benchmarks.vllm_peer_sides import VllmSide, check_vllm_python, graph_config  # noqa: E402
+from benchmarks.vllm_peer_sides import WorkerSide, check_vllm_python, graph_config  # noqa: E402
 from benchmarks.vllm_plugin_env import ROOT  # noqa: E402
 
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "vllm_startup.json")
@@ -33,7 +33,7 @@ SETTINGS = {"precompile": True, "no_precompile": False}
 
 def start(python: str, spec: dict, workdir: str, name: str) -> dict:
     """One vLLM+graph start: ``LLM(...)`` seconds, the first generate's seconds, the counters."""
-    side = VllmSide(python, spec, workdir, name=name, root=ROOT)
+    side = WorkerSide(python, spec, workdir, name=name, root=ROOT)
     try:
         about = side.ready()
         first_s, _ = side(max(spec["batches"]), 2)  # a prefill, then a decode step: capture

@@ -164,8 +164,21 @@ def test_a_row_claims_a_ratio_only_where_the_tokens_agree():
     head, _, line = vllm_peer.render([row])
     assert head == ("| model | dtype | batch | vLLM ms | vLLM+graph ms | Engine ms | vLLM / vLLM+graph | vLLM / Engine "
                     "| tokens equal to vLLM |")
-    assert line == ("| tiny | float32 | 8 | 6.00 | 4.00 | 3.00 | 1.50x | — "
+    assert line == ("| tiny | float32 | 8 | 6.00 | 4.00 | 3.00 | 1.50x (1.50-1.50) | — "
                     "| vLLM+graph: yes; Engine: no (request 0, token 1) |")
+
+
+def test_a_ratio_comes_with_the_range_of_its_rounds_own_ratios():
+    """The median of each side's rounds gives the ratio; the rounds paired as they ran give the range."""
+    stock = {**side(6.0, [[1]]), "round_ms": [6.0, 9.0, 5.0]}
+    graph = {**side(5.0, [[1]]), "round_ms": [4.0, 10.0, 5.0]}
+    row = vllm_peer.compare("tiny", "float32", 1, {"vllm": stock, "vllm_graph": graph})
+    cmp = row["vs_vllm"]["vllm_graph"]
+    assert cmp["ratio"] == pytest.approx(6.0 / 5.0)
+    assert cmp["round_ratios"] == pytest.approx([1.5, 0.9, 1.0])
+    assert vllm_peer_rows.ratio_cell(cmp) == "1.20x (0.90-1.50)"
+    near_ties = {**cmp, "ratio": None, "ratio_near_ties": 1.2}
+    assert vllm_peer_rows.ratio_cell(near_ties) == "1.20x (near-ties; 0.90-1.50)"
 
 
 def test_capacity_and_before_after_are_measured_against_vllm_graph():
@@ -179,7 +192,7 @@ def test_capacity_and_before_after_are_measured_against_vllm_graph():
     head, _, line = vllm_peer.render([row])
     assert ("| vLLM+graph before ms | vLLM+graph 8x cache ms | vLLM / vLLM+graph | 8x cache / 1x "
             "| after / before |") in head
-    assert "| 1.50x | 1.10x | 0.80x |" in line and line.endswith("; 8x = 1x: no |")
+    assert "| 1.50x (1.50-1.50) | 1.10x | 0.80x |" in line and line.endswith("; 8x = 1x: no |")
 
 
 def test_side_names_and_labels():
@@ -255,16 +268,46 @@ for line in sys.stdin:
     print("INFO generating")
     print({vllm_peer_worker.REPLY!r} + json.dumps({{"seconds": 0.25, "tokens": [[r["new_tokens"]]] * r["batch"]}}),
           flush=True)""")
-    side = vllm_peer_sides.VllmSide(python, SPEC, str(tmp_path))
+    side = vllm_peer_sides.WorkerSide(python, SPEC, str(tmp_path))
     assert side.ready()["init_s"] == 1.5
     assert side(2, 5) == (0.25, [[5], [5]])
     side.close()
     assert "INFO a log line on stdout" in (tmp_path / "vllm_float32.log").read_text()
 
 
+def test_the_engine_side_runs_in_a_worker_of_this_python_and_matches_the_eager_engine(tmp_path):
+    """The Engine side is a subprocess too (started again with every start); its greedy tokens
+    equal an eager Engine's here, and closing it checks that every decode step ran as a graph."""
+    from checkpoints import SMALL_JSON, hf_named_tensors, write_checkpoint
+
+    from ascend_graph.config import GraphConfig
+    from ascend_graph.engine import Engine
+    from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
+
+    model = tmp_path / "model"
+    model.mkdir()
+    write_checkpoint(model, hf_named_tensors(DeepseekForCausalLM(DeepseekConfig.from_dict(SMALL_JSON), seed=3)))
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    spec = {"model": str(model), "dtype": "float32", "batches": [2], "max_model_len": 64, "threads": 1,
+            "kv_cache_memory_bytes": 1 << 20, "prompts": prompts}
+    eager = Engine.from_pretrained(str(model), graph_config=GraphConfig(enabled=False), dtype=torch.float32,
+                                   block_size=16, max_model_len=64, cache_memory_bytes=1 << 20)
+    expected = eager.generate(prompts, 4, ignore_eos=True)
+    side = vllm_peer_sides.engine_side(spec, str(tmp_path), vllm_peer.ROOT)
+    try:
+        assert side.ready()["init_s"] > 0
+        seconds, tokens = side(2, 4)
+        assert seconds > 0 and tokens == expected
+    finally:
+        side.close()
+    stats = side.about["runner_stats"]
+    assert stats["graph_steps"] == stats["decode_steps"] == 3 and stats["recompiles"] == 0
+    assert (tmp_path / "engine_float32.log").exists()
+
+
 def test_a_vllm_worker_that_dies_is_reported_with_its_log(tmp_path):
     python = fake_python(tmp_path, 'print("RuntimeError: Head dimension 80 is not supported by MLA"); sys.exit(3)')
-    side = vllm_peer_sides.VllmSide(python, SPEC, str(tmp_path))
+    side = vllm_peer_sides.WorkerSide(python, SPEC, str(tmp_path))
     with pytest.raises(RuntimeError, match="(?s)exit 3.*Head dimension 80"):
         side.ready()
 
@@ -332,9 +375,9 @@ def test_the_performance_doc_shows_a_run_with_its_command(tmp_path):
     path = tmp_path / "vllm_peer.json"
     path.write_text(json.dumps(run))
     text = report.vllm_peer_markdown(str(path))
-    assert ("| tiny | float32 | 1 | 2.00 | 1.00 | 1.10 | 2.00x | 1.10x "
+    assert ("| tiny | float32 | 1 | 2.00 | 1.00 | 1.10 | 2.00x (2.00-2.00) | 1.10x "
             "| vLLM+graph: yes; vLLM+graph 8x cache: yes |") in text
-    assert "1.50x (near-ties)" in text and "near-ties only" in text
+    assert "1.50x (near-ties; 1.50-1.50)" in text and "near-ties only" in text
     assert "`python -m benchmarks.vllm_peer X`" in text and "vLLM 0.32.0" in text
     assert "KV cache 128 MiB (8x: 1024 MiB)" in text
 
