@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", default="1,2,4,8,16,32,64")
     parser.add_argument("--weight", default="12288,2048", help="the rows' weight N,K (default: streamed from memory)")
     parser.add_argument("--runs", type=int, default=7, help="interleaved runs per row count (medians)")
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the rows' weights and rows")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="the rows' weights and rows")
     parser.add_argument("--threads", type=int, default=1, help="the rows' OpenMP threads (more than 1: wall time)")
     parser.add_argument("--attention", action="store_true",
                         help="time decode_attention (MLA, batch 32, context 2048, bf16)")

@@ -31,9 +31,10 @@ every side is started R times, the rounds shared between the starts: a process k
 this host's speed for its life (one-off: the same step 7.2 or 9.3 ms by process). A side's ratio is
 ``vllm_ms / side_ms`` (> 1: faster than stock vLLM; ``vllm_peer_rows``), left out where its tokens
 differ from stock vLLM's; beside it, the range of the rounds' own ratios (each round's sides ran
-back to back: a host that switches speed mid-run moves a round's sides together). There transformers on the same checkpoint referees each differing
-request's first difference (``Referee.verdict``): its float32 choice, the float32 gap between the
-two tokens, and its own bfloat16 error on that request so far. Where every difference is such a
+back to back: a host that switches speed mid-run moves a round's sides together). There
+transformers on the same checkpoint referees each differing request's first difference
+(``Referee.verdict``): its float32 choice, the float32 gap between the two tokens, and its own
+bfloat16 error on that request so far. Where every difference is such a
 near-tie (gap within that error), ``ratio_near_ties`` gives the ratio all the same: both sides
 computed the same model up to bfloat16 rounding, and a step's cost does not depend on which
 token was chosen.

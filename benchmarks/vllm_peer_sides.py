@@ -128,7 +128,7 @@ class WorkerSide:
             json.dump(spec, f)
         self.log_path = os.path.join(workdir, f"{name}_{spec['dtype']}{tag}.log")
         self.log = open(self.log_path, "w", encoding="utf-8")
-        path = None if root is None else root if spec.get("engine") else pythonpath(os.path.join(workdir, "plugin"), root)
+        path = root if root is None or spec.get("engine") else pythonpath(os.path.join(workdir, "plugin"), root)
         self.proc = subprocess.Popen([python, WORKER, spec_path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True,
                                      env=vllm_env(os.path.join(workdir, f"{name}_cache"), spec["threads"], path))
@@ -156,7 +156,8 @@ class WorkerSide:
         self.log.flush()
         with open(self.log_path, encoding="utf-8") as f:
             tail = f.read()[-4000:]
-        raise RuntimeError(f"the {os.path.basename(self.log_path)} worker stopped (exit {self.proc.wait()}); its log ends:\n{tail}")
+        raise RuntimeError(f"the {os.path.basename(self.log_path)} worker stopped (exit {self.proc.wait()}); "
+                           f"its log ends:\n{tail}")
 
     def close(self) -> None:
         """With graph mode: read the runner's counters into ``about`` and check every decode step
