@@ -47,7 +47,8 @@ def machine(c: dict) -> str:
     if c.get("device", "cpu") not in ("cpu", "cuda") or c.get("gpu"):
         return f"{c.get('gpu') or c['device']} (host: {c['cores']}-core {c['cpu']})"
     flags = f" ({', '.join(c['cpu_flags'])})" if c.get("cpu_flags") else ""
-    return f"{c['cpu']}{flags}, {c['cores']} cores"
+    generation = " " + c["cpu_id"].split(" ", 1)[-1] if c.get("cpu_id") else ""  # "family 26 model 2"
+    return f"{c['cpu']}{generation}{flags}, {c['cores']} cores"
 
 
 def command(rel: str, quick: bool, parts: str | None = None) -> str:

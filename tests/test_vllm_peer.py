@@ -420,3 +420,12 @@ def test_comparisons_against_vllm_graph_need_that_side(argv):
 def test_vllm_env_puts_only_the_given_path_on_the_path(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/work/somewhere")
     assert vllm_peer_sides.vllm_env("/tmp/cache", 2, "/src:/plugin")["PYTHONPATH"] == "/src:/plugin"
+
+
+def test_a_results_machine_names_the_cpu_generation_where_it_was_recorded():
+    from benchmarks import report
+
+    c = {"cpu": "AMD EPYC", "cpu_flags": ["avx2", "fma"], "cores": 2}
+    assert report.machine(c) == "AMD EPYC (avx2, fma), 2 cores"  # results from before cpu_id
+    assert report.machine({**c, "cpu_id": "AuthenticAMD family 26 model 2"}) == (
+        "AMD EPYC family 26 model 2 (avx2, fma), 2 cores")
