@@ -54,9 +54,9 @@ class PrepackedExperts(RoutedExperts):
         return onednn_linear(F.silu(gate) * up, down)
 
 
-def measure(tokens=(1, 8, 32), rounds: int = 5, calls: int = 2) -> dict:
-    """Median ms and GB/s of every form at every token count."""
-    config = v2_lite_slice()
+def measure(tokens=(1, 8, 32), rounds: int = 5, calls: int = 2, config=None) -> dict:
+    """Median ms and GB/s of every form at every token count (``config``: the V2-Lite slice's)."""
+    config = config or v2_lite_slice()
     experts = RoutedExperts(config, torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -68,6 +68,9 @@ def measure(tokens=(1, 8, 32), rounds: int = 5, calls: int = 2) -> dict:
     rows, probe = [], CopyProbe()
     prepacked = PrepackedExperts(experts) if onednn_packs(torch.bfloat16) else None
     for t in tokens:
+        # the compiled partials share dynamo's one wrapper code object: a fresh cache per token count
+        # keeps their compiles under its recompile limit
+        torch._dynamo.reset()
         x = torch.randn(t, config.hidden_size, generator=gen).to(torch.bfloat16)
         w = torch.rand(t, k, generator=gen)
         ex = torch.stack([torch.randperm(x_, generator=gen)[:k] for _ in range(t)])

@@ -105,3 +105,14 @@ def test_grouped_mm_backend_runs_on_cuda_only_from_compute_capability_9(monkeypa
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
         assert cls.supports(torch.device("cuda"), torch.bfloat16) is expected
     assert not cls.supports(torch.device("cuda"), torch.float32)
+
+
+def test_the_suites_moe_part_compiles_every_token_count_within_dynamos_recompile_limit(monkeypatch):
+    """``benchmarks.moe_forms`` compiles several partials per token count, which share one dynamo
+    code object: at the suite's four token counts they once ran past its limit of 8 recompiles."""
+    from benchmarks import moe_forms
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 3)  # 3 partials at each of 2 counts
+    out = moe_forms.measure(tokens=(1, 2), rounds=1, calls=1, config=DeepseekConfig.small_v3())
+    assert [r["tokens"] for r in out["rows"]] == [1, 2]
+    assert all(r["compiled decode (now)"]["ms"] > 0 for r in out["rows"])
