@@ -8,9 +8,8 @@ The tuple step reads only the blocks in the batch's tables, so t(big) / t(small)
 1; the fused step grows with capacity. Achieved bandwidth is the bytes the step must read (each
 row's latent and rope cache, ``w_uk`` and ``w_uv``) over its time; ``ascend_graph::decode_attention``
 alone reads the live cache (each row's latent and rope rows) at the bytes/s of those bytes over
-its time, next to the copy probe in the same rounds, and beside the products it replaced
-(``attention_forms.paged_products``), with tables as wide as the batch needs and as a graph keeps
-them at max_model_len 32768. ``batch_one`` compares the compiled step reading the blocks in
+its time, next to the copy probe in the same rounds (results from before ``d413631`` also hold
+it against the products it replaced, ``op_against_before``; those ops are gone). ``batch_one`` compares the compiled step reading the blocks in
 place with the same step over a gathered copy; ``gqa_decode`` times standard attention's decode
 (``paged_decode``, Llama-3-8B's heads) against its earlier forms.
 
@@ -40,14 +39,12 @@ from ascend_graph.attention.cpu import CpuMLA, CpuPaged  # noqa: E402
 from ascend_graph.attention.reference import ReferenceMLA  # noqa: E402
 from ascend_graph.attention.paging import by_rows, gather_rows  # noqa: E402
 from ascend_graph.kv_cache import KVCache, MLACacheSpec, allocate_kv_caches, write_slots  # noqa: E402
-from benchmarks.attention_forms import former_gqa_decode, fused_step, live_blocks, paged_products  # noqa: E402
+from benchmarks.attention_forms import former_gqa_decode, fused_step, live_blocks  # noqa: E402
 from benchmarks.common import conditions as machine_conditions  # noqa: E402
-from benchmarks.common import (interleaved_medians, interleaved_samples, set_malloc_keeps_freed_memory,  # noqa: E402
-                               with_malloc)
+from benchmarks.common import interleaved_medians, set_malloc_keeps_freed_memory, with_malloc  # noqa: E402
 from benchmarks.roofline import CopyProbe  # noqa: E402
 
 LLC_FLUSH_BYTES = 128 << 20  # read before a call: four times this machine's 32 MiB last-level cache
-WIDE_MAX_MODEL_LEN = 32768  # the op alone and the products before it also over tables this wide
 
 def tuple_step(q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale):
     """This project's step: in-place write, attention over the two cache tensors separately, by
@@ -217,14 +214,10 @@ def _floor(q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale):
     return run
 
 
-def _alone(form: Callable, q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale, width: int = 0):
-    """MLA decode's attention alone (``attention_forms.live_blocks`` or ``paged_products``) on the
-    step's latent query; ``width``: the block tables padded with the null block to that many blocks,
-    as a graph pads them to max_model_len."""
+def _alone(form: Callable, q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale):
+    """MLA decode's attention alone (``attention_forms.live_blocks``) on the step's latent query."""
     q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w_uk).to(cache.kv_c.dtype)  # [B, H, C]
-    tables = meta.decode.block_tables
-    decode = DecodeMetadata(torch.nn.functional.pad(tables, (0, max(0, width - tables.shape[1]))),
-                            meta.decode.context_lens)
+    decode = meta.decode
     return lambda: form(q_lat, q_pe, cache, decode, scale)
 
 
@@ -289,11 +282,8 @@ def measure(batch: int = 32, context: int = 2048, num_blocks=(256, 32768), reps:
     for r in extra:
         print(f"  {r['step']}: {r['median_ms']:.2f} ms, {r['share_of_copy_bandwidth']:.3f} of copy bandwidth")
     op = {dt: _op_row(args, dt, args.probe_ms[f"op alone, {dt}"], copy_bw) for dt in ops}
-    against = (op_against_before(op_inputs["bfloat16"], WIDE_MAX_MODEL_LEN // args.block_size, args.block_size,
-                                 3 * reps) if "bfloat16" in op_inputs else None)
     return {"conditions": conditions(args), "rows": results + extra, "capacity_ratio": ratios,
-            "copy_bytes_per_s": copy_bw, "malloc_keeps_freed_memory": malloc_keeps_freed, "op_alone": op,
-            **({"op_against_before": against} if against else {})}
+            "copy_bytes_per_s": copy_bw, "malloc_keeps_freed_memory": malloc_keeps_freed, "op_alone": op}
 
 
 def _op_row(args: argparse.Namespace, dtype: str, ms: float, copy_bw: float) -> dict:
@@ -304,27 +294,6 @@ def _op_row(args: argparse.Namespace, dtype: str, ms: float, copy_bw: float) -> 
     print(f"  decode_attention alone, {dtype}: {ms:.2f} ms, {row['bytes_per_s'] / 1e9:.2f} GB/s of live cache, "
           f"{row['share_of_copy_bandwidth']:.3f} of copy bandwidth", flush=True)
     return row
-
-
-def op_against_before(inputs: tuple, width: int, block_size: int, rounds: int) -> dict:
-    """``decode_attention`` alone against the products before it (``attention_forms.paged_products``)
-    over the same bfloat16 inputs, with the batch's own tables and padded to ``width`` blocks (a
-    graph's at max_model_len ``width * block_size``), the four timed in the same rounds: medians,
-    and the median and quartiles of the rounds' after / before."""
-    fns = {"live": _alone(live_blocks, *inputs), "live_before": _alone(paged_products, *inputs),
-           "wide": _alone(live_blocks, *inputs, width=width),
-           "wide_before": _alone(paged_products, *inputs, width=width)}
-    samples = interleaved_samples(fns, rounds=rounds, calls_per_round=1, warmup=1)
-    out = {}
-    for key, blocks in (("live", inputs[5].decode.block_tables.shape[1]), ("wide", width)):
-        r = sorted(a / b for a, b in zip(samples[key], samples[f"{key}_before"]))
-        out[key] = {"max_model_len": blocks * block_size, "ms": statistics.median(samples[key]) * 1e3,
-                    "before_ms": statistics.median(samples[f"{key}_before"]) * 1e3,
-                    "after_over_before": statistics.median(r), "quartiles": [r[len(r) // 4], r[3 * len(r) // 4]]}
-        print(f"  decode_attention alone, tables for max_model_len {out[key]['max_model_len']}: "
-              f"{out[key]['ms']:.2f} ms, before {out[key]['before_ms']:.2f} ms, after / before "
-              f"{out[key]['after_over_before']:.2f}", flush=True)
-    return out
 
 
 def batch_one(context: int = 16384, reps: int = 9, dtype: str = "bfloat16") -> dict:

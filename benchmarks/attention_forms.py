@@ -29,18 +29,6 @@ def fused_step(q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale):
     return torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
 
 
-def paged_products(q_lat: Tensor, q_pe: Tensor, cache: MLACache, decode: DecodeMetadata, scale: float) -> Tensor:
-    """MLA decode's attention before ``ascend_graph::decode_attention`` (bfloat16, the CPU kernel):
-    scores over every slot of the block table (``paged_rows_mm``), the dead slots masked in a
-    softmax, values over every slot again (``paged_rows_bmm``) -> ``[B, H, C]``."""
-    tables = decode.block_tables
-    scores = (torch.ops.ascend_graph.paged_rows_mm(q_lat, cache.kv_c, tables)
-              + torch.ops.ascend_graph.paged_rows_mm(q_pe, cache.k_pe, tables))  # [B, H, T]
-    mask = valid_slots(decode.context_lens, scores.shape[-1])[:, None, :]  # [B, 1, T]
-    probs = masked_softmax(scores, mask, scale).to(q_lat.dtype)
-    return torch.ops.ascend_graph.paged_rows_bmm(probs, cache.kv_c, tables)  # [B, H, C]
-
-
 def live_blocks(q_lat: Tensor, q_pe: Tensor, cache: MLACache, decode: DecodeMetadata, scale: float) -> Tensor:
     """The same attention now: ``ascend_graph::decode_attention`` over each row's live blocks."""
     return torch.ops.ascend_graph.decode_attention(q_lat, q_pe, cache.kv_c, cache.k_pe, cache.kv_c,
