@@ -282,10 +282,13 @@ def render(template: str = TEMPLATE) -> str:
     return re.sub(r"^\{\{(.+?)\}\}$", expand, text, flags=re.M)
 
 
+# The suites whose machines are the README's CPU columns: the main one, then the others by machine.
+CPU_SUITES = (DEFAULT_SUITE, "benchmarks/results/zen5/suite.json", "benchmarks/results/avx2/suite.json")
+
+
 def headline() -> str:
     """The README's short table: a few rows of each machine's main results."""
-    cpus = [(p, load(p)) for p in (DEFAULT_SUITE, "benchmarks/results/avx2/suite.json")
-            if os.path.exists(os.path.join(ROOT, p))]
+    cpus = [(p, load(p)) for p in CPU_SUITES if os.path.exists(os.path.join(ROOT, p))]
     gpu = {n: load(os.path.join(RESULTS, "cuda", n)) for n in ("decode_small.json", "decode_v2_lite.json")
            if os.path.exists(os.path.join(RESULTS, "cuda", n))}
     row = lambda part, b: next((r for r in (part or {}).get("rows", []) if r["batch"] == b), {})  # noqa: E731
@@ -339,7 +342,8 @@ def _width_rows(cpus: list[tuple[str, dict]], rest: list[str]) -> list[list[str]
 
 
 # benchmarks.vllm_peer runs for the README's rows: each fills the column of the machine it ran on
-VLLM_PEERS = ("benchmarks/results/vllm_peer.json", "benchmarks/results/vllm_peer_avx512.json")
+VLLM_PEERS = ("benchmarks/results/vllm_peer.json", "benchmarks/results/vllm_peer_avx512.json",
+              "benchmarks/results/vllm_peer_zen5.json")
 
 
 def _vllm_rows(cpus: list[tuple[str, dict]], rest: list[str]) -> tuple[list[list[str]], str]:
@@ -358,7 +362,7 @@ def _vllm_rows(cpus: list[tuple[str, dict]], rest: list[str]) -> tuple[list[list
         if any(cell != "—" for cell in cells):
             rows.append([title] + cells + rest)
     shown = [runs[m] for m in {machine(c["conditions"]) for _, c in cpus} if m in runs]
-    dated = (" The vLLM rows ran on " + " and ".join(sorted(d["conditions"]["when"][:10] for d in shown))
+    dated = (" The vLLM rows ran on " + " and ".join(sorted({d["conditions"]["when"][:10] for d in shown}))
              + ", tokens checked against stock vLLM.") if rows else ""
     return rows, dated
 
