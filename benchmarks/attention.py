@@ -9,9 +9,10 @@ The tuple step reads only the blocks in the batch's tables, so t(big) / t(small)
 row's latent and rope cache, ``w_uk`` and ``w_uv``) over its time; ``ascend_graph::decode_attention``
 alone reads the live cache (each row's latent and rope rows) at the bytes/s of those bytes over
 its time, next to the copy probe in the same rounds (results from before ``d413631`` also hold
-it against the products it replaced, ``op_against_before``; those ops are gone). ``batch_one`` compares the compiled step reading the blocks in
-place with the same step over a gathered copy; ``gqa_decode`` times standard attention's decode
-(``paged_decode``, Llama-3-8B's heads) against its earlier forms.
+it against the products it replaced, ``op_against_before``; those ops are gone). ``batch_one``
+compares the compiled step reading the blocks in place with the same step over a gathered copy;
+``gqa_decode`` times standard attention's decode (``paged_decode``, Llama-3-8B's heads) against its
+earlier forms.
 
     python -m benchmarks.attention [--batch 8 --context 512 --dtype bfloat16 ...] [--json out.json]
     python -m benchmarks.attention --gqa       # the standard-attention probe alone, as the suite runs it
@@ -217,8 +218,7 @@ def _floor(q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale):
 def _alone(form: Callable, q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale):
     """MLA decode's attention alone (``attention_forms.live_blocks``) on the step's latent query."""
     q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w_uk).to(cache.kv_c.dtype)  # [B, H, C]
-    decode = meta.decode
-    return lambda: form(q_lat, q_pe, cache, decode, scale)
+    return lambda: form(q_lat, q_pe, cache, meta.decode, scale)
 
 
 def measure(batch: int = 32, context: int = 2048, num_blocks=(256, 32768), reps: int = 7,

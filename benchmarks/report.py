@@ -224,10 +224,12 @@ def vllm_peer_markdown(path: str) -> str:
     kv = (f"KV cache {cache >> 20} MiB" + (f" ({k}x: {(cache * k) >> 20} MiB)" if k else "") + ", ") if cache else ""
     floors = [f"- {line}" for line in render_floors(d["rows"])]
     floors = [""] + floors if floors else []
+    n = s.get("restarts", 1)
+    starts = f" over {n} starts of {s.get('restarts_cover', 'the vLLM sides')}" if n > 1 else ""
     return "\n".join(render(d["rows"]) + floors + [
         "", f"{machine(c)}, {s['threads']} threads, {c['when'][:10]}; vLLM {v.get('vllm')}, torch {c['torch']}; "
         f"{s['new_tokens']} new tokens, max_model_len {s['max_model_len']}, {kv}{s['rounds']} rounds"
-        f"{f' over {n} starts of ' + s.get('restarts_cover', 'the vLLM sides') if (n := s.get('restarts', 1)) > 1 else ''} · "
+        f"{starts} · "
         f"`{d['command']}` → `{rel}`"]) + "\n"
 
 

@@ -54,12 +54,16 @@ class VllmServed:
     def __init__(self, spec: dict) -> None:
         self.llm, self.about = build(spec)
 
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+        """The seconds ``LLM.generate`` took (the request built beforehand) and the new tokens."""
         import vllm
 
         params = vllm.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outputs]
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        start = time.perf_counter()
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        return seconds, [list(o.outputs[0].token_ids) for o in outputs]
 
     def stats(self) -> dict:
         (stats,) = self.llm.collective_rpc("ascend_graph_runner_stats")  # the plugin's worker method
@@ -89,8 +93,11 @@ class EngineServed:
         self.about = {"init_s": time.perf_counter() - start, "torch_threads": torch.get_num_threads(),
                       "versions": {"torch": torch.__version__}}
 
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        return self.engine.generate(prompts, new_tokens, ignore_eos=True)
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+        """The seconds ``Engine.generate`` took and the new tokens."""
+        start = time.perf_counter()
+        tokens = self.engine.generate(prompts, new_tokens, ignore_eos=True)
+        return time.perf_counter() - start, tokens
 
     def stats(self) -> dict:
         return self.engine.stats
@@ -105,10 +112,8 @@ def serve(spec: dict) -> None:
         if request.get("stats"):
             reply({"stats": served.stats()})
             continue
-        prompts = spec["prompts"][:request["batch"]]
-        start = time.perf_counter()
-        tokens = served.generate(prompts, request["new_tokens"])
-        reply({"seconds": time.perf_counter() - start, "tokens": tokens})
+        seconds, tokens = served.generate(spec["prompts"][:request["batch"]], request["new_tokens"])
+        reply({"seconds": seconds, "tokens": tokens})
 
 
 if __name__ == "__main__":  # vLLM may spawn processes: the work must not run on import
