@@ -277,12 +277,18 @@ def batch_one_floor(model: str, dtype: str, stock_ms: float, read_bytes_per_s: f
 
 def with_floor(row: dict, ceiling: dict | None, context: int) -> dict:
     """A batch-1 ``row`` with its ``floor`` (``batch_one_floor`` at the read ceiling's fastest
-    round, timed among the sides' rounds: noise only lowers a ceiling), others as they are."""
+    round, timed among the sides' rounds: noise only lowers a ceiling), others as they are. Where
+    the ceiling was timed once per round of the row, ``round_max_vs_vllm`` is each round's stock
+    step over that round's floor: the bound within one regime of a host whose speed changes."""
     if row["batch"] != 1 or ceiling is None:
         return row
     rate = ceiling["bytes"] / min(ceiling["round_s"])
-    return {**row, "floor": {**batch_one_floor(row["model"], row["dtype"], row["ms"][STOCK], rate, context),
-                             "read_how": ceiling["how"]}}
+    floor = {**batch_one_floor(row["model"], row["dtype"], row["ms"][STOCK], rate, context), "read_how": ceiling["how"]}
+    stock_rounds = row.get("round_ms", {}).get(STOCK, [])
+    if stock_rounds and len(stock_rounds) == len(ceiling["round_s"]):
+        floor["round_max_vs_vllm"] = [ms / (floor["bytes"] * s / ceiling["bytes"] * 1e3)
+                                      for ms, s in zip(stock_rounds, ceiling["round_s"])]
+    return {**row, "floor": floor}
 
 
 def git_commit(root: str) -> str | None:

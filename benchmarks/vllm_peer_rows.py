@@ -198,6 +198,11 @@ def render(rows: list[dict]) -> list[str]:
     return table(head, body)
 
 
+def _rounds(ratios: list[float] | None) -> str:
+    """`` (its rounds lo-hi)`` of per-round ratios, or nothing."""
+    return f" (its rounds {min(ratios):.2f}-{max(ratios):.2f})" if ratios else ""
+
+
 def render_floors(rows: list[dict]) -> list[str]:
     """The batch-1 rows' ``floor`` (``vllm_peer.batch_one_floor``) as lines; none without floors."""
     lines = []
@@ -206,5 +211,5 @@ def render_floors(rows: list[dict]) -> list[str]:
         if f:
             lines.append(f"batch 1 floor, {r['model']} {r['dtype']}: {f['bytes'] / 1e6:.1f} MB a step at "
                          f"{f['read_bytes_per_s'] / 1e9:.1f} GB/s ({f['read_how']}) = {f['floor_ms']:.2f} ms; "
-                         f"stock vLLM / floor {f['max_vs_vllm']:.2f}x")
+                         f"stock vLLM / floor {f['max_vs_vllm']:.2f}x" + _rounds(f.get("round_max_vs_vllm")))
     return lines

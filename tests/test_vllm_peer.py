@@ -88,7 +88,8 @@ def test_interleaved_decode_times_a_probe_once_a_round_after_the_sides():
 
 
 def test_a_batch_one_row_gets_the_floor_of_its_bytes_at_the_read_ceiling_of_its_rounds():
-    """Floor = bytes / (ceiling bytes / fastest ceiling round); stock's ms over it; other rows untouched."""
+    """Floor = bytes / (ceiling bytes / fastest ceiling round); stock's ms over it, also round by
+    round where the rounds pair up; other rows untouched."""
     from ascend_graph.models import DeepseekForCausalLM
     from benchmarks.roofline import batch_one_bytes
 
@@ -99,6 +100,11 @@ def test_a_batch_one_row_gets_the_floor_of_its_bytes_at_the_read_ceiling_of_its_
     floor_ms = batch_one_bytes(meta, 48)["total"] / 25e9 * 1e3
     assert out["floor"]["floor_ms"] == pytest.approx(floor_ms) and out["floor"]["max_vs_vllm"] == pytest.approx(2.0 / floor_ms)
     assert out["floor"]["read_how"] == "a read loop" and "floor" not in row
+    assert "round_max_vs_vllm" not in out["floor"]  # no stock rounds to pair with the ceiling's
+    paired = vllm_peer.with_floor({**row, "round_ms": {"vllm": [2.0, 3.0, 4.0]}}, ceiling, context=48)["floor"]
+    at = [floor_ms * s / 0.04 for s in ceiling["round_s"]]  # each round's floor at its own ceiling
+    assert paired["round_max_vs_vllm"] == pytest.approx([2.0 / at[0], 3.0 / at[1], 4.0 / at[2]])
+    assert "(its rounds" in vllm_peer_rows.render_floors([{**row, "floor": paired}])[0]
     assert vllm_peer.with_floor({**row, "batch": 8}, ceiling, context=48) == {**row, "batch": 8}
     assert vllm_peer.with_floor(row, None, context=48) is row
     assert "batch 1 floor, tiny bfloat16" in vllm_peer_rows.render_floors([out, row])[0]
