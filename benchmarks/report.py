@@ -364,8 +364,9 @@ def _vllm_rows(cpus: list[tuple[str, dict]], rest: list[str]) -> tuple[list[list
         if any(cell != "—" for cell in cells):
             rows.append([title] + cells + rest)
     shown = [runs[m] for m in {machine(c["conditions"]) for _, c in cpus} if m in runs]
-    dated = (" The vLLM rows ran on " + " and ".join(sorted({d["conditions"]["when"][:10] for d in shown}))
-             + ", tokens checked against stock vLLM.") if rows else ""
+    days = sorted({d["conditions"]["when"][:10] for d in shown})
+    days = ", ".join(days[:-1]) + " and " + days[-1] if len(days) > 1 else "".join(days)
+    dated = f" The vLLM rows ran on {days}, tokens checked against stock vLLM." if rows else ""
     return rows, dated
 
 
