@@ -187,3 +187,14 @@ def test_pyproject_declares_the_plugin_entry_point_and_the_pinned_extra():
 def test_importing_the_package_and_the_plugin_never_imports_vllm():
     code = "import sys, ascend_graph, ascend_graph.vllm; assert 'vllm' not in sys.modules, 'vllm imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_moe_kernel_is_vllms_unless_our_section_names_ours_and_a_bad_value_names_the_key():
+    from ascend_graph.vllm.flags import moe_kernel
+
+    assert moe_kernel(ON) == "vllm" and moe_kernel(None) == "vllm"
+    own = {**ON, "ascend_graph": {"moe_kernel": "ascend_graph", "parity_interval": 4}}
+    assert moe_kernel(own) == "ascend_graph"
+    assert parse_additional_config(own, max_num_seqs=8).parity_interval == 4  # not a GraphConfig key
+    with pytest.raises(ValueError, match=r"additional_config\['ascend_graph'\]\.moe_kernel must be one of"):
+        parse_additional_config({**ON, "ascend_graph": {"moe_kernel": "fast"}}, max_num_seqs=8)

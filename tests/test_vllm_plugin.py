@@ -163,7 +163,8 @@ def test_bad_flags_fail_at_llm_construction_naming_the_key(vllm_run, checkpoints
     bad = [({"torchair_graph_config": {"enabled": True, "bogus": 1}}, "bogus"),
            ({"torchair_graph_config": {"enabled": "yes"}}, "torchair_graph_config.enabled"),
            ({"torchair_graph_config": {"enabled": True, "graph_batch_sizes": [64]}}, "max_num_seqs=4"),
-           ({"ascend_graph": {"parity_interval": -1}}, "parity_interval")]
+           ({"ascend_graph": {"parity_interval": -1}}, "parity_interval"),
+           ({"ascend_graph": {"moe_kernel": "fast"}}, "moe_kernel")]
     result = vllm_run({"model": path, "attempts": [dict(LLM_ARGS, additional_config=a) for a, _ in bad]})
     for (additional, named), error in zip(bad, result["errors"]):
         assert error is not None, f"LLM(...) accepted {additional}"
@@ -193,7 +194,7 @@ def test_v2_graph_mode_tokens_equal_stock_vllm_and_transformers(vllm_run, checkp
     on = {**ON, "ascend_graph": {"compile_cache_dir": str(tmp_path)}}
     graph = generate(vllm_run, path, on, repeats=2)
     assert graph["model_class"] == "AscendGraphDeepseekV2ForCausalLM"
-    assert graph["tokens"] == expected
+    assert graph["tokens"] == expected and graph["fused_moe_calls"] > 0  # the MoE in vLLM's kernel
     assert_graph_counters(graph["stats"], generations=2)
     warm = generate(vllm_run, path, on)
     assert warm["tokens"] == expected and warm["stats"]["compiles"] == 0
@@ -202,13 +203,14 @@ def test_v2_graph_mode_tokens_equal_stock_vllm_and_transformers(vllm_run, checkp
 
 def test_v3_graph_mode_tokens_equal_stock_vllm_eager_and_transformers_with_parity_checks(vllm_run, checkpoints):
     """Stock vLLM's default compiled graph routes this checkpoint's MoE wrongly (docs/vllm.md,
-    upstream problems): the stock side is its eager path with native ops."""
+    upstream problems): the stock side is its eager path with native ops. Graph mode runs the
+    MoE in our own backend here (``moe_kernel``), in vLLM's kernel in the V2 test."""
     path, expected = checkpoints["v3"]
     stock = generate(vllm_run, path, llm_args={"enforce_eager": True, "compilation_config": {"custom_ops": ["none"]}})
     assert stock["model_class"] == "DeepseekV3ForCausalLM" and stock["tokens"] == expected
-    graph = generate(vllm_run, path, {**ON, "ascend_graph": {"parity_interval": 3}})
+    graph = generate(vllm_run, path, {**ON, "ascend_graph": {"parity_interval": 3, "moe_kernel": "ascend_graph"}})
     assert graph["model_class"] == "AscendGraphDeepseekV3ForCausalLM"
-    assert graph["tokens"] == expected
+    assert graph["tokens"] == expected and graph["fused_moe_calls"] == 0  # the MoE in our own backend
     stats = graph["stats"]
     assert_graph_counters(stats, generations=1)
     assert stats["parity_checks"] == (NEW_TOKENS - 1) // 3 and stats["parity_failures"] == 0

@@ -9,7 +9,9 @@ With ``spec["attempts"]`` (a list of keyword dicts, ``model`` among them or not)
 constructs an ``LLM`` from each
 and writes each one's error (``None`` where it was built). With ``spec["timing"]``
 (``new_tokens``, ``rounds``) it also times decode steps (``ms_per_step``, one per round); with
-``spec["count_backend_calls"]``, ``backend_calls`` counts the ``ascend_graph`` backend's compiles.
+``spec["count_backend_calls"]``, ``backend_calls`` counts the ``ascend_graph`` backend's compiles, and
+``fused_moe_calls`` the calls of vLLM's ``cpu_fused_moe`` through ``vllm._custom_ops`` (where graph
+mode's MoE runs vLLM's kernel, ``ascend_graph.vllm.moe``).
 Standard library, vLLM and ascend_graph only.
 """
 
@@ -27,6 +29,7 @@ def run(spec: dict) -> dict:
 
     out: dict = {"tokens": None, "model_class": None, "stats": None, "error": None}
     backend_calls = count_backend_calls() if spec.get("count_backend_calls") else None
+    fused_moe_calls = count_fused_moe_calls() if spec.get("count_backend_calls") else None
     start, llm = time.perf_counter(), None
     try:
         llm = vllm.LLM(model=spec["model"], **spec["llm"])
@@ -50,7 +53,7 @@ def run(spec: dict) -> dict:
             llm.llm_engine.engine_core.shutdown()
     out["seconds"] = time.perf_counter() - start
     if backend_calls is not None:
-        out["backend_calls"] = len(backend_calls)
+        out["backend_calls"], out["fused_moe_calls"] = len(backend_calls), len(fused_moe_calls)
     out["plugin_loaded"] = "ascend_graph.vllm.plugin" in sys.modules  # vLLM ran our entry point
     return out
 
@@ -67,6 +70,20 @@ def count_backend_calls() -> list:
         return backend(*args, **kwargs)
 
     compile_module.ascend_graph_backend = counted
+    return calls
+
+
+def count_fused_moe_calls() -> list:
+    """Record each call of ``vllm._custom_ops.cpu_fused_moe`` made through the module attribute."""
+    from vllm import _custom_ops as ops
+
+    calls, kernel = [], ops.cpu_fused_moe
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    ops.cpu_fused_moe = counted
     return calls
 
 

@@ -48,7 +48,16 @@ class MoE(ChosenBackend, nn.Module):
                                       dtype, device)
         self.backend: MoEBackend = backend or self.use_backend()
 
+    # A backend whose own weight layout the experts were packed into (``vllm.moe``): the only one
+    # they serve from then on.
+    packed_for: Optional[MoEBackend] = None
+
     def _choose_backend(self, name: Optional[str]) -> MoEBackend:
+        if self.packed_for is not None:
+            if name not in (None, self.packed_for.name):
+                raise ValueError(f"moe backend {name!r} cannot run: the experts' weights are packed for "
+                                 f"{self.packed_for.name!r}")
+            return self.packed_for
         weight = self.experts.gate_up_proj
         return select_moe_backend(weight.device, weight.dtype, name)
 

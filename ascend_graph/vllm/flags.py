@@ -5,7 +5,8 @@ Two sections of ``additional_config`` are ours:
 - ``torchair_graph_config``: vllm-ascend's keys, read by
   ``ascend_graph.integrations.vllm_ascend.graph_config`` (its validation and mapping);
 - ``ascend_graph``: our own ``GraphConfig`` keys (``GraphConfig.from_dict``), e.g.
-  ``parity_interval``, ``on_recompile``, ``backend``.
+  ``parity_interval``, ``on_recompile``, ``backend``; and the plugin's own ``moe_kernel``
+  (``MOE_KERNELS``, ``moe_kernel``).
 
 ``max_batch_size`` is vLLM's ``max_num_seqs`` and cannot be set here. Any other key of
 ``additional_config`` belongs to someone else and is left alone. Errors are ``ValueError`` /
@@ -29,6 +30,12 @@ ARCHITECTURES = {
 }
 
 
+# additional_config["ascend_graph"]["moe_kernel"]: whose kernel runs the routed experts ("vllm":
+# vLLM's cpu_fused_moe over weights packed for it, where it takes the model; the default)
+MOE_KERNELS = ("vllm", "ascend_graph")
+PLUGIN_KEYS = frozenset({"moe_kernel"})  # keys of our section that are not GraphConfig's
+
+
 def has_flag(additional_config: Any) -> bool:
     """Whether ``additional_config`` holds one of our sections (otherwise the plugin does nothing)."""
     return isinstance(additional_config, Mapping) and (
@@ -48,7 +55,8 @@ def parse_additional_config(additional_config: Any, *, max_num_seqs: int) -> Opt
     if "max_batch_size" in own:
         raise ValueError(f"additional_config[{OWN_SECTION!r}].max_batch_size: the largest batch is vLLM's "
                          "max_num_seqs; set max_num_seqs instead")
-    d: dict[str, Any] = dict(own)
+    moe_kernel(additional_config)
+    d: dict[str, Any] = {k: v for k, v in own.items() if k not in PLUGIN_KEYS}
     if TORCHAIR_SECTION in additional_config:
         d[TORCHAIR_SECTION] = additional_config[TORCHAIR_SECTION]
     where = " / ".join(f"additional_config[{s!r}]" for s in (TORCHAIR_SECTION, OWN_SECTION)
@@ -58,6 +66,18 @@ def parse_additional_config(additional_config: Any, *, max_num_seqs: int) -> Opt
     except (TypeError, ValueError) as e:
         note = f" (max_batch_size is vLLM's max_num_seqs={max_num_seqs})" if "max_batch_size" in str(e) else ""
         raise type(e)(f"{where}: {e}{note}") from e
+
+
+def moe_kernel(additional_config: Any) -> str:
+    """The ``moe_kernel`` our section asks for (``"vllm"`` where unset or without the flag):
+    ``"vllm"``, vLLM's own fused-MoE kernel (``vllm.moe``), or ``"ascend_graph"``, the project's
+    MoE backend (``model.backends()``); ``ValueError`` naming the key for anything else."""
+    own = additional_config.get(OWN_SECTION, {}) if has_flag(additional_config) else {}
+    value = own.get("moe_kernel", "vllm") if isinstance(own, Mapping) else "vllm"
+    if value not in MOE_KERNELS:
+        raise ValueError(f"additional_config[{OWN_SECTION!r}].moe_kernel must be one of {list(MOE_KERNELS)}, "
+                         f"got {value!r}")
+    return value
 
 
 def graph_architecture(architectures: Any) -> str:

@@ -26,8 +26,9 @@ from ..models import DeepseekConfig, DeepseekForCausalLM
 from ..models.loader import CheckpointError, _check_complete, _piece, _target
 from ..runner import GraphRunner, RunnerStats
 from ..runtime import weights_on_huge_pages
-from .flags import parse_additional_config
+from .flags import moe_kernel, parse_additional_config
 from .layer import TupleCacheLayer
+from .moe import use_vllm_fused_moe
 from .steps import logits_at_last_tokens, sequence_steps
 
 
@@ -46,6 +47,7 @@ class AscendGraphForCausalLM(nn.Module):
         self.config, self.model = self._build_model(vllm_config)
         self.graph_config = parse_additional_config(
             vllm_config.additional_config, max_num_seqs=vllm_config.scheduler_config.max_num_seqs)
+        self.moe_kernel = moe_kernel(vllm_config.additional_config)
         self.cache_layers = nn.ModuleList(
             TupleCacheLayer(vllm_config, f"{prefix}model.layers.{i}.self_attn.attn", spec)
             for i, spec in enumerate(self.model.kv_cache_specs()))
@@ -60,9 +62,12 @@ class AscendGraphForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Fill the model from vLLM's stream of checkpoint tensors (``_load``), then move its CPU
-        weights onto huge pages, as the Engine's loader does (decode streams them faster)."""
+        weights onto huge pages, as the Engine's loader does (decode streams them faster), and,
+        with ``moe_kernel`` "vllm", pack the routed experts for vLLM's fused-MoE kernel."""
         self._load(weights)
         weights_on_huge_pages(self.model)  # moves CPU tensors only
+        if self.moe_kernel == "vllm":
+            use_vllm_fused_moe(self.model)
         return None  # vLLM's strict check compares parameter names, which ours do not share
 
     def _load(self, weights: Iterable[tuple[str, Tensor]]) -> None:
