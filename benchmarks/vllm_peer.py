@@ -279,7 +279,8 @@ def with_floor(row: dict, ceiling: dict | None, context: int) -> dict:
     """A batch-1 ``row`` with its ``floor`` (``batch_one_floor`` at the read ceiling's fastest
     round, timed among the sides' rounds: noise only lowers a ceiling), others as they are. Where
     the ceiling was timed once per round of the row, ``round_max_vs_vllm`` is each round's stock
-    step over that round's floor: the bound within one regime of a host whose speed changes."""
+    step over that round's floor: a bound only where the host kept one speed through the round
+    (one that switched between the sides and the read loop can read below 1)."""
     if row["batch"] != 1 or ceiling is None:
         return row
     rate = ceiling["bytes"] / min(ceiling["round_s"])

@@ -28,8 +28,13 @@ def run(spec: dict) -> dict:
     import vllm
 
     out: dict = {"tokens": None, "model_class": None, "stats": None, "error": None}
-    backend_calls = count_backend_calls() if spec.get("count_backend_calls") else None
-    fused_moe_calls = count_fused_moe_calls() if spec.get("count_backend_calls") else None
+    backend_calls = fused_moe_calls = None
+    if spec.get("count_backend_calls"):
+        import ascend_graph.compile
+        from vllm import _custom_ops
+
+        backend_calls = count_calls(ascend_graph.compile, "ascend_graph_backend")
+        fused_moe_calls = count_calls(_custom_ops, "cpu_fused_moe")
     start, llm = time.perf_counter(), None
     try:
         llm = vllm.LLM(model=spec["model"], **spec["llm"])
@@ -58,32 +63,17 @@ def run(spec: dict) -> dict:
     return out
 
 
-def count_backend_calls() -> list:
-    """Record each call of the ``ascend_graph`` torch.compile backend (looked up by its entry point
-    at compile time, so the module attribute is what runs)."""
-    import ascend_graph.compile as compile_module
-
-    calls, backend = [], compile_module.ascend_graph_backend
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return backend(*args, **kwargs)
-
-    compile_module.ascend_graph_backend = counted
-    return calls
-
-
-def count_fused_moe_calls() -> list:
-    """Record each call of ``vllm._custom_ops.cpu_fused_moe`` made through the module attribute."""
-    from vllm import _custom_ops as ops
-
-    calls, kernel = [], ops.cpu_fused_moe
+def count_calls(module, attr: str) -> list:
+    """Record each call of ``module.attr`` made through the module attribute: the ``ascend_graph``
+    torch.compile backend (looked up by its entry point at compile time), vLLM's
+    ``_custom_ops.cpu_fused_moe`` (looked up by ``ascend_graph.vllm.moe`` at each call)."""
+    calls, inner = [], getattr(module, attr)
 
     def counted(*args, **kwargs):
         calls.append(1)
-        return kernel(*args, **kwargs)
+        return inner(*args, **kwargs)
 
-    ops.cpu_fused_moe = counted
+    setattr(module, attr, counted)
     return calls
 
 
