@@ -154,8 +154,7 @@ def ratio_cell(cmp: dict | None) -> str:
     near-ties, that ratio marked so; else empty."""
     if cmp is None:
         return fmt(None)
-    rounds = cmp.get("round_ratios")
-    spread = f"{fmt(min(rounds))}-{fmt(max(rounds))}" if rounds else ""
+    spread = value_range(cmp.get("round_ratios"))
     if cmp["ratio"] is not None:
         return fmt(cmp["ratio"]) + "x" + (f" ({spread})" if spread else "")
     if cmp.get("ratio_near_ties") is not None:
@@ -198,9 +197,9 @@ def render(rows: list[dict]) -> list[str]:
     return table(head, body)
 
 
-def _rounds(ratios: list[float] | None) -> str:
-    """`` (its rounds lo-hi)`` of per-round ratios, or nothing."""
-    return f" (its rounds {min(ratios):.2f}-{max(ratios):.2f})" if ratios else ""
+def value_range(values: list[float] | None) -> str:
+    """``lo-hi`` of per-round ratios, or "" without them."""
+    return f"{fmt(min(values))}-{fmt(max(values))}" if values else ""
 
 
 def render_floors(rows: list[dict]) -> list[str]:
@@ -211,5 +210,6 @@ def render_floors(rows: list[dict]) -> list[str]:
         if f:
             lines.append(f"batch 1 floor, {r['model']} {r['dtype']}: {f['bytes'] / 1e6:.1f} MB a step at "
                          f"{f['read_bytes_per_s'] / 1e9:.1f} GB/s ({f['read_how']}) = {f['floor_ms']:.2f} ms; "
-                         f"stock vLLM / floor {f['max_vs_vllm']:.2f}x" + _rounds(f.get("round_max_vs_vllm")))
+                         f"stock vLLM / floor {f['max_vs_vllm']:.2f}x"
+                         + (f" (its rounds {rounds})" if (rounds := value_range(f.get("round_max_vs_vllm"))) else ""))
     return lines
