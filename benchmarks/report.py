@@ -216,7 +216,7 @@ def before_after_markdown(path: str) -> str:
 
 def vllm_peer_markdown(path: str) -> str:
     """A ``benchmarks.vllm_peer`` run: its table, the conditions and the command."""
-    from benchmarks.vllm_peer_rows import render, render_floors
+    from benchmarks.vllm_peer_rows import render, render_floors, render_split
 
     d, rel = load(path), os.path.relpath(os.path.join(ROOT, path), ROOT)
     c, s, v = d["conditions"], d["settings"], d["versions"]["vllm_side"] or {}
@@ -224,9 +224,12 @@ def vllm_peer_markdown(path: str) -> str:
     kv = (f"KV cache {cache >> 20} MiB" + (f" ({k}x: {(cache * k) >> 20} MiB)" if k else "") + ", ") if cache else ""
     floors = [f"- {line}" for line in render_floors(d["rows"])]
     floors = [""] + floors if floors else []
+    split = render_split(d["rows"])
+    split = ["", "Each vLLM side's step split into the model's forward and vLLM's own work around it "
+             "(scheduling, inputs, sampling, outputs):", ""] + split if split else []
     n = s.get("restarts", 1)
     starts = f" over {n} starts of {s.get('restarts_cover', 'the vLLM sides')}" if n > 1 else ""
-    return "\n".join(render(d["rows"]) + floors + [
+    return "\n".join(render(d["rows"]) + floors + split + [
         "", f"{machine(c)}, {s['threads']} threads, {c['when'][:10]}; vLLM {v.get('vllm')}, torch {c['torch']}; "
         f"{s['new_tokens']} new tokens, max_model_len {s['max_model_len']}, {kv}{s['rounds']} rounds"
         f"{starts} · "

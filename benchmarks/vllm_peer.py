@@ -37,7 +37,10 @@ transformers on the same checkpoint referees each differing request's first diff
 bfloat16 error on that request so far. Where every difference is such a
 near-tie (gap within that error), ``ratio_near_ties`` gives the ratio all the same: both sides
 computed the same model up to bfloat16 rounding, and a step's cost does not depend on which
-token was chosen.
+token was chosen. The vLLM sides also time vLLM's calls of the model's forward, so each of their
+steps splits into the model's forward and vLLM's own work (``forward_ms``, ``own_ms``); at batch
+1, vLLM+graph's own work plus the floor bounds what any forward of ours can give
+(``graph_max_vs_vllm``).
 
 The vLLM venv (outside any repository; vLLM is a benchmark dependency only)::
 
@@ -231,7 +234,9 @@ def merge_rounds(before: dict | None, part: dict) -> dict:
     for name, row in part.items():
         old = before[name]
         rounds = old["round_ms"] + row["round_ms"]
-        out[name] = {**old, "round_ms": rounds, "round_s": old["round_s"] + row["round_s"],
+        forward = {"forward_round_ms": old["forward_round_ms"] + row["forward_round_ms"]} \
+            if "forward_round_ms" in row else {}
+        out[name] = {**old, **forward, "round_ms": rounds, "round_s": old["round_s"] + row["round_s"],
                      "tokens_stable": old["tokens_stable"] and row["tokens_stable"] and row["tokens"] == old["tokens"],
                      "ms_per_step": statistics.median(rounds)}
     return out
@@ -280,7 +285,9 @@ def with_floor(row: dict, ceiling: dict | None, context: int) -> dict:
     round, timed among the sides' rounds: noise only lowers a ceiling), others as they are. Where
     the ceiling was timed once per round of the row, ``round_max_vs_vllm`` is each round's stock
     step over that round's floor: a bound only where the host kept one speed through the round
-    (one that switched between the sides and the read loop can read below 1)."""
+    (one that switched between the sides and the read loop can read below 1). Where the row
+    splits vLLM+graph's step (``own_ms``), ``graph_max_vs_vllm`` is stock vLLM's step over vLLM's
+    own work on that side plus the floor: the most vLLM+graph's ratio can be, whatever our forward."""
     if row["batch"] != 1 or ceiling is None:
         return row
     rate = ceiling["bytes"] / min(ceiling["round_s"])
@@ -289,6 +296,10 @@ def with_floor(row: dict, ceiling: dict | None, context: int) -> dict:
     if stock_rounds and len(stock_rounds) == len(ceiling["round_s"]):
         floor["round_max_vs_vllm"] = [ms / (floor["bytes"] * s / ceiling["bytes"] * 1e3)
                                       for ms, s in zip(stock_rounds, ceiling["round_s"])]
+    own = row.get("own_ms", {}).get(GRAPH)
+    if own is not None:  # vLLM's own per-step work stays whatever our forward does
+        floor["graph_own_ms"] = own
+        floor["graph_max_vs_vllm"] = row["ms"][STOCK] / (own + floor["floor_ms"])
     return {**row, "floor": floor}
 
 

@@ -1,7 +1,9 @@
 """``benchmarks.vllm_peer``'s rows: every side against stock vLLM, tokens checked, and the table.
 
 A row (``compare``) is one model, dtype and batch: each side's decode ms per step (``ms``), its
-rounds, and per side other than stock vLLM (``vs_vllm``) the ratio ``vllm_ms / side_ms`` (> 1:
+rounds, for the vLLM sides the split of a step into the model's forward (``forward_ms``) and
+vLLM's own work around it (``own_ms``: scheduling, input preparation, sampling, outputs), and
+per side other than stock vLLM (``vs_vllm``) the ratio ``vllm_ms / side_ms`` (> 1:
 that side is faster than stock vLLM), left out where its tokens differ from stock vLLM's, with
 each round's own ratio (the table shows their range). There
 ``Referee`` (transformers on the same checkpoint) judges each differing request's first
@@ -15,6 +17,7 @@ vLLM+graph's.
 from __future__ import annotations
 
 import gc
+import statistics
 
 import torch
 
@@ -77,6 +80,12 @@ def compare(model: str, dtype: str, batch: int, timed: dict[str, dict]) -> dict:
            "round_s": {k: v["round_s"] for k, v in timed.items()},
            "tokens_stable": {k: v["tokens_stable"] for k, v in timed.items()},
            "vs_vllm": {k: versus(timed[STOCK], v) for k, v in timed.items() if k != STOCK}}
+    split = {k: v["forward_round_ms"] for k, v in timed.items() if v.get("forward_round_ms")}
+    if split:  # the vLLM sides: each round's step = the model's forward + vLLM's own work
+        row["forward_round_ms"] = split
+        row["forward_ms"] = {k: statistics.median(v) for k, v in split.items()}
+        row["own_ms"] = {k: statistics.median(ms - f for ms, f in zip(timed[k]["round_ms"], v))
+                         for k, v in split.items()}
     for side, v in timed.items():
         if side.startswith(GRAPH + "_") and side.endswith("x") and side[len(GRAPH) + 1:-1].isdigit():
             row["capacity"] = {"multiplier": int(side[len(GRAPH) + 1:-1]), **slower(timed[GRAPH], v)}
@@ -202,6 +211,20 @@ def value_range(values: list[float] | None) -> str:
     return f"{fmt(min(values))}-{fmt(max(values))}" if values else ""
 
 
+def render_split(rows: list[dict]) -> list[str]:
+    """The vLLM sides' steps split into the model's forward and vLLM's own work (``forward_ms``,
+    ``own_ms``) as a table; nothing for rows without the split."""
+    split = [r for r in rows if STOCK in r.get("forward_ms", {}) and GRAPH in r.get("forward_ms", {})]
+    if not split:
+        return []
+    head = ["model", "dtype", "batch", "forward: vLLM ms", "vLLM+graph ms", "vLLM / vLLM+graph",
+            "vLLM's own work: vLLM ms", "vLLM+graph ms"]
+    body = [[r["model"], r["dtype"], r["batch"], fmt(r["forward_ms"][STOCK]), fmt(r["forward_ms"][GRAPH]),
+             f"{fmt(r['forward_ms'][STOCK] / r['forward_ms'][GRAPH])}x", fmt(r["own_ms"][STOCK]),
+             fmt(r["own_ms"][GRAPH])] for r in split]
+    return table(head, body)
+
+
 def render_floors(rows: list[dict]) -> list[str]:
     """The batch-1 rows' ``floor`` (``vllm_peer.batch_one_floor``) as lines; none without floors."""
     lines = []
@@ -211,5 +234,7 @@ def render_floors(rows: list[dict]) -> list[str]:
             lines.append(f"batch 1 floor, {r['model']} {r['dtype']}: {f['bytes'] / 1e6:.1f} MB a step at "
                          f"{f['read_bytes_per_s'] / 1e9:.1f} GB/s ({f['read_how']}) = {f['floor_ms']:.2f} ms; "
                          f"stock vLLM / floor {f['max_vs_vllm']:.2f}x"
-                         + (f" (its rounds {rounds})" if (rounds := value_range(f.get("round_max_vs_vllm"))) else ""))
+                         + (f" (its rounds {rounds})" if (rounds := value_range(f.get("round_max_vs_vllm"))) else "")
+                         + (f"; vLLM+graph at most {f['graph_max_vs_vllm']:.2f}x (vLLM's own work "
+                            f"{f['graph_own_ms']:.2f} ms + the floor)" if "graph_max_vs_vllm" in f else ""))
     return lines

@@ -15,6 +15,9 @@ decode step (host scheduling, sampling and output handling included; prefill exc
 sides take turns within every round, in alternating order, so that the load of a shared machine
 falls on both alike; each turn starts with an untimed 1-token generation, so that the first call
 after the other process ran is not a timed one. Each side's figure is its median over the rounds.
+A side that also tells how much of its last generation was the model's forward (a
+``forward_seconds`` attribute, not ``None``: the vLLM sides) gets the same difference of those
+(``forward_round_ms``): the rest of its step is vLLM's own work.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ def interleaved_decode(sides: dict[str, Side], batch: int, new_tokens: int, roun
                        probe_pause_s: float = 0.5) -> dict[str, dict]:
     """Per side: the median decode ms per step at ``batch`` (``ms_per_step``), each round's
     (``round_ms``) and its two timed generations' seconds (``round_s``: 1 token, ``new_tokens``),
-    the warm-up's tokens and whether every round made the same (``tokens_stable``). With
+    the warm-up's tokens and whether every round made the same (``tokens_stable``); for a side
+    with ``forward_seconds``, each round's forward ms per step (``forward_round_ms``). With
     ``probe``, each round also appends to ``probe_s`` the fastest of 3 calls of it, made after the
     sides and a pause of ``probe_pause_s`` (a side's OpenMP threads spin on for a while after it)."""
     out = {}
@@ -58,9 +62,13 @@ def interleaved_decode(sides: dict[str, Side], batch: int, new_tokens: int, roun
         for name in names if r % 2 == 0 else names[::-1]:
             sides[name](batch, 1)  # untimed: the switch from the other process is paid here
             t_one, _ = sides[name](batch, 1)
+            f_one = getattr(sides[name], "forward_seconds", None)
             t_new, tokens = sides[name](batch, new_tokens)
+            f_new = getattr(sides[name], "forward_seconds", None)
             out[name]["round_s"].append([t_one, t_new])
             out[name]["round_ms"].append(decode_ms_per_step(t_new, t_one, new_tokens))
+            if f_one is not None and f_new is not None:
+                out[name].setdefault("forward_round_ms", []).append(decode_ms_per_step(f_new, f_one, new_tokens))
             out[name]["tokens_stable"] &= tokens == out[name]["tokens"]
         if probe is not None:
             time.sleep(probe_pause_s)
@@ -134,6 +142,7 @@ class WorkerSide:
                                      env=vllm_env(os.path.join(workdir, f"{name}_cache"), spec["threads"], path))
         self.graph = "additional_config" in spec or bool(spec.get("engine"))
         self.about: dict | None = None
+        self.forward_seconds: float | None = None  # of the last generation (vLLM sides)
 
     def ready(self) -> dict:
         """Wait for the worker's LLM; what it reported (start-up seconds, threads, versions)."""
@@ -146,6 +155,7 @@ class WorkerSide:
         self.proc.stdin.write(json.dumps({"batch": batch, "new_tokens": new_tokens}) + "\n")
         self.proc.stdin.flush()
         answer = self._answer()
+        self.forward_seconds = answer.get("forward_seconds")
         return answer["seconds"], answer["tokens"]
 
     def _answer(self) -> dict:

@@ -5,7 +5,9 @@ dtype with vLLM's defaults (the compiled path; CPU MLA), or, where the spec says
 true``, the project's Engine (graph mode on, every batch of the spec captured, a failed compile
 raising), says it is ready, then serves requests until its stdin closes: each stdin line
 ``{"batch": b, "new_tokens": n}`` generates greedily (``ignore_eos``) for the spec's first ``b``
-prompts and answers with the seconds the generate call took and the new tokens of each prompt;
+prompts and answers with the seconds the generate call took and the new tokens of each prompt
+(a vLLM side also with ``forward_seconds``: the seconds of those spent in vLLM's calls of the
+model's forward, ``GPUModelRunner._model_forward``, the rest being vLLM's own per-step work);
 ``{"stats": true}`` answers with the graph runner's counters. A spec's ``additional_config``
 goes to ``vllm.LLM``: with our graph mode's flag in it, or for the Engine, the parent has put a
 checkout (and its plugin's entry point) on ``PYTHONPATH`` (``vllm_plugin_env``). Answers are
@@ -48,22 +50,43 @@ def build(spec: dict):
     return llm, about
 
 
+def time_model_forward(counter) -> None:
+    """Add the seconds of every ``GPUModelRunner._model_forward`` call to ``counter.forward_seconds``
+    (the engine core runs in this process): the model's share of a step, stock vLLM's or ours."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    inner = GPUModelRunner._model_forward
+
+    def timed(runner, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(runner, *args, **kwargs)
+        finally:
+            counter.forward_seconds += time.perf_counter() - start
+
+    GPUModelRunner._model_forward = timed
+
+
 class VllmServed:
-    """``build``'s LLM: greedy generations and the plugin's counters."""
+    """``build``'s LLM: greedy generations, the time of their model forwards, the plugin's counters."""
 
     def __init__(self, spec: dict) -> None:
+        self.forward_seconds = 0.0
+        time_model_forward(self)
         self.llm, self.about = build(spec)
 
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-        """The seconds ``LLM.generate`` took (the request built beforehand) and the new tokens."""
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]], float]:
+        """The seconds ``LLM.generate`` took (the request built beforehand), the new tokens, and the
+        seconds of it spent in the model's forward."""
         import vllm
 
         params = vllm.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
         requests = [{"prompt_token_ids": p} for p in prompts]
+        forward_before = self.forward_seconds
         start = time.perf_counter()
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        return seconds, [list(o.outputs[0].token_ids) for o in outputs]
+        return seconds, [list(o.outputs[0].token_ids) for o in outputs], self.forward_seconds - forward_before
 
     def stats(self) -> dict:
         (stats,) = self.llm.collective_rpc("ascend_graph_runner_stats")  # the plugin's worker method
@@ -93,11 +116,12 @@ class EngineServed:
         self.about = {"init_s": time.perf_counter() - start, "torch_threads": torch.get_num_threads(),
                       "versions": {"torch": torch.__version__}}
 
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-        """The seconds ``Engine.generate`` took and the new tokens."""
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]], None]:
+        """The seconds ``Engine.generate`` took and the new tokens (no forward split: the Engine's
+        whole step is ours)."""
         start = time.perf_counter()
         tokens = self.engine.generate(prompts, new_tokens, ignore_eos=True)
-        return time.perf_counter() - start, tokens
+        return time.perf_counter() - start, tokens, None
 
     def stats(self) -> dict:
         return self.engine.stats
@@ -112,8 +136,8 @@ def serve(spec: dict) -> None:
         if request.get("stats"):
             reply({"stats": served.stats()})
             continue
-        seconds, tokens = served.generate(spec["prompts"][:request["batch"]], request["new_tokens"])
-        reply({"seconds": seconds, "tokens": tokens})
+        seconds, tokens, forward = served.generate(spec["prompts"][:request["batch"]], request["new_tokens"])
+        reply({"seconds": seconds, "tokens": tokens, **({} if forward is None else {"forward_seconds": forward})})
 
 
 if __name__ == "__main__":  # vLLM may spawn processes: the work must not run on import

@@ -4,9 +4,11 @@ Oracles: per-step times worked out by hand from a fake clock; token differences 
 The full run (vLLM in its venv, both models) is a benchmark, ``python -m benchmarks.vllm_peer``.
 """
 
+import importlib.util
 import json
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -68,6 +70,56 @@ def test_interleaved_decode_takes_each_sides_median_round_after_a_warm_up():
     assert out["a"]["tokens"] == [[7] * 5] * 2 and out["a"]["tokens_stable"]
 
 
+class FakeVllmSide(FakeSide):
+    """A ``FakeSide`` whose generations spend ``forward_share`` of their time in the model's forward."""
+
+    def __init__(self, *args, forward_share: float) -> None:
+        super().__init__(*args)
+        self.forward_share, self.forward_seconds = forward_share, None
+
+    def __call__(self, batch: int, new_tokens: int) -> tuple[float, list[list[int]]]:
+        seconds, tokens = super().__call__(batch, new_tokens)
+        self.forward_seconds = seconds * self.forward_share
+        return seconds, tokens
+
+
+def test_a_side_that_times_its_forward_gets_the_forward_share_of_each_round():
+    # 20 and 40 ms per step, 3/4 of every generation in the forward: 15 and 30 ms; the other side none
+    log = []
+    sides = {"a": FakeVllmSide("a", 0.3, [1.0, 0.020, 0.040], log, forward_share=0.75),
+             "b": FakeSide("b", 0.1, [1.0, 0.005, 0.005], log)}
+    out = interleaved_decode(sides, batch=1, new_tokens=5, rounds=2)
+    assert out["a"]["forward_round_ms"] == pytest.approx([15.0, 30.0]) and "forward_round_ms" not in out["b"]
+    row = vllm_peer.compare("tiny", "float32", 1, {"vllm": out["a"], "vllm_graph": out["b"]})
+    assert row["forward_ms"] == {"vllm": pytest.approx(22.5)} and row["own_ms"] == {"vllm": pytest.approx(7.5)}
+    assert vllm_peer_rows.render_split([row]) == []  # only one side split: nothing to set against it
+    both = vllm_peer.compare("tiny", "float32", 1, {"vllm": out["a"], "vllm_graph": out["a"]})
+    assert vllm_peer_rows.render_split([both])[2] == "| tiny | float32 | 1 | 22.50 | 22.50 | 1.00x | 7.50 | 7.50 |"
+    merged = vllm_peer.merge_rounds(out, out)
+    assert merged["a"]["forward_round_ms"] == pytest.approx([15.0, 30.0] * 2) and "forward_round_ms" not in merged["b"]
+
+
+@pytest.mark.xdist_group("vllm")  # vLLM imported here: its environment changes stay in one worker
+def test_the_vllm_worker_times_vllms_calls_of_the_model_forward(monkeypatch):
+    """The worker's wrapper of vLLM's ``GPUModelRunner._model_forward`` (the name vLLM 0.32 calls)
+    passes calls through and adds their seconds up."""
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("ASCEND_GRAPH_REQUIRE_VLLM"):
+            pytest.fail("no vLLM in this interpreter: pip install 'ascend-graph[vllm]'")
+        pytest.skip("no vLLM in this interpreter")
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def forward(runner, x):
+        time.sleep(0.02)
+        return x + 1
+
+    monkeypatch.setattr(GPUModelRunner, "_model_forward", forward)  # restored after the test
+    counter = type("Counter", (), {"forward_seconds": 0.0})()
+    vllm_peer_worker.time_model_forward(counter)
+    assert GPUModelRunner._model_forward(None, 1) == 2 and GPUModelRunner._model_forward(None, 2) == 3
+    assert 0.04 <= counter.forward_seconds < 1.0
+
+
 def test_interleaved_decode_alternates_which_side_goes_first():
     log = []
     sides = {"a": FakeSide("a", 0.0, [0.0] * 4, log), "b": FakeSide("b", 0.0, [0.0] * 4, log)}
@@ -105,6 +157,11 @@ def test_a_batch_one_row_gets_the_floor_of_its_bytes_at_the_read_ceiling_of_its_
     at = [floor_ms * s / 0.04 for s in ceiling["round_s"]]  # each round's floor at its own ceiling
     assert paired["round_max_vs_vllm"] == pytest.approx([2.0 / at[0], 3.0 / at[1], 4.0 / at[2]])
     assert "(its rounds" in vllm_peer_rows.render_floors([{**row, "floor": paired}])[0]
+    assert "graph_max_vs_vllm" not in paired
+    assert "at most" not in vllm_peer_rows.render_floors([{**row, "floor": paired}])[0]
+    split = vllm_peer.with_floor({**row, "own_ms": {"vllm": 1.5, "vllm_graph": 0.5}}, ceiling, context=48)["floor"]
+    assert split["graph_own_ms"] == 0.5 and split["graph_max_vs_vllm"] == pytest.approx(2.0 / (0.5 + floor_ms))
+    assert "vLLM+graph at most" in vllm_peer_rows.render_floors([{**row, "floor": split}])[0]
     assert vllm_peer.with_floor({**row, "batch": 8}, ceiling, context=48) == {**row, "batch": 8}
     assert vllm_peer.with_floor(row, None, context=48) is row
     assert "batch 1 floor, tiny bfloat16" in vllm_peer_rows.render_floors([out, row])[0]
