@@ -79,7 +79,8 @@ class StepMatmuls:
     the replay is what these products cost with aten's matmul; ``as_compiled()`` runs them as the
     compiled step does from 2 rows on (bfloat16 linears of up to ``ROWS_MM_MAX`` rows in ``rows_mm``, MLA decode's
     attention products in the kernel's batched forms, the rest in the same aten kernels; at 1 row
-    the decode-matmul pass makes generated reductions of them, or on AVX2 ``rows_mm`` calls). The
+    the decode-matmul pass makes ``rows_mm`` calls of them, or generated reductions where
+    ``kernels.ONE_ROW_KERNEL`` says so). The
     routed experts are left out because the compiled step runs them in forms of its own
     (``RoutedExperts.decode``).
     """

@@ -2,9 +2,10 @@
 
 Every variant is a runner over the same model (its own cache), captured at one batch size and
 timed interleaved with the others: the default backend (C++ wrapper, the decode-matmul pass:
-single-row matmuls as reductions and 2-64-row bf16 matmuls as ``ascend_graph::rows_mm``, and where the
-kernel's AVX2 build runs, single-row bf16 matmuls over row-major weights as ``rows_mm`` too, and one
-token's routed experts as ``expert_rows_mm``; the cache write generated), with the other choice for
+2-64-row bf16 matmuls as ``ascend_graph::rows_mm``, and where ``kernels.ONE_ROW_KERNEL`` says so for
+the kernel's build (AVX2 and AVX512-BF16), single-row bf16 matmuls over row-major weights as ``rows_mm``
+too and one token's routed experts as ``expert_rows_mm``, elsewhere as generated reductions; the
+cache write generated), with the other choice for
 those single-row matmuls and that token (``ONE_ROW``), without that pass, without its split of long
 reductions, with the few-row
 matmuls left to aten, without the C++ wrapper, with the C++ wrapper compiled in one -O3 unit with

@@ -264,7 +264,7 @@ def test_float32_rows_mm_is_a_linear_within_float32_sums(rows):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [3, 8, 24])  # the tiles, and the wide form (AVX2: the tiles)
+@pytest.mark.parametrize("rows", [3, 8, 24])  # AVX-512: one weight row at a time, the tiles, the wide form
 def test_float32_forms_keep_nan_and_inf_to_their_rows(rows):
     """A NaN or an infinity in a row reaches that row's outputs only, as in aten."""
     x, w = torch.ones(rows, 64), torch.ones(40, 64)

@@ -222,8 +222,9 @@ def test_the_native_build_is_the_widest_form_this_cpu_runs():
 @pytest.mark.parametrize("name", sorted(BUILDS))
 def test_each_build_computes_what_the_kernel_computes(name):
     """Each build as it runs on a CPU that has its instructions, whatever the native build here:
-    ``expert_rows`` through the forms that build has (AVX-512: 1-4 rows tiles, 5-8 pairs, 9 and
-    more wide; AVX2: its tiles at every count, part tiles of rows and of weight rows), with K
+    ``expert_rows`` through the forms that build has (one weight row at a time for the fewest rows,
+    ``AG_STREAM_ROWS``; AVX-512: tiles to 4 rows, 5-8 pairs, 9 and more wide; AVX2: its tiles at
+    every count, part tiles of rows and of weight rows), with K
     tails, ``expert_rows_f32`` likewise (float32 sums: within K * 2^-23 of the sum of |products|), and ``kn_rows`` (interleaved panels, a partial column block, an odd K) within one
     rounding of float64, as the tests above hold the native build. So a machine with AVX512-BF16
     keeps the AVX2 forms tested too (``decode_attention``'s builds:
@@ -235,7 +236,7 @@ def test_each_build_computes_what_the_kernel_computes(name):
     dll = _build_for(name)
     gen = torch.Generator().manual_seed(3)
     for n, k in [(300, 2048), (125, 80), (9, 33), (7, 47)]:
-        counts = torch.tensor([1, 3, 0, 5, 8, 12, 40])
+        counts = torch.tensor([1, 2, 3, 0, 4, 5, 8, 12, 40])
         ends = counts.cumsum(0).to(torch.int32)
         w = torch.randn(len(counts), n, k, generator=gen).to(torch.bfloat16)
         x = torch.randn(int(ends[-1]), k, generator=gen).to(torch.bfloat16)

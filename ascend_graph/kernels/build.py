@@ -226,7 +226,7 @@ def available() -> bool:
 # (``one_row_kernel``): the dense ones as ``rows_mm`` (``DecodeMatmulPass``) and the routed experts
 # of one token as ``expert_rows_mm`` (``RoutedExperts.decode``), instead of Inductor's generated
 # reductions. Why per build: docs/cpu-kernels.md ("One row").
-ONE_ROW_KERNEL = {"AVX2": True, "AVX512-BF16": False}
+ONE_ROW_KERNEL = {"AVX2": True, "AVX512-BF16": True}
 
 
 @torch.compiler.assume_constant_result  # traced (RoutedExperts.decode), a compile-time choice

@@ -17,6 +17,9 @@
 #define ag_wide_range ag_wide_range_f32
 #endif
 #define AG_AHEAD 2  /* the weight rows this many tiles on are prefetched into L2 while a tile runs */
+#ifndef AG_STREAM_AHEAD
+#define AG_STREAM_AHEAD 2048 /* bytes the stream form prefetches on into L1 */
+#endif
 #define AG_COLS 120 /* weight rows (outputs) per work item: a multiple of every form's weight rows per tile */
 
 /* The rows to prefetch for the tile of nw weight rows starting at row ip: in this weight of n

@@ -2,7 +2,8 @@
  * product of an input row and a weight row), TM input rows by AG_TILE_N weight rows a tile, every
  * sum in registers and reduced across its vector at the end. Each weight load feeds TM dot
  * products; each tile's weight rows are read from memory once (for the first TM input rows, the
- * rest find them in cache). Why the prefetch and these sizes: docs/cpu-kernels.md. */
+ * rest find them in cache). Up to AG_STREAM_ROWS input rows, one weight row at a time instead
+ * (stream_rows). Why the prefetch and these sizes: docs/cpu-kernels.md. */
 #include "matmul.h"
 
 #if AG_VEC_BITS
@@ -66,8 +67,41 @@ static void tile_any(const ag_elem_t *w, long k, const ag_xrow_t *x, long ldx, a
     }
 }
 
+/* out[a, i] = dot(x row a, w row i) for a < tm, one weight row at a time: the block's rows are
+ * one sequential stream, prefetched into L1 AG_STREAM_AHEAD bytes on (into the next rows). */
+AG_INLINE void stream_rows(const ag_elem_t *w, long k, const ag_xrow_t *x, long ldx, ag_elem_t *out, long ldo,
+                           long i0, long i1, const int tm) {
+    const long full = k / AG_TILE_STEP * AG_TILE_STEP;
+    for (long i = i0; i < i1; i++) {
+        const ag_elem_t *wr = w + i * k;
+        ag_tile_acc acc[AG_STREAM_ROWS];
+        for (int a = 0; a < tm; a++) acc[a] = ag_tile_zero();
+        for (long c = 0; c < full; c += AG_TILE_STEP) {
+            if ((c & (AG_LINE_ELEMS - 1)) == 0) ag_prefetch_l1((const char *)(wr + c) + AG_STREAM_AHEAD);
+            ag_tile_w wv = ag_tile_load(wr + c);
+            for (int a = 0; a < tm; a++) acc[a] = ag_tile_dot(acc[a], wv, x + a * ldx + c);
+        }
+        if (full < k) {
+            ag_tile_w wv = ag_tile_load_part(wr + full, k - full);
+            for (int a = 0; a < tm; a++) acc[a] = ag_tile_dot(acc[a], wv, x + a * ldx + full);
+        }
+        for (int a = 0; a < tm; a++) ag_tile_store(out + a * ldo + i, acc + a, 1);
+    }
+}
+
+#define STREAM_AT_MOST(c) ((c) < AG_STREAM_ROWS ? (c) : AG_STREAM_ROWS) /* the cases past it do not occur */
+
 void ag_rows_block(const ag_elem_t *w, long n, long k, const ag_xrow_t *x, long ldx, ag_elem_t *out, long ldo,
                    long i0, long i1, long rows, const ag_elem_t *next) {
+    if (rows <= AG_STREAM_ROWS) {
+        switch (rows) {
+            case 1: stream_rows(w, k, x, ldx, out, ldo, i0, i1, 1); break;
+            case 2: stream_rows(w, k, x, ldx, out, ldo, i0, i1, STREAM_AT_MOST(2)); break;
+            case 3: stream_rows(w, k, x, ldx, out, ldo, i0, i1, STREAM_AT_MOST(3)); break;
+            default: stream_rows(w, k, x, ldx, out, ldo, i0, i1, STREAM_AT_MOST(4)); break;
+        }
+        return;
+    }
     for (long i = i0; i < i1; i += AG_TILE_N) {
         int tn = i1 - i < AG_TILE_N ? (int)(i1 - i) : AG_TILE_N;
         const ag_elem_t *pf = ag_ahead(w, n, k, i + AG_AHEAD * AG_TILE_N, AG_TILE_N, next);

@@ -56,6 +56,8 @@ static inline uint16_t ag_to_bf16(float f) {
 #if AG_VEC_BITS
 /* Prefetch the 64-byte line at p into L2 (never faults) */
 AG_INLINE void ag_prefetch_l2(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T2); }
+/* ... into L1 */
+AG_INLINE void ag_prefetch_l1(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T0); }
 #endif
 
 #endif

@@ -157,6 +157,11 @@ AG_INLINE void ag_tile_store(ag_elem_t *out, const ag_tile_acc *sums, const int 
 #define AG_WIDE_NW 4        /* weight rows per tile: 8 sums, 4 input vectors, a weight pair's 2 */
 #define AG_WIDE_SUMS 8
 #define AG_WIDE_MIN 16      /* whole chunks only; part chunks take the tiles (docs/cpu-kernels.md) */
+#if AG_F32
+#define AG_STREAM_ROWS 2    /* up to 2 rows one weight row at a time (matmul_tiles.c) */
+#else
+#define AG_STREAM_ROWS 1    /* the bf16 dot product's widening is shared by a tile's weight rows from 2 rows */
+#endif
 #define AG_WIDE_WHOLE 1
 #define AG_PAIRS_FORM 0
 #define AG_LANES_DWORDS 16  /* dwords of one packed vector: 8 rows' odd elements, then their even ones, as float32 */

@@ -86,6 +86,7 @@ AG_INLINE void ag_tile_store(float *out, const ag_tile_acc *sums, const int n) {
 #define AG_WIDE_NW 8        /* weight rows per tile */
 #define AG_WIDE_SUMS 24     /* sums in registers at most */
 #define AG_WIDE_MIN 9       /* up to 8 rows the tiles (docs/cpu-kernels.md) */
+#define AG_STREAM_ROWS 3    /* up to 3 rows one weight row at a time (matmul_tiles.c) */
 #define AG_WIDE_WHOLE 0
 #define AG_PAIRS_FORM 0
 #define AG_LANES_DWORDS 32  /* dwords of one packed vector: 16 rows' odd elements, then their even ones */
@@ -131,6 +132,7 @@ AG_INLINE void ag_tile_store(uint16_t *out, const ag_tile_acc *sums, const int n
 #define AG_WIDE_NW 8        /* weight rows per tile (more rows 4 KiB apart share L1 sets) */
 #define AG_WIDE_SUMS 24     /* sums in registers at most: 6 weight rows where a chunk takes 4 vectors */
 #define AG_WIDE_MIN 5       /* rows of one weight from which the wide forms take them all */
+#define AG_STREAM_ROWS 4    /* up to 4 rows one weight row at a time (matmul_tiles.c) */
 #define AG_WIDE_WHOLE 0     /* the last chunk may be part full */
 #define AG_PAIRS_FORM 1     /* up to 8 rows: the pairs form (matmul_wide.c) */
 #define AG_LANES_DWORDS 16  /* dwords of one packed vector (one pair per input row) */
