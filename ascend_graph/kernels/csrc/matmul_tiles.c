@@ -68,24 +68,38 @@ static void tile_any(const ag_elem_t *w, long k, const ag_xrow_t *x, long ldx, a
 }
 
 /* out[a, i] = dot(x row a, w row i) for a < tm, one weight row at a time: the block's rows are
- * one sequential stream, prefetched into L1 AG_STREAM_AHEAD bytes on (into the next rows). */
+ * one sequential stream, prefetched into L1 AG_STREAM_AHEAD bytes on (into the next rows). Each
+ * row's sum is split over chains = 4 / tm partial sums (a step each in turn), so that a product's
+ * latency does not hold the next step up. */
 AG_INLINE void stream_rows(const ag_elem_t *w, long k, const ag_xrow_t *x, long ldx, ag_elem_t *out, long ldo,
                            long i0, long i1, const int tm) {
-    const long full = k / AG_TILE_STEP * AG_TILE_STEP;
+    const int chains = tm >= 4 ? 1 : 4 / tm;
+    const long full = k / AG_TILE_STEP * AG_TILE_STEP, round = chains * AG_TILE_STEP;
     for (long i = i0; i < i1; i++) {
         const ag_elem_t *wr = w + i * k;
-        ag_tile_acc acc[AG_STREAM_ROWS];
-        for (int a = 0; a < tm; a++) acc[a] = ag_tile_zero();
-        for (long c = 0; c < full; c += AG_TILE_STEP) {
-            if ((c & (AG_LINE_ELEMS - 1)) == 0) ag_prefetch_l1((const char *)(wr + c) + AG_STREAM_AHEAD);
+        ag_tile_acc acc[AG_STREAM_ROWS][4];
+        for (int a = 0; a < tm; a++)
+            for (int j = 0; j < chains; j++) acc[a][j] = ag_tile_zero();
+        long c = 0;
+        for (; c + round <= full; c += round)
+            for (int j = 0; j < chains; j++) {
+                const long cj = c + j * AG_TILE_STEP;
+                if ((cj & (AG_LINE_ELEMS - 1)) == 0) ag_prefetch_l1((const char *)(wr + cj) + AG_STREAM_AHEAD);
+                ag_tile_w wv = ag_tile_load(wr + cj);
+                for (int a = 0; a < tm; a++) acc[a][j] = ag_tile_dot(acc[a][j], wv, x + a * ldx + cj);
+            }
+        for (; c < full; c += AG_TILE_STEP) {
             ag_tile_w wv = ag_tile_load(wr + c);
-            for (int a = 0; a < tm; a++) acc[a] = ag_tile_dot(acc[a], wv, x + a * ldx + c);
+            for (int a = 0; a < tm; a++) acc[a][0] = ag_tile_dot(acc[a][0], wv, x + a * ldx + c);
         }
         if (full < k) {
             ag_tile_w wv = ag_tile_load_part(wr + full, k - full);
-            for (int a = 0; a < tm; a++) acc[a] = ag_tile_dot(acc[a], wv, x + a * ldx + full);
+            for (int a = 0; a < tm; a++) acc[a][0] = ag_tile_dot(acc[a][0], wv, x + a * ldx + full);
         }
-        for (int a = 0; a < tm; a++) ag_tile_store(out + a * ldo + i, acc + a, 1);
+        for (int a = 0; a < tm; a++) {
+            for (int j = 1; j < chains; j++) acc[a][0] = ag_tile_add(acc[a][0], acc[a][j]);
+            ag_tile_store(out + a * ldo + i, acc[a], 1);
+        }
     }
 }
 

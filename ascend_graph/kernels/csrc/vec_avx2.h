@@ -110,6 +110,7 @@ static inline void ag_xrow_put(const ag_elem_t *x, long k, ag_xrow_t *dst, long 
 #endif
 }
 AG_INLINE ag_tile_acc ag_tile_zero(void) { return _mm256_setzero_ps(); }
+AG_INLINE ag_tile_acc ag_tile_add(ag_tile_acc a, ag_tile_acc b) { return _mm256_add_ps(a, b); }
 AG_INLINE ag_tile_w ag_tile_widen(__m256i v) {
     return (ag_tile_w){_mm256_castsi256_ps(_mm256_and_si256(v, AG_HIGH16)),
                        _mm256_castsi256_ps(_mm256_slli_epi32(v, 16))};

@@ -65,6 +65,7 @@ static inline void ag_xrow_put(const ag_elem_t *x, long k, ag_xrow_t *dst, long 
     memset(dst + k, 0, (size_t)(ldx - k) * sizeof(ag_elem_t));
 }
 AG_INLINE ag_tile_acc ag_tile_zero(void) { return _mm512_setzero_ps(); }
+AG_INLINE ag_tile_acc ag_tile_add(ag_tile_acc a, ag_tile_acc b) { return _mm512_add_ps(a, b); }
 
 #if AG_F32
 /* ---- float32 (AG_F32): the tiles' and the wide form's units over float32, in float32 FMAs ---- */
