@@ -287,19 +287,26 @@ def with_floor(row: dict, ceiling: dict | None, context: int) -> dict:
     step over that round's floor: a bound only where the host kept one speed through the round
     (one that switched between the sides and the read loop can read below 1). Where the row
     splits vLLM+graph's step (``own_ms``), ``graph_max_vs_vllm`` is stock vLLM's step over vLLM's
-    own work on that side plus the floor: the most vLLM+graph's ratio can be, whatever our forward."""
+    own work on that side plus the floor: the most vLLM+graph's ratio can be, whatever our forward
+    (``round_graph_max_vs_vllm``: round by round, with the same caveat)."""
     if row["batch"] != 1 or ceiling is None:
         return row
     rate = ceiling["bytes"] / min(ceiling["round_s"])
     floor = {**batch_one_floor(row["model"], row["dtype"], row["ms"][STOCK], rate, context), "read_how": ceiling["how"]}
     stock_rounds = row.get("round_ms", {}).get(STOCK, [])
-    if stock_rounds and len(stock_rounds) == len(ceiling["round_s"]):
-        floor["round_max_vs_vllm"] = [ms / (floor["bytes"] * s / ceiling["bytes"] * 1e3)
-                                      for ms, s in zip(stock_rounds, ceiling["round_s"])]
+    paired = bool(stock_rounds) and len(stock_rounds) == len(ceiling["round_s"])
+    round_floors = [floor["bytes"] * s / ceiling["bytes"] * 1e3 for s in ceiling["round_s"]]  # ms
+    if paired:
+        floor["round_max_vs_vllm"] = [ms / f for ms, f in zip(stock_rounds, round_floors)]
     own = row.get("own_ms", {}).get(GRAPH)
     if own is not None:  # vLLM's own per-step work stays whatever our forward does
         floor["graph_own_ms"] = own
         floor["graph_max_vs_vllm"] = row["ms"][STOCK] / (own + floor["floor_ms"])
+        graph_rounds = row.get("round_ms", {}).get(GRAPH, [])
+        forward_rounds = row.get("forward_round_ms", {}).get(GRAPH, [])
+        if paired and len(graph_rounds) == len(forward_rounds) == len(stock_rounds):
+            floor["round_graph_max_vs_vllm"] = [ms / (g - fw + f) for ms, g, fw, f in
+                                                zip(stock_rounds, graph_rounds, forward_rounds, round_floors)]
     return {**row, "floor": floor}
 
 

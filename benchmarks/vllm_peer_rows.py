@@ -236,5 +236,7 @@ def render_floors(rows: list[dict]) -> list[str]:
                          f"stock vLLM / floor {f['max_vs_vllm']:.2f}x"
                          + (f" (its rounds {rounds})" if (rounds := value_range(f.get("round_max_vs_vllm"))) else "")
                          + (f"; vLLM+graph at most {f['graph_max_vs_vllm']:.2f}x (vLLM's own work "
-                            f"{f['graph_own_ms']:.2f} ms + the floor)" if "graph_max_vs_vllm" in f else ""))
+                            f"{f['graph_own_ms']:.2f} ms + the floor"
+                            + (f"; its rounds {r_}" if (r_ := value_range(f.get("round_graph_max_vs_vllm"))) else "")
+                            + ")" if "graph_max_vs_vllm" in f else ""))
     return lines

@@ -162,6 +162,11 @@ def test_a_batch_one_row_gets_the_floor_of_its_bytes_at_the_read_ceiling_of_its_
     split = vllm_peer.with_floor({**row, "own_ms": {"vllm": 1.5, "vllm_graph": 0.5}}, ceiling, context=48)["floor"]
     assert split["graph_own_ms"] == 0.5 and split["graph_max_vs_vllm"] == pytest.approx(2.0 / (0.5 + floor_ms))
     assert "vLLM+graph at most" in vllm_peer_rows.render_floors([{**row, "floor": split}])[0]
+    assert "round_graph_max_vs_vllm" not in split  # no rounds to pair
+    rounds = {**row, "own_ms": {"vllm_graph": 0.5}, "round_ms": {"vllm": [2.0, 3.0, 4.0], "vllm_graph": [1.0, 1.5, 2.0]},
+              "forward_round_ms": {"vllm_graph": [0.6, 1.0, 1.4]}}  # own work 0.4, 0.5, 0.6 ms
+    by_round = vllm_peer.with_floor(rounds, ceiling, context=48)["floor"]["round_graph_max_vs_vllm"]
+    assert by_round == pytest.approx([2.0 / (0.4 + at[0]), 3.0 / (0.5 + at[1]), 4.0 / (0.6 + at[2])])
     assert vllm_peer.with_floor({**row, "batch": 8}, ceiling, context=48) == {**row, "batch": 8}
     assert vllm_peer.with_floor(row, None, context=48) is row
     assert "batch 1 floor, tiny bfloat16" in vllm_peer_rows.render_floors([out, row])[0]
