@@ -13,8 +13,10 @@ round times, per side, a generation of 1 new token (prefill only) and then one o
 new tokens on the same prompts; ``(t_new - t_one) / (new_tokens - 1)`` is that round's time per
 decode step (host scheduling, sampling and output handling included; prefill excluded). The
 sides take turns within every round, in alternating order, so that the load of a shared machine
-falls on both alike; each turn starts with an untimed 1-token generation, so that the first call
-after the other process ran is not a timed one. Each side's figure is its median over the rounds.
+falls on both alike; each turn starts with a 1-token generation that pays the switch from the
+other process, then times another; the faster of the two is the round's 1-token time (a host
+stall in one, which would make the round's step time short or negative, is not counted). Each
+side's figure is its median over the rounds.
 A side that also tells how much of its last generation was the model's forward (a
 ``forward_seconds`` attribute, not ``None``: the vLLM sides) gets the same difference of those
 (``forward_round_ms``): the rest of its step is vLLM's own work.
@@ -60,11 +62,14 @@ def interleaved_decode(sides: dict[str, Side], batch: int, new_tokens: int, roun
     names = list(sides)
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            sides[name](batch, 1)  # untimed: the switch from the other process is paid here
+            t_switch, _ = sides[name](batch, 1)  # the switch from the other process is paid here
+            f_switch = getattr(sides[name], "forward_seconds", None)
             t_one, _ = sides[name](batch, 1)
             f_one = getattr(sides[name], "forward_seconds", None)
             t_new, tokens = sides[name](batch, new_tokens)
             f_new = getattr(sides[name], "forward_seconds", None)
+            if t_switch < t_one:  # the same work: a stall of the host in one of them is not the prefill's
+                t_one, f_one = t_switch, f_switch
             out[name]["round_s"].append([t_one, t_new])
             out[name]["round_ms"].append(decode_ms_per_step(t_new, t_one, new_tokens))
             if f_one is not None and f_new is not None:

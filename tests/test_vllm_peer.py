@@ -120,6 +120,20 @@ def test_the_vllm_worker_times_vllms_calls_of_the_model_forward(monkeypatch):
     assert 0.04 <= counter.forward_seconds < 1.0
 
 
+def test_a_stalled_one_token_generation_does_not_count_as_the_prefill():
+    """Each round's 1-token time is the faster of its two 1-token generations: a host stall in the
+    timed one (50 ms against 4) would make the round's step time negative."""
+    calls = []
+
+    def side(batch, new_tokens):
+        calls.append(new_tokens)
+        stalled = new_tokens == 1 and len(calls) == 3  # after the warm-up and the switch: round 1's timed one
+        return (0.050 if stalled else 0.004) + 0.001 * (new_tokens - 1), [[7] * new_tokens] * batch
+
+    out = interleaved_decode({"a": side}, batch=1, new_tokens=5, rounds=2)
+    assert out["a"]["round_ms"] == pytest.approx([1.0, 1.0]) and out["a"]["round_s"][0][0] == pytest.approx(0.004)
+
+
 def test_interleaved_decode_alternates_which_side_goes_first():
     log = []
     sides = {"a": FakeSide("a", 0.0, [0.0] * 4, log), "b": FakeSide("b", 0.0, [0.0] * 4, log)}
