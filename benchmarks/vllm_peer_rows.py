@@ -235,8 +235,14 @@ def render_floors(rows: list[dict]) -> list[str]:
                          f"{f['read_bytes_per_s'] / 1e9:.1f} GB/s ({f['read_how']}) = {f['floor_ms']:.2f} ms; "
                          f"stock vLLM / floor {f['max_vs_vllm']:.2f}x"
                          + (f" (its rounds {rounds})" if (rounds := value_range(f.get("round_max_vs_vllm"))) else "")
-                         + (f"; vLLM+graph at most {f['graph_max_vs_vllm']:.2f}x (vLLM's own work "
-                            f"{f['graph_own_ms']:.2f} ms + the floor"
-                            + (f"; its rounds {r_}" if (r_ := value_range(f.get("round_graph_max_vs_vllm"))) else "")
-                            + ")" if "graph_max_vs_vllm" in f else ""))
+                         + graph_bound(f))
     return lines
+
+
+def graph_bound(floor: dict) -> str:
+    """``floor``'s bound on vLLM+graph (``vllm_peer.with_floor``) as the end of its line; "" without one."""
+    if "graph_max_vs_vllm" not in floor:
+        return ""
+    rounds = value_range(floor.get("round_graph_max_vs_vllm"))
+    return (f"; vLLM+graph at most {floor['graph_max_vs_vllm']:.2f}x (vLLM's own work {floor['graph_own_ms']:.2f} ms"
+            f" + the floor{f'; its rounds {rounds}' if rounds else ''})")
