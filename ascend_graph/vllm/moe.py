@@ -5,8 +5,8 @@ kernel reads them (``prepack_moe_weight``: the intermediate size padded to ``ALI
 as vLLM pads it, then vLLM's packed layout, on huge pages) and switches the layer to
 ``VllmFusedMoE``, which runs the kernel for decode and prefill, eagerly and inside the graphs
 alike (``ascend_graph_vllm::fused_moe``, one opaque call). The packed weights serve no other
-backend: the layer refuses to switch to one. Why: vLLM's kernel streams its packed weights
-faster than ``expert_rows_mm`` streams the checkpoint's row-major ones (docs/vllm.md).
+backend: the layer refuses to switch to one. Why, and how the two kernels compare since
+``expert_rows_mm`` reads one weight row at a time: docs/vllm.md.
 """
 
 from __future__ import annotations
