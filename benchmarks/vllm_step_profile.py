@@ -11,7 +11,8 @@ greedy generations of ``--new-tokens`` tokens after warm-up ones; the JSON keeps
 call count and median milliseconds. vLLM's own per-step work (``engine_core.step`` minus
 ``model forward``: scheduling, input preparation, sampling, output handling) is the same code on
 both sides; ``model forward`` is vLLM's compiled model on one, ``AscendGraphDeepseekV2ForCausalLM
-.forward`` (``sequence_steps``, ``GraphRunner.execute``, ``logits_at_last_tokens``) on the other.
+.forward`` (decode-only steps ``GraphRunner.execute_decode``; others ``sequence_steps``,
+``GraphRunner.execute``, ``logits_at_last_tokens``) on the other.
 Wrapping adds a few microseconds per probe.
 """
 
@@ -35,18 +36,22 @@ PROBES = [("vllm.v1.engine.core", "EngineCore", "step", "engine_core.step"),
 GRAPH_PROBES = [("ascend_graph.vllm.model", None, "sequence_steps", "sequence_steps"),
                 ("ascend_graph.vllm.model", None, "logits_at_last_tokens", "logits_at_last_tokens"),
                 ("ascend_graph.runner", "GraphRunner", "execute", "GraphRunner.execute"),
+                ("ascend_graph.runner", "GraphRunner", "execute_decode", "GraphRunner.execute_decode"),
                 ("ascend_graph.runner", "GraphRunner", "prepare", "GraphRunner.prepare"),
                 ("ascend_graph.runner", "GraphRunner", "_run_graph", "GraphRunner._run_graph")]
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "vllm_step_profile.json")
 
 
 def wrap(times: dict, module: str, owner: str | None, attr: str, name: str) -> None:
-    """Time every call of ``module.owner.attr`` (or ``module.attr``) into ``times[name]``."""
+    """Time every call of ``module.owner.attr`` (or ``module.attr``) into ``times[name]``; nothing
+    where it does not exist (a probe the ``--graph-before`` checkout lacks)."""
     import importlib
 
     target = importlib.import_module(module)
     target = getattr(target, owner) if owner else target
-    inner = getattr(target, attr)
+    inner = getattr(target, attr, None)
+    if inner is None:
+        return
 
     @functools.wraps(inner)
     def timed(*args, **kwargs):

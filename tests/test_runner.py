@@ -10,8 +10,8 @@ import logging
 
 import pytest
 import torch
-from runner_helpers import (KernelCalls, Schedule, assert_graph_outputs_are_fresh, make_runner, prefilled,
-                            small_model)
+from runner_helpers import (BLOCK_SIZE, NUM_BLOCKS, KernelCalls, Schedule, assert_graph_outputs_are_fresh,
+                            make_runner, prefilled, small_model)
 
 from ascend_graph.config import GraphConfig, InductorOptions
 from ascend_graph.runner.parity import compare_step
@@ -73,6 +73,103 @@ def test_dispatch_graph_for_decode_within_sizes_and_eager_above(n):
         assert runner.stats.graph_steps == 1 and runner.stats.eager_steps["oversize"] == 0
     else:
         assert runner.stats.graph_steps == 0 and runner.stats.eager_steps["oversize"] == 1
+
+
+def decode_tensors(entries: list[SequenceStep], width: int, fill: int = 0) -> tuple[torch.Tensor, ...]:
+    """``entries`` (decode rows) as vLLM hands them over: int32 token ids, lengths after the step
+    and ``[n, width]`` block tables (columns past a row's blocks hold ``fill``), int64 slots."""
+    tables = torch.full((len(entries), width), fill, dtype=torch.int32)
+    for i, e in enumerate(entries):
+        tables[i, :len(e.block_table)] = torch.tensor(list(e.block_table), dtype=torch.int32)
+    slots = [e.block_table[e.num_cached // BLOCK_SIZE] * BLOCK_SIZE + e.num_cached % BLOCK_SIZE for e in entries]
+    return (torch.tensor([e.token_ids[0] for e in entries], dtype=torch.int32),
+            torch.tensor([e.num_cached + 1 for e in entries], dtype=torch.int32), tables, torch.tensor(slots))
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 6])
+def test_execute_decode_of_tensors_equals_execute_of_sequence_steps(n):
+    """Two runners over one model follow one schedule, one through ``execute``, one through
+    ``execute_decode``: equal logits, equal caches, equal counters (3 rows padded to the size-4
+    graph, 6 oversize and eager)."""
+    model = small_model("mla")
+    runners = [make_runner(model, graph_config()) for _ in range(2)]
+    scheds = [Schedule(), Schedule()]
+    for runner, sched in zip(runners, scheds):
+        prefilled(runner, sched, n, model.config.vocab_size)
+    for _ in range(3):
+        entries = scheds[0].decode_entries()
+        assert entries == scheds[1].decode_entries()
+        want = runners[0].execute(entries)
+        got = runners[1].execute_decode(*decode_tensors(entries, runners[1].table_width))
+        assert torch.equal(got, want)
+        for sched, logits in zip(scheds, (want, got)):
+            sched.advance(list(range(n)), entries, logits)
+    assert_caches_equal(runners[1], snapshot(runners[0]))
+    counters = [{k: v for k, v in r.stats.to_dict().items() if not k.startswith("capture")} for r in runners]
+    assert counters[1] == counters[0]
+    assert runners[1].stats.graph_steps == (3 if n <= max(SIZES) else 0)
+
+
+def test_execute_decode_reads_only_the_blocks_each_length_needs():
+    """Block tables narrower than the runner's (as wide as the longest row needs) and wider, with
+    another row's written block past each row's blocks (vLLM's rows keep earlier requests' ids): the
+    same logits as zero-filled full-width tables, each on the same caches (one step repeated
+    writes the same entries)."""
+    model = small_model("mla")
+    runner, sched = make_runner(model, graph_config()), Schedule()
+    prefilled(runner, sched, 3, model.config.vocab_size)
+    entries = sched.decode_entries()
+    ids, lens, tables, slots = decode_tensors(entries, runner.table_width)
+    want = runner.execute_decode(ids, lens, tables, slots)
+    needed = max(len(e.block_table) for e in entries)
+    assert needed < runner.table_width
+    narrow = tables[:, :needed].contiguous()
+    wide = decode_tensors(entries, runner.table_width + 3, fill=entries[0].block_table[0])[2]
+    for other in (narrow, wide):
+        assert torch.equal(runner.execute_decode(ids, lens, other, slots), want)
+    assert runner.stats.graph_steps == 3
+
+
+def test_execute_decode_bad_input_raises_before_any_write():
+    model = small_model("llama")
+    runner, sched = make_runner(model, graph_config()), Schedule()
+    prefilled(runner, sched, 2, 256)
+    before = snapshot(runner)
+    good = decode_tensors(sched.decode_entries(), runner.table_width)
+    ids, lens, tables, slots = good
+    null_slot, taken = slots.clone(), slots.clone()
+    null_slot[0], taken[1] = 1, slots[0]
+    far = tables.clone()
+    far[0, 0] = NUM_BLOCKS
+    bad = {
+        r"token_ids\[1\]=256": (ids + torch.tensor([0, 256 - ids[1]], dtype=torch.int32), lens, tables, slots),
+        r"token_ids must be an integer tensor": (ids.float(), lens, tables, slots),
+        r"context_lens\[0\]=0 must lie in \[1, 64\]": (ids, lens * 0, tables, slots),
+        r"context_lens must be an integer tensor .* got torch.int32 \[3\]": (ids, torch.cat([lens, lens[:1]]), tables, slots),
+        r"slot_mapping\[0\]=1 lies in the reserved null block": (ids, lens, tables, null_slot),
+        r"slot_mapping\[1\]=.* is also slot_mapping\[0\]": (ids, lens, tables, taken),
+        r"slot_mapping\[0\]=.* is out of range": (ids, lens, tables, slots + NUM_BLOCKS * BLOCK_SIZE),
+        r"slot_mapping must hold each row's slot": (ids, lens, tables, slots * 0 - 1),
+        r"block_tables holds block ids in \[.*, 96\]": (ids, lens, far, slots),
+        r"block_tables has 1 columns; the longest row needs": (ids, lens, tables[:, :1], slots),
+        r"token_ids must be an integer tensor .* got torch.int32 \[\]": (ids[0], lens, tables, slots),
+    }
+    for message, args in bad.items():
+        with pytest.raises(ValueError, match=message):
+            runner.execute_decode(*args)
+        assert_caches_equal(runner, before)
+    assert runner.stats.graph_steps == 0
+
+
+def test_execute_decode_runs_the_parity_check_at_the_configured_interval():
+    model = small_model("llama")
+    runner, sched = make_runner(model, graph_config(parity_interval=2)), Schedule()
+    prefilled(runner, sched, 2, 256)
+    for _ in range(4):
+        entries = sched.decode_entries()
+        sched.advance([0, 1], entries, runner.execute_decode(*decode_tensors(entries, runner.table_width)))
+    assert runner.stats.graph_steps == 4
+    assert runner.stats.parity_checks == 2 and runner.stats.parity_failures == 0
 
 
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])

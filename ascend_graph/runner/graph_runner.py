@@ -27,7 +27,7 @@ from ..attention import (AttentionMetadata, DecodeMetadata, build_attention_meta
 from ..attention.metadata import DECODE_PADDING, metadata_to, with_host_lens
 from ..compile.recipe import mark_step_inputs_static
 from ..config import GraphConfig
-from ..kv_cache import allocate_kv_caches
+from ..kv_cache import NULL_BLOCK, allocate_kv_caches, check_slots
 from ..runtime import StaticAddresses, compile_cache_counts, compile_cache_outcome, memory_in_use, progress
 from .freezing import freezing
 from .groups import CompileGroup, compile_groups, compile_recipe_for, mark_batch_dynamic, resolve_compile_options
@@ -112,6 +112,70 @@ class GraphRunner:
             if backend_name(self.config, platform) == "inductor":
                 out["compiled_only_rewrites"] = compiled_only_rewrites(platform)
         return out
+
+    def execute_decode(self, token_ids: Tensor, context_lens: Tensor, block_tables: Tensor,
+                       slot_mapping: Tensor) -> Tensor:
+        """Run a decode-only step given as tensors (vLLM's step inputs); ``[n, V]`` logits as ``execute``.
+
+        Row ``i`` brings token ``token_ids[i]`` at position ``context_lens[i] - 1`` (its length
+        after this step), written to ``slot_mapping[i]``; ``block_tables [n, W]`` holds its blocks
+        (int32; columns past the blocks its length needs are not read). As the graph of its
+        capture size, the tensors are copied into the static inputs as they are: no
+        ``SequenceStep`` lists, no metadata rebuilt. What the graphs do not take (graph mode off,
+        an oversize batch, a failed compile, ``parity_interval`` on) runs ``execute`` on the same
+        values. Checked first, a ValueError naming the argument: shapes and dtypes; ids in the
+        vocabulary, lengths in ``[1, max_model_len]``, slots as ``kv_cache.check_slots`` wants
+        them, block ids in the cache (host reads of the values). That a row's slot lies in its own
+        blocks is the caller's to keep (vLLM computes both from one table).
+        """
+        ids, lens = self._check_decode(token_ids, context_lens, block_tables, slot_mapping)
+        n = len(ids)
+        size, _ = self._graph_size(n, True, "auto")
+        if size is None or self.config.parity_interval:
+            return self.execute(self._decode_steps(ids, lens, block_tables))
+        self.stats.graph_steps += 1
+        self._addresses.check()
+        width = min(block_tables.shape[1], self.table_width)
+        live = {"input_ids": token_ids, "positions": context_lens - 1, "slot_mapping": slot_mapping,
+                "block_tables": block_tables[:, :width], "context_lens": context_lens}
+        if width < self.table_width:
+            self._static["block_tables"][:n, width:].fill_(DECODE_PADDING["block_tables"])
+        self._fill_static(live, n, size)
+        return self._call_graph(size, n, tuple(lens) if self._host_lens else None)
+
+    def _check_decode(self, token_ids: Tensor, context_lens: Tensor, block_tables: Tensor,
+                      slot_mapping: Tensor) -> tuple[list[int], list[int]]:
+        """``execute_decode``'s checks; ``(token ids, lengths)`` as host ints."""
+        n = token_ids.shape[0] if token_ids.dim() == 1 else 0
+        width = block_tables.shape[1] if block_tables.dim() == 2 else 0
+        for name, t, shape in (("token_ids", token_ids, [n]), ("context_lens", context_lens, [n]),
+                               ("slot_mapping", slot_mapping, [n]), ("block_tables", block_tables, [n, width])):
+            if n < 1 or width < 1 or list(t.shape) != shape or t.dtype.is_floating_point or t.dtype == torch.bool:
+                raise ValueError(f"{name} must be an integer tensor (token_ids, context_lens and slot_mapping "
+                                 f"[n], block_tables [n, W], n and W >= 1), got {t.dtype} {list(t.shape)}")
+        ids, lens, slots = token_ids.tolist(), context_lens.tolist(), slot_mapping.tolist()
+        vocab = self.model.config.vocab_size
+        for name, values, low, high in (("token_ids", ids, 0, vocab - 1), ("context_lens", lens, 1, self.max_model_len)):
+            bad = next((i for i, v in enumerate(values) if not low <= v <= high), None)
+            if bad is not None:
+                raise ValueError(f"{name}[{bad}]={values[bad]} must lie in [{low}, {high}]")
+        check_slots(slots, self.num_blocks * self.block_size, self.block_size)
+        if any(v < 0 for v in slots):
+            raise ValueError(f"slot_mapping must hold each row's slot (>= 0), got {slots}")
+        needed = -(-max(lens) // self.block_size)
+        if width < needed:
+            raise ValueError(f"block_tables has {width} columns; the longest row needs {needed}")
+        low, high = (v.item() for v in torch.aminmax(block_tables[:, :needed]))
+        if low < NULL_BLOCK or high >= self.num_blocks:
+            raise ValueError(f"block_tables holds block ids in [{low}, {high}], outside the cache's "
+                             f"[{NULL_BLOCK}, {self.num_blocks})")
+        return ids, lens
+
+    def _decode_steps(self, ids: list[int], lens: list[int], block_tables: Tensor) -> list[SequenceStep]:
+        """``execute_decode``'s rows as ``SequenceStep``s (its checked host values)."""
+        widths = [-(-length // self.block_size) for length in lens]
+        tables = block_tables[:, :max(widths)].tolist()
+        return [SequenceStep([t], length - 1, table[:w]) for t, length, table, w in zip(ids, lens, tables, widths)]
 
     def run_prepared(self, step: "PreparedStep", mode: str) -> Tensor:
         """Run a prepared step as ``"graph"`` or ``"eager"``, uncounted (parity uses this)."""
@@ -213,12 +277,21 @@ class GraphRunner:
         n = step.meta.num_decode_tokens
         live = {"input_ids": step.input_ids, "positions": step.positions, "slot_mapping": step.meta.slot_mapping,
                 "block_tables": step.meta.decode.block_tables, "context_lens": step.meta.decode.context_lens}
-        for name, buf in self._static.items():  # live rows in place, the rest padding (pad_decode's rows)
-            buf[:n].copy_(live[name], non_blocking=True)
+        self._fill_static(live, n, size)
+        return self._unpermute(self._call_graph(size, n, step.meta.decode.context_lens_host), step.order)
+
+    def _fill_static(self, live: dict[str, Tensor], n: int, size: int) -> None:
+        """The static inputs' first ``n`` rows from ``live``, rows ``n:size`` padding (pad_decode's rows)."""
+        for name, buf in self._static.items():
+            value = live[name]
+            (buf[:n, :value.shape[1]] if buf.dim() == 2 else buf[:n]).copy_(value, non_blocking=True)
             if n < size:
                 buf[n:size].fill_(DECODE_PADDING[name])
+
+    def _call_graph(self, size: int, n: int, host_lens: Optional[tuple[int, ...]]) -> Tensor:
+        """The graph of capture size ``size`` over the static inputs; the first ``n`` rows' logits."""
         ids_v, pos_v, meta_v = self._views(size)
-        meta_v = with_host_lens(meta_v, step.meta.decode.context_lens_host, size)
+        meta_v = with_host_lens(meta_v, host_lens, size)
         try:
             with torch.inference_mode():
                 logits = self._graphs[size](ids_v, pos_v, self.kv_caches, meta_v)
@@ -228,8 +301,7 @@ class GraphRunner:
             raise
         if self.recipe.recapture_counts is not None:
             self.stats.recaptures = self.recipe.recaptures_since(self._recapture_base)
-        logits = logits[:n].clone() if self._copy_logits else logits[:n]
-        return self._unpermute(logits, step.order)
+        return logits[:n].clone() if self._copy_logits else logits[:n]
 
     def _capture_size(self, size: int, backend: Optional[Callable]) -> None:
         start, mem0, cache0, loaded0 = (time.perf_counter(), memory_in_use(self.device), compile_cache_counts(),

@@ -6,7 +6,8 @@ ascend_graph's model (here ``DeepseekForCausalLM``) run by a ``GraphRunner``: de
 largest capture size as per-size graphs over the tuple caches, everything else eagerly on the
 same caches. vLLM calls ``forward`` with the step's flattened tokens under its forward context,
 whose metadata (``layer.TupleCacheMetadataBuilder``) gives each request's query span, sequence
-length and block table; those become the runner's ``SequenceStep``s. ``forward`` returns
+length, block table and slots. A decode-only step (one token per request) passes those tensors
+to ``GraphRunner.execute_decode``; any other becomes the runner's ``SequenceStep``s. ``forward`` returns
 ``[T, V]`` logits with each request's row at its last token (the rows vLLM samples; in a
 decode-only step, one token per request, the runner's ``[n, V]`` logits themselves), and
 ``compute_logits`` passes them through.
@@ -78,6 +79,10 @@ class AscendGraphForCausalLM(nn.Module):
         meta = self._metadata()
         if meta is None:  # vLLM's profiling and dummy runs, before the caches exist
             return torch.zeros(input_ids.shape[0], self.config.vocab_size, dtype=torch.float32)
+        n = meta.num_reqs
+        if meta.num_actual_tokens == n:  # decode-only: vLLM's tensors go to the graph's inputs as they are
+            return self._runner().execute_decode(input_ids[:n], meta.seq_lens[:n], meta.block_table_tensor[:n],
+                                                 meta.slot_mapping[:n])  # [n, V]
         token_ids = input_ids.tolist()
         logits = self._runner().execute(sequence_steps(token_ids, meta, self.block_size))  # [n, V]
         return logits_at_last_tokens(logits, meta, len(token_ids))  # [T, V]

@@ -26,8 +26,6 @@ def sequence_steps(token_ids: list[int], meta: Any, block_size: int) -> list[Seq
     seq_lens = meta.seq_lens[:n].tolist()
     widths = [-(-length // block_size) for length in seq_lens]  # ceil without floats
     tables = meta.block_table_tensor[:n, :max(widths, default=0)].tolist()
-    if starts[n] == n:  # decode-only: one token per request
-        return [SequenceStep(token_ids[i:i + 1], seq_lens[i] - 1, tables[i][:widths[i]]) for i in range(n)]
     return [SequenceStep(token_ids[starts[i]:starts[i + 1]], seq_lens[i] - (starts[i + 1] - starts[i]),
                          tables[i][:widths[i]]) for i in range(n)]
 
