@@ -5,7 +5,8 @@
     python -m benchmarks.report FILE.json           # one suite's tables on stdout (e.g. a --quick run)
 
 The fixed text (what each column means, the conditions) is ``report_template.md``; its
-``{{suite PATH}}``, ``{{cuda DIR}}``, ``{{before_after PATH}}`` and ``{{vllm_peer PATH}}`` and ``{{toy PATH...}}`` lines become the
+``{{suite PATH}}``, ``{{cuda DIR}}``, ``{{before_after PATH}}``, ``{{vllm_peer PATH}}``,
+``{{vllm_decode_inputs PATH}}``, ``{{op_call_cost PATH}}`` and ``{{toy PATH...}}`` lines become the
 tables of those files.
 """
 
@@ -245,6 +246,19 @@ def op_call_markdown(path: str) -> str:
         "", f"{machine(d['conditions'])}, {d['threads']} thread, {d['conditions']['when'][:10]} · `{cmd}` → `{rel}`"]) + "\n"
 
 
+def vllm_decode_inputs_markdown(path: str) -> str:
+    """A ``benchmarks.vllm_decode_inputs`` run: each row's two forms, their ratio and its rounds' range."""
+    d, rel = load(path), os.path.relpath(os.path.join(ROOT, path), ROOT)
+    c, s = d["conditions"], d["settings"]
+    body = [[r["model"], r["dtype"], str(r["batch"]), fmt(r["tensors_ms"], 3), fmt(r["sequence_steps_ms"], 3),
+             f"{r['tensors_over_sequence_steps']:.2f}x ({min(r['round_ratios']):.2f}-{max(r['round_ratios']):.2f})",
+             "yes" if r["tokens_equal"] else "no"] for r in d["rows"]]
+    return "\n".join(table(["model", "dtype", "batch", "tensors ms", "SequenceSteps ms",
+                            "tensors / SequenceSteps (rounds)", "tokens equal"], body) + [
+        "", f"{machine(c)}, {s['threads']} threads, {c['when'][:10]}; vLLM {c.get('vllm')}, torch {c['torch']}; "
+        f"{s['new_tokens']} new tokens, {s['rounds']} rounds · `{d['command']}` → `{rel}`"]) + "\n"
+
+
 def toy_markdown(paths: list[str]) -> str:
     """The toy step's µs per call under each option set (``levers.toy_options``), one row per batch."""
     lines, body, names = [], [], []
@@ -279,6 +293,9 @@ def render(template: str = TEMPLATE) -> str:
                 "Not measured yet.")
         if kind == "op_call_cost":
             return op_call_markdown(args[0]).rstrip() if os.path.exists(os.path.join(ROOT, args[0])) else (
+                "Not measured yet.")
+        if kind == "vllm_decode_inputs":
+            return vllm_decode_inputs_markdown(args[0]).rstrip() if os.path.exists(os.path.join(ROOT, args[0])) else (
                 "Not measured yet.")
         if kind == "vllm_peer":
             return vllm_peer_markdown(args[0]).rstrip() if os.path.exists(os.path.join(ROOT, args[0])) else (

@@ -42,6 +42,9 @@ class AscendGraphForCausalLM(nn.Module):
     """
 
     checkpoint_architecture: str
+    # Decode-only steps through ``GraphRunner.execute_decode`` (False: as ``SequenceStep``s, the
+    # form ``benchmarks.vllm_decode_inputs`` compares against).
+    decode_as_tensors: bool = True
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -80,7 +83,7 @@ class AscendGraphForCausalLM(nn.Module):
         if meta is None:  # vLLM's profiling and dummy runs, before the caches exist
             return torch.zeros(input_ids.shape[0], self.config.vocab_size, dtype=torch.float32)
         n = meta.num_reqs
-        if meta.num_actual_tokens == n:  # decode-only: vLLM's tensors go to the graph's inputs as they are
+        if meta.num_actual_tokens == n and self.decode_as_tensors:  # decode-only: vLLM's tensors go to the graph's inputs as they are
             return self._runner().execute_decode(input_ids[:n], meta.seq_lens[:n], meta.block_table_tensor[:n],
                                                  meta.slot_mapping[:n])  # [n, V]
         token_ids = input_ids.tolist()
