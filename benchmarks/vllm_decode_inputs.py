@@ -16,9 +16,7 @@ the same compiled graphs; their tokens must be equal. The JSON keeps every round
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,7 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from benchmarks.common import conditions, write_json
     from benchmarks.vllm_peer import MODELS, prompts, write_checkpoint
-    from benchmarks.vllm_peer_sides import check_vllm_python, vllm_env
+    from benchmarks.vllm_peer_sides import check_vllm_python, run_worker_script, vllm_env
     from benchmarks.vllm_plugin_env import pythonpath
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -86,14 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
                 for batch in (int(b) for b in args.batches.split(",")):
                     spec = {"model": path, "dtype": dtype, "batch": batch, "new_tokens": args.new_tokens,
                             "rounds": args.rounds, "prompts": prompts(batch, config.vocab_size)}
-                    spec_path, out_path = os.path.join(work, "spec.json"), os.path.join(work, "out.json")
-                    with open(spec_path, "w") as f:
-                        json.dump(spec, f)
                     env = vllm_env(os.path.join(work, "cache"), args.threads, pythonpath(os.path.join(work, "plugin")))
-                    subprocess.run([args.vllm_python, os.path.abspath(__file__), "--worker", spec_path, out_path],
-                                   env=env, check=True, stdout=subprocess.DEVNULL)
-                    with open(out_path) as f:
-                        sides = json.load(f)
+                    sides = run_worker_script(args.vllm_python, __file__, spec, work, env)
                     new, old = sides["tensors"], sides["sequence_steps"]
                     row = {"model": model, "dtype": dtype, "batch": batch, "tensors_ms": new["ms_per_step"],
                            "sequence_steps_ms": old["ms_per_step"],
@@ -111,10 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":  # vLLM may spawn processes: the work must not run on import
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        with open(sys.argv[2]) as f:
-            result = worker(json.load(f))
-        with open(sys.argv[3], "w") as f:
-            json.dump(result, f)
-        os._exit(0)  # skip vLLM's slow interpreter teardown
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":  # in the vLLM venv, this file's directory on the path
+        from vllm_peer_worker import answer_in_file
+        answer_in_file(worker, *sys.argv[2:])
     main()

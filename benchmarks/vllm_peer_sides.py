@@ -101,6 +101,18 @@ def vllm_env(cache_root: str, threads: int, path: str | None = None) -> dict:
     return env
 
 
+def run_worker_script(python: str, script: str, spec: dict, work: str, env: dict) -> dict:
+    """``python script --worker SPEC OUT`` in ``env`` (the script ends in
+    ``vllm_peer_worker.answer_in_file``): ``spec`` in, the worker's answer back."""
+    spec_path, out_path = os.path.join(work, "spec.json"), os.path.join(work, "out.json")
+    with open(spec_path, "w", encoding="utf-8") as f:
+        json.dump(spec, f)
+    subprocess.run([python, os.path.abspath(script), "--worker", spec_path, out_path], env=env, check=True,
+                   stdout=subprocess.DEVNULL)
+    with open(out_path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def graph_config(batches: list[int]) -> dict:
     """vLLM's ``additional_config`` for our graph mode: every measured batch captured, a failed
     compile raising (never timed as eager)."""

@@ -140,6 +140,16 @@ def serve(spec: dict) -> None:
         reply({"seconds": seconds, "tokens": tokens, **({} if forward is None else {"forward_seconds": forward})})
 
 
+def answer_in_file(worker, spec_path: str, out_path: str) -> None:
+    """A one-shot worker script's end (``vllm_peer_sides.run_worker_script`` starts it): ``worker``
+    of the JSON spec at ``spec_path``, its answer as JSON into ``out_path``, then exit at once."""
+    with open(spec_path, encoding="utf-8") as f:
+        result = worker(json.load(f))
+    with open(out_path, "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    os._exit(0)  # skip vLLM's slow interpreter teardown
+
+
 if __name__ == "__main__":  # vLLM may spawn processes: the work must not run on import
     with open(sys.argv[1], encoding="utf-8") as f:
         serve(json.load(f))

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -86,14 +84,15 @@ def worker(spec: dict) -> dict:
     for _ in range(spec["generations"]):
         llm.generate(prompts, params, use_tqdm=False)
     return {name: {"calls": len(v), "median_ms": statistics.median(v) * 1e3,
-                   "p25_ms": statistics.quantiles(v, n=4)[0] * 1e3} for name, v in times.items()}
+                   "p25_ms": (statistics.quantiles(v, n=4)[0] if len(v) > 1 else v[0]) * 1e3}
+            for name, v in times.items()}
 
 
 def main(argv: list[str] | None = None) -> dict:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from benchmarks.common import conditions, write_json
     from benchmarks.vllm_peer import MODELS, prompts, write_checkpoint
-    from benchmarks.vllm_peer_sides import vllm_env
+    from benchmarks.vllm_peer_sides import run_worker_script, vllm_env
     from benchmarks.vllm_plugin_env import ROOT, pythonpath
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -120,26 +119,17 @@ def main(argv: list[str] | None = None) -> dict:
                 spec = {"model": model, "dtype": dtype, "graph": graph, "batch": args.batch,
                         "prompts": prompts(args.batch, config.vocab_size), "new_tokens": args.new_tokens,
                         "generations": args.generations, "threads": args.threads}
-                spec_path, out_path = os.path.join(work, "spec.json"), os.path.join(work, "out.json")
-                with open(spec_path, "w") as f:
-                    json.dump(spec, f)
                 env = vllm_env(os.path.join(work, "cache"), args.threads,
                                pythonpath(os.path.join(work, "plugin"), root) if graph else None)
-                subprocess.run([args.vllm_python, os.path.abspath(__file__), "--worker", spec_path, out_path],
-                               env=env, check=True, stdout=subprocess.DEVNULL)
-                with open(out_path) as f:
-                    key = f"{dtype}/{side}"
-                    out["runs"][key] = json.load(f)
+                key = f"{dtype}/{side}"
+                out["runs"][key] = run_worker_script(args.vllm_python, __file__, spec, work, env)
                 print(key, {k: round(v["median_ms"], 3) for k, v in out["runs"][key].items()}, flush=True)
     write_json(args.json, out)
     return out
 
 
 if __name__ == "__main__":  # vLLM may spawn processes: the work must not run on import
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        with open(sys.argv[2]) as f:
-            result = worker(json.load(f))
-        with open(sys.argv[3], "w") as f:
-            json.dump(result, f)
-        os._exit(0)  # skip vLLM's slow interpreter teardown
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":  # in the vLLM venv, this file's directory on the path
+        from vllm_peer_worker import answer_in_file
+        answer_in_file(worker, *sys.argv[2:])
     main()
