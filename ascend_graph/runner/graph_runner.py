@@ -22,15 +22,17 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..attention import (AttentionMetadata, DecodeMetadata, build_attention_metadata, choose_block_size,
+from ..attention import (AttentionMetadata, build_attention_metadata, choose_block_size,
                          model_attention_backends)
-from ..attention.metadata import DECODE_PADDING, metadata_to, with_host_lens
+from ..attention.metadata import metadata_to, with_host_lens
 from ..compile.recipe import mark_step_inputs_static
 from ..config import GraphConfig
-from ..kv_cache import NULL_BLOCK, allocate_kv_caches, check_slots
+from ..kv_cache import allocate_kv_caches
 from ..runtime import StaticAddresses, compile_cache_counts, compile_cache_outcome, memory_in_use, progress
+from .decode_inputs import check_decode_inputs, decode_steps
 from .freezing import freezing
-from .groups import CompileGroup, compile_groups, compile_recipe_for, mark_batch_dynamic, resolve_compile_options
+from .groups import CompileGroup, compile_groups, compile_recipe_for, resolve_compile_options
+from .static_inputs import StaticInputs
 from .step import (DecodeStep, GraphCompileError, PreparedStep, RecompileError, RunnerStats, SequenceStep,
                    step_for_size)
 
@@ -72,11 +74,10 @@ class GraphRunner:
         self._recapture_base: dict[str, int] = {}
         self._graph_steps_since_parity = 0
         self._step = DecodeStep(model)
-        self._static = self._allocate_static_inputs()
-        self._view_cache: dict[int, tuple[Tensor, Tensor, AttentionMetadata]] = {}
+        self.static = StaticInputs(max(self.capture_sizes, default=0), self.table_width, self.device)
         self._addresses = StaticAddresses()
         self._addresses.track(self._cache_tensors_by_name())
-        self._addresses.track(self._static_buffers_by_name())
+        self._addresses.track(self.static.by_name())
 
     # -- public API -----------------------------------------------------------------------
 
@@ -115,67 +116,22 @@ class GraphRunner:
 
     def execute_decode(self, token_ids: Tensor, context_lens: Tensor, block_tables: Tensor,
                        slot_mapping: Tensor) -> Tensor:
-        """Run a decode-only step given as tensors (vLLM's step inputs); ``[n, V]`` logits as ``execute``.
-
-        Row ``i`` brings token ``token_ids[i]`` at position ``context_lens[i] - 1`` (its length
-        after this step), written to ``slot_mapping[i]``; ``block_tables [n, W]`` holds its blocks
-        (int32; columns past the blocks its length needs are not read). As the graph of its
-        capture size, the tensors are copied into the static inputs as they are: no
-        ``SequenceStep`` lists, no metadata rebuilt. What the graphs do not take (graph mode off,
-        an oversize batch, a failed compile, ``parity_interval`` on) runs ``execute`` on the same
-        values. Checked first, a ValueError naming the argument: shapes and dtypes; ids in the
-        vocabulary, lengths in ``[1, max_model_len]``, slots as ``kv_cache.check_slots`` wants
-        them, block ids in the cache (host reads of the values). That a row's slot lies in its own
-        blocks is the caller's to keep (vLLM computes both from one table).
-        """
-        ids, lens = self._check_decode(token_ids, context_lens, block_tables, slot_mapping)
+        """A decode-only step given as tensors (``decode_inputs``: their contract and checks);
+        ``[n, V]`` logits as ``execute``. As a graph, the tensors are copied into the static inputs
+        as they are (no ``SequenceStep``s, no metadata rebuilt); what the graphs do not take (graph
+        mode off, oversize, a failed compile, ``parity_interval`` on) runs ``execute`` on the same values."""
+        ids, lens = check_decode_inputs(token_ids, context_lens, block_tables, slot_mapping,
+                                        vocab=self.model.config.vocab_size, max_model_len=self.max_model_len,
+                                        num_blocks=self.num_blocks, block_size=self.block_size)
         n = len(ids)
         size, _ = self._graph_size(n, True, "auto")
         if size is None or self.config.parity_interval:
-            return self.execute(self._decode_steps(ids, lens, block_tables))
+            return self.execute(decode_steps(ids, lens, block_tables, self.block_size))
         self.stats.graph_steps += 1
         self._addresses.check()
-        width = min(block_tables.shape[1], self.table_width)
-        live = {"input_ids": token_ids, "positions": context_lens - 1, "slot_mapping": slot_mapping,
-                "block_tables": block_tables[:, :width], "context_lens": context_lens}
-        if width < self.table_width:
-            self._static["block_tables"][:n, width:].fill_(DECODE_PADDING["block_tables"])
-        self._fill_static(live, n, size)
+        self.static.fill({"input_ids": token_ids, "positions": context_lens - 1, "slot_mapping": slot_mapping,
+                          "block_tables": block_tables[:, :self.table_width], "context_lens": context_lens}, n, size)
         return self._call_graph(size, n, tuple(lens) if self._host_lens else None)
-
-    def _check_decode(self, token_ids: Tensor, context_lens: Tensor, block_tables: Tensor,
-                      slot_mapping: Tensor) -> tuple[list[int], list[int]]:
-        """``execute_decode``'s checks; ``(token ids, lengths)`` as host ints."""
-        n = token_ids.shape[0] if token_ids.dim() == 1 else 0
-        width = block_tables.shape[1] if block_tables.dim() == 2 else 0
-        for name, t, shape in (("token_ids", token_ids, [n]), ("context_lens", context_lens, [n]),
-                               ("slot_mapping", slot_mapping, [n]), ("block_tables", block_tables, [n, width])):
-            if n < 1 or width < 1 or list(t.shape) != shape or t.dtype.is_floating_point or t.dtype == torch.bool:
-                raise ValueError(f"{name} must be an integer tensor (token_ids, context_lens and slot_mapping "
-                                 f"[n], block_tables [n, W], n and W >= 1), got {t.dtype} {list(t.shape)}")
-        ids, lens, slots = token_ids.tolist(), context_lens.tolist(), slot_mapping.tolist()
-        vocab = self.model.config.vocab_size
-        for name, values, low, high in (("token_ids", ids, 0, vocab - 1), ("context_lens", lens, 1, self.max_model_len)):
-            bad = next((i for i, v in enumerate(values) if not low <= v <= high), None)
-            if bad is not None:
-                raise ValueError(f"{name}[{bad}]={values[bad]} must lie in [{low}, {high}]")
-        check_slots(slots, self.num_blocks * self.block_size, self.block_size)
-        if any(v < 0 for v in slots):
-            raise ValueError(f"slot_mapping must hold each row's slot (>= 0), got {slots}")
-        needed = -(-max(lens) // self.block_size)
-        if width < needed:
-            raise ValueError(f"block_tables has {width} columns; the longest row needs {needed}")
-        low, high = (v.item() for v in torch.aminmax(block_tables[:, :needed]))
-        if low < NULL_BLOCK or high >= self.num_blocks:
-            raise ValueError(f"block_tables holds block ids in [{low}, {high}], outside the cache's "
-                             f"[{NULL_BLOCK}, {self.num_blocks})")
-        return ids, lens
-
-    def _decode_steps(self, ids: list[int], lens: list[int], block_tables: Tensor) -> list[SequenceStep]:
-        """``execute_decode``'s rows as ``SequenceStep``s (its checked host values)."""
-        widths = [-(-length // self.block_size) for length in lens]
-        tables = block_tables[:, :max(widths)].tolist()
-        return [SequenceStep([t], length - 1, table[:w]) for t, length, table, w in zip(ids, lens, tables, widths)]
 
     def run_prepared(self, step: "PreparedStep", mode: str) -> Tensor:
         """Run a prepared step as ``"graph"`` or ``"eager"``, uncounted (parity uses this)."""
@@ -277,16 +233,8 @@ class GraphRunner:
         n = step.meta.num_decode_tokens
         live = {"input_ids": step.input_ids, "positions": step.positions, "slot_mapping": step.meta.slot_mapping,
                 "block_tables": step.meta.decode.block_tables, "context_lens": step.meta.decode.context_lens}
-        self._fill_static(live, n, size)
+        self.static.fill(live, n, size)
         return self._unpermute(self._call_graph(size, n, step.meta.decode.context_lens_host), step.order)
-
-    def _fill_static(self, live: dict[str, Tensor], n: int, size: int) -> None:
-        """The static inputs' first ``n`` rows from ``live``, rows ``n:size`` padding (pad_decode's rows)."""
-        for name, buf in self._static.items():
-            value = live[name]
-            (buf[:n, :value.shape[1]] if buf.dim() == 2 else buf[:n]).copy_(value, non_blocking=True)
-            if n < size:
-                buf[n:size].fill_(DECODE_PADDING[name])
 
     def _call_graph(self, size: int, n: int, host_lens: Optional[tuple[int, ...]]) -> Tensor:
         """The graph of capture size ``size`` over the static inputs; the first ``n`` rows' logits."""
@@ -308,7 +256,7 @@ class GraphRunner:
                                         self.stats.packages_loaded)
         ids_v, pos_v, meta_v = self._views(size)
         meta_v = with_host_lens(meta_v, () if self._host_lens else None, size)
-        self._fill_padding(size)
+        self.static.pad(size)
         group = self.compile_groups[size]
         step_inputs = [ids_v, pos_v, meta_v.slot_mapping, meta_v.decode.block_tables, meta_v.decode.context_lens]
         if self.recipe.mark_static:
@@ -378,7 +326,7 @@ class GraphRunner:
         """Give each size of a failed compile group that has no graph yet its own static compile."""
         for s in [s for s, g in self.compile_groups.items() if g == group and s not in self._graphs]:
             self.compile_groups[s] = CompileGroup(s, s)
-            self._view_cache.pop(s, None)  # new views of the same buffers, without the dynamic marks
+            self.static.forget_views(s)  # new views of the same buffers, without the dynamic marks
 
     def _uses_torchair_graph_cache(self) -> bool:
         if self._backend is not None or not self.config.torchair.use_cached_graph:
@@ -410,27 +358,8 @@ class GraphRunner:
 
     # -- static inputs --------------------------------------------------------------------
 
-    def _allocate_static_inputs(self) -> dict[str, Tensor]:
-        s = max(self.capture_sizes, default=0)
-        z = lambda *shape, dtype=torch.int64: torch.zeros(shape, dtype=dtype, device=self.device)  # noqa: E731
-        return {"input_ids": z(s), "positions": z(s), "slot_mapping": z(s),
-                "block_tables": z(s, self.table_width, dtype=torch.int32),
-                "context_lens": z(s, dtype=torch.int32)}
-
     def _views(self, size: int) -> tuple[Tensor, Tensor, AttentionMetadata]:
-        views = self._view_cache
-        if size not in views:
-            v = {k: t[:size] for k, t in self._static.items()}
-            for t in v.values():
-                torch._dynamo.mark_static_address(t)
-            mark_batch_dynamic(list(v.values()), self.compile_groups.get(size))
-            meta = AttentionMetadata(v["slot_mapping"], DecodeMetadata(v["block_tables"], v["context_lens"]), None)
-            views[size] = (v["input_ids"], v["positions"], meta)
-        return views[size]
-
-    def _fill_padding(self, size: int) -> None:
-        for name, buf in self._static.items():
-            buf[:size].fill_(DECODE_PADDING[name])
+        return self.static.views(size, self.compile_groups.get(size))
 
     def _cache_tensors_by_name(self) -> dict[str, Tensor]:
         named = {}
@@ -439,9 +368,6 @@ class GraphRunner:
                 torch._dynamo.mark_static_address(t)
                 named[f"kv_caches[{i}].{name}"] = t
         return named
-
-    def _static_buffers_by_name(self) -> dict[str, Tensor]:
-        return {f"static {k}": t for k, t in self._static.items()}
 
     # -- parity sampling ------------------------------------------------------------------
 
