@@ -10,7 +10,7 @@ decode ms per step from their difference): ``tensors`` (``GraphRunner.execute_de
 vLLM's input ids, sequence lengths, block table and slots; the default) and ``sequence_steps``
 (the form before: one ``SequenceStep`` per request, ``GraphRunner.execute``), switched by the
 model class's ``decode_as_tensors``. One process, so both forms draw the same memory regime and
-the same compiled graphs; their tokens must be equal. The JSON keeps every round.
+the same compiled graphs; their tokens must be equal. The JSON keeps every round's times.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
                            "tensors_over_sequence_steps": new["ms_per_step"] / old["ms_per_step"],
                            "round_ratios": [a / b for a, b in zip(new["round_ms"], old["round_ms"])],
                            "tokens_equal": new["tokens"] == old["tokens"] and new["tokens_stable"] and old["tokens_stable"],
-                           "sides": sides}
+                           "sides": {form: {k: v for k, v in side.items() if k != "tokens"}
+                                     for form, side in sides.items()}}
                     out["rows"].append(row)
                     print(f"{model} {dtype} batch {batch}: tensors {row['tensors_ms']:.3f} ms, sequence steps "
                           f"{row['sequence_steps_ms']:.3f} ms, tensors / sequence steps "
