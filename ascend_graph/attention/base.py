@@ -45,6 +45,9 @@ class AttentionBackend:
     reads_live_only: ClassVar[bool] = False  # decode reads each row's live blocks only
     host_context_lens: ClassVar[bool] = False  # decode reads DecodeMetadata.context_lens_host
     default_block_size: ClassVar[int] = 16
+    # Which implementations store the same bytes for the same step: the PD handshake refuses peers
+    # whose families differ ("torch": write_slots in the model's layout; "npu": torch_npu's fused ops).
+    cache_family: ClassVar[str] = "torch"
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
@@ -69,6 +72,12 @@ class MLABackend(AttentionBackend):
     ``w_uv [H, Dv, C]`` are the two parts of ``kv_b_proj`` (any strides)."""
 
     kind = "mla"
+
+    def cached_rope_layout(self, interleaved: bool) -> str:
+        """How ``k_pe`` lies in the cache for a checkpoint whose rope is ``interleaved``:
+        ``"interleaved"`` (pairs side by side), ``"half"`` (a rotate-half checkpoint, as it is)
+        or ``"deinterleaved"`` (an interleaved checkpoint's pairs split into halves)."""
+        return "interleaved" if interleaved else "half"
 
     def rope_query(self, q_pe: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
         """``q_pe [T, H, R]`` rotated by ``cos``/``sin [T, R/2]``, in the layout ``write_latent``

@@ -103,6 +103,7 @@ class _NpuOps:
     and ``torch_npu``, imported when the backend is built (a graph cannot trace an import)."""
 
     name = "npu"
+    cache_family = "npu"
     reads_live_only = True
     host_context_lens = True
     default_block_size = 128
@@ -125,6 +126,9 @@ class NpuMLA(_NpuOps, MLABackend):
     @staticmethod
     def _fused(c: int, r: int, interleaved: bool) -> bool:
         return interleaved and (c, r) == FUSED_WRITE_DIMS
+
+    def cached_rope_layout(self, interleaved: bool) -> str:
+        return "deinterleaved" if interleaved else "half"
 
     def rope_query(self, q_pe: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
         rotated = apply_rope(q_pe, cos, sin, interleaved)

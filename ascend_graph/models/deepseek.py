@@ -71,6 +71,11 @@ class MLAttention(ChosenBackend, nn.Module):
         self.register_buffer("w_uv", None, persistent=False)  # [H, Dv, C]
         self.register_load_state_dict_post_hook(_rebuild_after_load)
 
+    @property
+    def cached_rope_layout(self) -> str:
+        """How this layer's ``k_pe`` lies in its cache (``MLABackend.cached_rope_layout``)."""
+        return self.backend.cached_rope_layout(self.rope_interleave)
+
     def _choose_backend(self, name: str | None) -> MLABackend:
         weight = self.kv_a_proj_with_mqa.weight
         return select_attention_backend("mla", weight.device, weight.dtype, name)
