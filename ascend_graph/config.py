@@ -39,6 +39,7 @@ PathStr = Annotated[str, IsPath()]
 Backend = Literal["auto", "torchair", "npugraph_ex", "inductor", "cudagraphs", "aot_eager", "eager"]
 RecompilePolicy = Literal["error", "warn"]
 TorchairMode = Literal["max-autotune", "reduce-overhead"]
+MissingOptionPolicy = Literal["auto", "error", "warn"]
 
 BACKENDS = get_args(Backend)
 RECOMPILE_POLICIES = get_args(RecompilePolicy)
@@ -62,9 +63,13 @@ class TorchairOptions:
     ``mode`` -> torchair's ``CompilerConfig.mode`` (``"reduce-overhead"`` is deprecated from
     torch_npu 7.3.0 on, for the ``npugraph_ex`` backend, and warns); ``enable_frozen_parameter``,
     ``enable_view_optimize``, ``tiling_schedule_optimize`` -> its ``experimental_config`` options
-    of those names (the last only where the installed torchair has it); ``use_cached_graph``:
-    compile through ``torchair.inference.cache_compile`` into ``GraphConfig.compile_cache_dir``,
-    so a later process loads the graphs instead of compiling. Meanings: docs/configuration.md.
+    of those names; ``use_cached_graph``: compile through ``torchair.inference.cache_compile``
+    into ``GraphConfig.compile_cache_dir``, so a later process loads the graphs instead of
+    compiling. ``missing_options``: what an option the installed torchair lacks does:
+    ``"error"`` (ValueError naming it), ``"warn"`` (a warning naming it; compiled without it) or
+    ``"auto"``: an error where the option was changed from its default, a warning where it was
+    left at its default (vllm-ascend's recipe, which runs correctly without it). Meanings:
+    docs/configuration.md.
     """
 
     KEY: ClassVar[str] = "torchair"
@@ -74,6 +79,7 @@ class TorchairOptions:
     enable_view_optimize: bool = True
     tiling_schedule_optimize: bool = True
     use_cached_graph: bool = False
+    missing_options: MissingOptionPolicy = "auto"
 
     def __post_init__(self) -> None:
         check_fields(self, f"{self.KEY}.")

@@ -266,9 +266,10 @@ def test_torchair_contract_torch_compile_mode_overrides_the_configured_mode(fake
         resolve_backend(GraphConfig(), "npu", mode="max-autotune-no-cudagraphs")
 
 
-def test_torchair_contract_skips_tiling_option_where_torchair_lacks_it(fake_npu):
+def test_torchair_contract_warns_of_a_default_option_torchair_lacks(fake_npu):
     fake_npu.torchair.experimental_options = {"frozen_parameter": False, "enable_view_optimize": False}
-    resolve_backend(GraphConfig(), "npu")
+    with pytest.warns(RuntimeWarning, match=r"no experimental_config.tiling_schedule_optimize"):
+        resolve_backend(GraphConfig(), "npu")
     assert not hasattr(fake_npu.calls["backend"][0].experimental_config, "tiling_schedule_optimize")
 
 

@@ -2,8 +2,9 @@
 
 No NPU here: ``npu_fakes`` stands in for torch_npu, torchair and npugraph_ex and records what
 they are handed, and the runner is told its device is an NPU (``detect_platform`` patched, in
-these tests only). The fakes run dynamo's FX graph as it is, so whole runner steps run on the
-CPU; the oracle is a runner with graph mode off on the same model and schedule.
+these tests only). The fakes compile through AOTAutograd as torchair does and run the
+functionalized graph, so whole runner steps run on the CPU; the oracle is a runner with graph
+mode off on the same model and schedule.
 """
 
 from __future__ import annotations
@@ -76,6 +77,14 @@ def npu(monkeypatch):
     return fake
 
 
+def compiled_once_per_size(runner, npu) -> bool:
+    """One AOTAutograd graph per capture size and no recompile; ``RunnerStats.compiles`` also
+    counts each time dynamo restarted a compile from inside AOTAutograd (a Python float it
+    specializes under ``dynamic=True``: once per process for a step's code, as on torchair)."""
+    return (len(npu.calls["aot_graphs"]) == len(SIZES) and runner.stats.recompiles == 0
+            and runner.stats.compiles == len(SIZES) + len(npu.calls["restarts"]))
+
+
 def run_against_eager(runner, eager, new_tokens: tuple[int, ...] = (8, 6, 3)) -> list[int]:
     """Prefill a sequence per ``new_tokens`` entry, then decode until each has that many new
     tokens (3 rows, then 2, then 1 by default); every step's logits equal the eager runner's.
@@ -105,8 +114,7 @@ def test_ge_steps_equal_eager_with_one_compile_per_size_across_context_lengths(n
     runner, eager = make_runner(model, npu_config("torchair")), make_runner(model, GraphConfig(enabled=False))
     sizes = run_against_eager(runner, eager)
     assert {1, 2, 3} <= set(sizes) and runner.stats.graph_steps == len(sizes)
-    assert runner.stats.compiles == len(SIZES) and runner.stats.recompiles == 0
-    assert len(npu.calls["ge_graphs"]) == len(SIZES)
+    assert compiled_once_per_size(runner, npu) and len(npu.calls["ge_graphs"]) == runner.stats.compiles
     assert record.compile_kwargs == [{"backend": record.compile_kwargs[0]["backend"], "fullgraph": True,
                                       "dynamic": True}] * len(SIZES)
     (config,) = npu.calls["backend"]
@@ -158,10 +166,10 @@ def test_npugraph_ex_steps_equal_eager_with_its_options_and_one_compile_per_size
     model = small_model("llama")
     runner, eager = make_runner(model, npu_config("npugraph_ex")), make_runner(model, GraphConfig(enabled=False))
     sizes = run_against_eager(runner, eager)
-    assert runner.stats.graph_steps == len(sizes) and runner.stats.compiles == len(SIZES)
-    assert runner.stats.recompiles == 0 and len(npu.calls["npugraph_ex_graphs"]) == len(SIZES)
+    assert runner.stats.graph_steps == len(sizes) and compiled_once_per_size(runner, npu)
+    assert len(npu.calls["npugraph_ex_graphs"]) == runner.stats.compiles
     assert npu.calls["npugraph_ex"] == [{"capture_limit": 64, "clone_input": False, "frozen_parameter": True,
-                                         "force_eager": False}] * len(SIZES)
+                                         "force_eager": False}] * runner.stats.compiles
     assert [(k["fullgraph"], k["dynamic"]) for k in record.compile_kwargs] == [(True, True)] * len(SIZES)
     assert npu.calls["set_compile_mode"] == [{"jit_compile": False}] and npu.calls["backend"] == []
     assert {id(t) for cache in runner.kv_caches for t in cache} <= record.static_address
@@ -227,3 +235,47 @@ def test_report_shows_recaptures_only_when_there_are_some():
     stats = RunnerStats(graph_steps=1, recaptures=2)
     assert "| recaptures 2 |" in counter_lines({**stats.to_dict(), **engine})[0]
     assert "recaptures" not in counter_lines({**RunnerStats(graph_steps=1).to_dict(), **engine})[0]
+
+
+# --- an option the installed torchair lacks ---------------------------------------------------
+
+
+def lacking_tiling(npu) -> None:
+    npu.torchair.experimental_options = {"frozen_parameter": False, "enable_view_optimize": False}
+
+
+def test_torchair_default_option_it_lacks_warns_naming_it_and_compiles_without_it(npu):
+    lacking_tiling(npu)
+    with pytest.warns(RuntimeWarning, match=r"no experimental_config\.tiling_schedule_optimize "
+                                            r"\(torchair\.tiling_schedule_optimize=True\): compiling without it"):
+        resolve_backend(npu_config("torchair"), "npu")
+    (config,) = npu.calls["backend"]
+    assert not hasattr(config.experimental_config, "tiling_schedule_optimize")
+    assert config.experimental_config.frozen_parameter is True
+
+
+@pytest.mark.parametrize("options", [TorchairOptions(tiling_schedule_optimize=False),
+                                     TorchairOptions(missing_options="error")], ids=["changed", "policy-error"])
+def test_torchair_option_it_lacks_is_an_error_before_anything_compiles(npu, monkeypatch, options):
+    record = Recorder(monkeypatch)
+    lacking_tiling(npu)
+    config = npu_config("torchair", torchair=options)
+    with pytest.raises(ValueError, match=r"the installed torchair has no experimental_config\.tiling_schedule_optimize "
+                                         r"\(torchair\.tiling_schedule_optimize=(True|False)\).*"
+                                         r"missing_options='warn'"):
+        make_runner(small_model("llama"), config).capture(show_progress=False)
+    assert npu.calls["backend"] == [] and record.compile_kwargs == []
+
+
+def test_torchair_missing_option_policy_warn_compiles_without_a_changed_option(npu):
+    lacking_tiling(npu)
+    options = TorchairOptions(tiling_schedule_optimize=False, missing_options="warn")
+    with pytest.warns(RuntimeWarning, match=r"tiling_schedule_optimize=False\): compiling without it"):
+        resolve_backend(npu_config("torchair", torchair=options), "npu")
+    assert len(npu.calls["backend"]) == 1
+
+
+def test_torchair_missing_options_is_checked_as_config():
+    with pytest.raises(ValueError, match=r"torchair\.missing_options must be one of 'auto', 'error', 'warn'"):
+        TorchairOptions(missing_options="ignore")
+    assert GraphConfig.from_dict({"torchair": {"missing_options": "warn"}}).torchair.missing_options == "warn"

@@ -2,7 +2,8 @@
 dtype and what is installed; the model then calls the chosen one in eager and graph steps alike.
 
 ``ATTENTION_BACKENDS[kind]`` lists ``(name, "module:Class")`` in order of preference; the first
-whose ``supports(device, dtype)`` holds is chosen. Modules are imported only when asked, so an
+whose ``supports(device, dtype)`` holds and that does not refuse the layer's dimensions
+(``refuses(shape)``: the NPU's fused operators take only some) is chosen. Modules are imported only when asked, so an
 optional platform's backend costs nothing where it is absent.
 """
 
@@ -13,7 +14,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from .base import AttentionBackend
+from .base import AttentionBackend, AttentionShape
 
 ATTENTION_BACKENDS: dict[str, tuple[tuple[str, str], ...]] = {
     "mla": (("npu", "ascend_graph.attention.npu:NpuMLA"),
@@ -35,10 +36,10 @@ def _load(path: str) -> type[AttentionBackend]:
 
 
 def select_attention_backend(kind: str, device: torch.device | str, dtype: torch.dtype,
-                             name: Optional[str] = None) -> AttentionBackend:
-    """The backend for ``kind`` ("mla" or "paged") over caches of ``dtype`` on ``device``: ``name``
-    if given (ValueError if it cannot run there), else the first of ``ATTENTION_BACKENDS[kind]``
-    that can."""
+                             name: Optional[str] = None, shape: Optional[AttentionShape] = None) -> AttentionBackend:
+    """The backend for ``kind`` ("mla" or "paged") over caches of ``dtype`` on ``device`` for a
+    layer of ``shape`` (None: any): ``name`` if given (ValueError if it cannot run there or
+    refuses the shape, naming why), else the first of ``ATTENTION_BACKENDS[kind]`` that can."""
     if kind not in ATTENTION_BACKENDS:
         raise ValueError(f"kind must be one of {sorted(ATTENTION_BACKENDS)}, got {kind!r}")
     entries = dict(ATTENTION_BACKENDS[kind])
@@ -47,8 +48,13 @@ def select_attention_backend(kind: str, device: torch.device | str, dtype: torch
     device = torch.device(device)
     for candidate in ([name] if name is not None else list(entries)):
         cls = _load(entries[candidate])
-        if cls.supports(device, dtype):
+        if not cls.supports(device, dtype):
+            continue
+        refusal = cls.refuses(shape)
+        if refusal is None:
             return cls()
+        if name is not None:
+            raise ValueError(f"attention backend {name!r} cannot take this layer: {refusal}")
     raise ValueError(f"attention backend {name!r} does not run for {dtype} caches on {device.type}")
 
 

@@ -20,12 +20,18 @@ the model calls it in every step. Contracts every implementation keeps:
   engine uses when none is given.
 - MLA: ``rope_query`` and ``write_latent`` own the rope and the latent write, so a backend whose
   fused write also norms and rotates (the NPU's) keeps ``q_pe`` and the cached ``k_pe`` in the
-  same layout.
+  same layout. ``write_latent`` returns the cache the layer then reads: a fused write whose
+  operator returns the caches it wrote (torch_npu's, which declares no mutation) must be read
+  through what it returns, or a graph compiler drops it. The tensors returned ARE the caches
+  (the same memory); the runner's static cache objects never change.
+- ``refuses(shape)``: why an implementation cannot take a layer of these dimensions (None: it
+  can); selection skips a backend that refuses.
 """
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Optional
 
 import torch
 from torch import Tensor
@@ -35,6 +41,20 @@ from ..layers import apply_rope
 from .metadata import DecodeMetadata, PrefillMetadata
 from .mla import mla_prefill
 from .paged import paged_prefill
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One attention layer's dimensions, for backends whose kernels take only some.
+    ``head_dim``: the query's head size (MLA: ``qk_nope_head_dim + qk_rope_head_dim``); MLA
+    layers also give ``kv_lora_rank``, ``qk_rope_head_dim`` and ``v_head_dim`` (0 elsewhere)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
 
 class AttentionBackend:
@@ -53,6 +73,11 @@ class AttentionBackend:
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether this implementation runs for caches of ``dtype`` on ``device``."""
         raise NotImplementedError
+
+    @classmethod
+    def refuses(cls, shape: Optional[AttentionShape]) -> Optional[str]:
+        """Why this implementation cannot take a layer of ``shape`` (None: it can, or no shape given)."""
+        return None
 
     @classmethod
     def block_size_ok(cls, block_size: int) -> bool:
@@ -85,10 +110,12 @@ class MLABackend(AttentionBackend):
         return apply_rope(q_pe, cos, sin, interleaved)
 
     def write_latent(self, cache: MLACache, kv_c: Tensor, k_pe: Tensor, norm: Callable[[Tensor], Tensor],
-                     cos: Tensor, sin: Tensor, slot_mapping: Tensor, interleaved: bool) -> None:
+                     cos: Tensor, sin: Tensor, slot_mapping: Tensor, interleaved: bool) -> MLACache:
         """Write ``norm(kv_c [T, C])`` and ``k_pe [T, R]`` rotated (as ``rope_query``) at
-        ``slot_mapping [T]``; ``norm`` is the layer's ``kv_a_layernorm``."""
+        ``slot_mapping [T]``; ``norm`` is the layer's ``kv_a_layernorm``. Returns the cache to
+        read from then on (here ``cache`` itself; the same tensors in every implementation)."""
         self.write(cache, norm(kv_c)[:, None, :], apply_rope(k_pe[:, None, :], cos, sin, interleaved), slot_mapping)
+        return cache
 
     def decode(self, q_nope: Tensor, q_pe: Tensor, cache: MLACache, decode: DecodeMetadata,
                w_uk: Tensor, w_uv: Tensor, scale: float) -> Tensor:

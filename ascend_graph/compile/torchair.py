@@ -53,21 +53,39 @@ def import_torchair() -> ModuleType:
     return torchair
 
 
+# experimental_config option -> the TorchairOptions field that sets it
+EXPERIMENTAL_OPTIONS = (("frozen_parameter", "enable_frozen_parameter"),
+                        ("enable_view_optimize", "enable_view_optimize"),
+                        ("tiling_schedule_optimize", "tiling_schedule_optimize"))
+
+
 def compiler_config(torchair: ModuleType, options: TorchairOptions) -> Any:
-    """A ``torchair.CompilerConfig`` carrying ``options``; ``reduce-overhead`` warns (DeprecationWarning)."""
+    """A ``torchair.CompilerConfig`` carrying ``options``; ``reduce-overhead`` warns (DeprecationWarning).
+    An option the installed torchair lacks raises or warns by ``options.missing_options``
+    (``TorchairOptions``), before anything is compiled."""
     if options.mode == "reduce-overhead":
         warnings.warn("torchair mode 'reduce-overhead' is deprecated (torch_npu 7.3.0 and later): use the "
                       "npugraph_ex backend instead (GraphConfig(backend='npugraph_ex'))",
                       DeprecationWarning, stacklevel=3)
     config = torchair.CompilerConfig()
     config.mode = options.mode
-    experimental = config.experimental_config
-    experimental.frozen_parameter = options.enable_frozen_parameter
-    experimental.enable_view_optimize = options.enable_view_optimize
-    # Not every torchair release has it, and torchair rejects unknown options.
-    if hasattr(experimental, "tiling_schedule_optimize"):
-        experimental.tiling_schedule_optimize = options.tiling_schedule_optimize
+    experimental, defaults = config.experimental_config, TorchairOptions()
+    for option, field in EXPERIMENTAL_OPTIONS:
+        value = getattr(options, field)
+        if hasattr(experimental, option):  # torchair raises on an option it does not have
+            setattr(experimental, option, value)
+        else:
+            _missing(option, field, value, value != getattr(defaults, field), options.missing_options)
     return config
+
+
+def _missing(option: str, field: str, value: Any, changed: bool, policy: str) -> None:
+    """An experimental option the installed torchair lacks: ValueError or a warning, by ``policy``."""
+    what = f"the installed torchair has no experimental_config.{option} (torchair.{field}={value!r})"
+    if policy == "error" or (policy == "auto" and changed):
+        raise ValueError(f"{what}: install a torch_npu whose torchair has it, leave torchair.{field} at its "
+                         f"default, or set torchair.missing_options='warn' to compile without it")
+    warnings.warn(f"{what}: compiling without it (torchair.missing_options={policy!r})", RuntimeWarning, stacklevel=4)
 
 
 def compile_recipe(config: GraphConfig) -> CompileRecipe:

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from ..attention import AttentionMetadata, MLABackend, select_attention_backend
+from ..attention.base import AttentionShape
 from ..kv_cache import MLACache, MLACacheSpec
 from .deepseek_config import DeepseekConfig
 from ..layers import ChosenBackend, RMSNorm, linear
@@ -78,7 +79,9 @@ class MLAttention(ChosenBackend, nn.Module):
 
     def _choose_backend(self, name: str | None) -> MLABackend:
         weight = self.kv_a_proj_with_mqa.weight
-        return select_attention_backend("mla", weight.device, weight.dtype, name)
+        shape = AttentionShape(self.num_heads, 1, self.qk_nope_head_dim + self.qk_rope_head_dim, self.kv_lora_rank,
+                               self.qk_rope_head_dim, self.v_head_dim)
+        return select_attention_backend("mla", weight.device, weight.dtype, name, shape)
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
@@ -100,8 +103,8 @@ class MLAttention(ChosenBackend, nn.Module):
         q_nope, q_pe = self._query(x).view(t, h, dn + r).split([dn, r], dim=-1)  # [T, H, Dn], [T, H, R]
         kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([c, r], dim=-1)  # [T, C], [T, R]
         q_pe = self.backend.rope_query(q_pe, cos, sin, self.rope_interleave)
-        self.backend.write_latent(cache, kv_c, k_pe, self.kv_a_layernorm, cos, sin, meta.slot_mapping,
-                                  self.rope_interleave)
+        cache = self.backend.write_latent(cache, kv_c, k_pe, self.kv_a_layernorm, cos, sin, meta.slot_mapping,
+                                          self.rope_interleave)  # read what the write returns
         w_uk, w_uv = self.w_uk_t.transpose(1, 2), self.w_uv  # [H, Dn, C], [H, Dv, C]
         n_dec, outs = meta.num_decode_tokens, []
         if meta.decode is not None:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import AttentionMetadata, PagedBackend, select_attention_backend
+from ..attention.base import AttentionShape
 from ..kv_cache import KVCache, KVCacheSpec
 from ..layers import ChosenBackend, RMSNorm
 from .selection import ChoosesBackends
@@ -116,8 +117,9 @@ class LlamaAttention(ChosenBackend, nn.Module):
         self.use_backend()
 
     def _choose_backend(self, name: str | None) -> PagedBackend:
-        weight = self.q_proj.weight
-        return select_attention_backend("paged", weight.device, weight.dtype, name)
+        weight, cfg = self.q_proj.weight, self.cfg
+        shape = AttentionShape(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        return select_attention_backend("paged", weight.device, weight.dtype, name, shape)
 
     def forward(self, x: Tensor, positions: Tensor, cache: KVCache, meta: AttentionMetadata) -> Tensor:
         cfg, t = self.cfg, x.shape[0]
