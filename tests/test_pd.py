@@ -1,12 +1,15 @@
-"""Prefill and decode in two processes: tokens, static caches, handshake, faults, no block leaks.
+"""Prefill and decode in two processes: tokens, static caches, handshake, faults, leases, the
+authenticated control channel, no block leaks.
 
 The oracle is a single-process eager ``Engine`` serving the same requests. The prefill server
 runs as a child process (``PrefillProcess``); the decode engine runs here with graph mode on.
 Mooncake's tests fail instead of skipping where ``$ASCEND_GRAPH_REQUIRE_MOONCAKE`` is set (CI).
+The wire format and the challenge themselves are tests/test_pd_wire.py's.
 """
 
 import json
 import os
+import socket
 import time
 
 import pytest
@@ -14,11 +17,14 @@ import torch
 
 from ascend_graph.config import GraphConfig
 from ascend_graph.engine.engine import Engine
+from ascend_graph.models.deepseek import DeepseekForCausalLM
 from ascend_graph.models.named import named_model
-from ascend_graph.pd import LayoutMismatch, TransferError
+from ascend_graph.pd import LayoutMismatch, TransferError, decode as decode_module
+from ascend_graph.pd.auth import SECRET_ENV, AuthError
 from ascend_graph.pd.decode import DecodeEngine
 from ascend_graph.pd.process import PrefillProcess
 from ascend_graph.pd.select import mooncake_problem
+from test_pd_wire import live_payload
 
 pytestmark = [pytest.mark.xdist_group("pd"), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -53,8 +59,9 @@ def reference(model):
 
 
 def prefill(transport, **kwargs):
-    return PrefillProcess("small", block_size=kwargs.pop("block_size", BLOCK), num_blocks=NUM_BLOCKS,
-                          max_model_len=MAX_LEN, transport=transport, threads=1, **kwargs)
+    return PrefillProcess("small", block_size=kwargs.pop("block_size", BLOCK),
+                          num_blocks=kwargs.pop("num_blocks", NUM_BLOCKS), max_model_len=MAX_LEN, transport=transport,
+                          threads=1, **kwargs)
 
 
 def decode(model, server, transport, **kwargs):
@@ -162,15 +169,114 @@ def test_a_failed_batch_fails_only_its_request(model, reference, transport, monk
     assert_no_leak(engine, counters)
 
 
-@pytest.mark.parametrize("change, words", [
-    (dict(block_size=8), "block size differs: 8 here, 16 on the decode side"),
-    (dict(dtype="bfloat16"), "layer 0 kv_c: dtype differs: bfloat16 here, float32 on the decode side"),
+@pytest.mark.parametrize("change, seed, words", [
+    (dict(block_size=8), 0, "block size differs: 8 here, 16 on the decode side"),
+    (dict(dtype="bfloat16"), 0, "layer 0 kv_c: dtype differs: bfloat16 here, float32 on the decode side"),
+    ({}, 1, "model weights differ: embed_tokens.weight digest [0-9a-f]+ here, [0-9a-f]+ on the decode side"),
 ])
-def test_a_layout_mismatch_is_refused_at_handshake_naming_the_difference(model, change, words):
+def test_a_layout_or_model_mismatch_is_refused_at_handshake_naming_the_difference(model, change, seed, words):
     transport = "gloo"
+    mine = model if seed == 0 else DeepseekForCausalLM(model.config, seed=seed).eval()  # same shapes, other weights
     with prefill(transport, **change) as server:
         with pytest.raises(LayoutMismatch, match=words):
-            decode(model, server, transport)
+            decode(mine, server, transport)
+
+
+def test_the_decode_side_needs_the_prefill_servers_secret(model, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    with pytest.raises(ValueError, match="no shared secret: pass secret=... .*ASCEND_GRAPH_PD_SECRET"):
+        DecodeEngine(model, ("127.0.0.1", 1), transport="gloo")
+
+
+def test_the_prefill_server_will_not_start_without_a_secret(monkeypatch, capsys):
+    from ascend_graph.pd.prefill import main
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", "small"])
+    assert exit_.value.code == 2 and "give --secret-file PATH or --secret-stdin" in capsys.readouterr().err
+
+
+def test_the_prefill_server_refuses_wrong_keys_pickles_and_bad_messages_and_serves_its_decode_side(
+        model, reference, tmp_path):
+    payload, marker = live_payload(tmp_path, "ran")
+    with prefill("gloo") as server:
+        with pytest.raises(AuthError, match="different secrets"):
+            decode(model, server.address, "gloo", secret=b"w" * 32)
+        with socket.create_connection(server.address) as raw:  # a pickle where the answer to the challenge goes
+            raw.recv(64)
+            try:
+                raw.sendall(payload + b"\0" * 80)
+            except OSError:  # refused and closed before we were through
+                pass
+        engine = decode(model, server, "gloo")
+        frame = engine._channel._conn.send_frame
+        bad = [(b'{"op": "free_all", "fields": {}, "tensors": []}', b"", "unknown op 'free_all'"),
+               (b'{"op": "release", "fields": {"id": 1, "all": true}, "tensors": []}', b"", "unknown field"),
+               (payload, b"", "not JSON"),
+               (b'{"op": "stats", "fields": {}, "tensors": []}', b"\0" * (64 << 20), "exceeds the limit")]
+        try:
+            for header, body, words in bad:
+                frame(header, body)
+                reply = engine._channel.recv(60.0)
+                assert reply["op"] == "error" and words in reply["error"], reply
+            tokens = engine.generate(PROMPTS[:2], BUDGETS[:2], ignore_eos=True)
+            counters = engine.prefill_counters()
+        finally:
+            engine.close()
+    assert tokens == reference[:2] and not marker.exists()
+    assert counters["refused_messages"] == len(bad) and counters["refused_connections"] == 2
+    assert_no_leak(engine, counters)
+
+
+def test_pulls_confirmed_by_the_prefill_side_are_used(model, reference, monkeypatch):
+    monkeypatch.setattr(decode_module, "LEASE_SAFETY", 0.0)  # never trust the clock: always ask (the fence)
+    with prefill("gloo") as server:
+        engine = decode(model, server, "gloo")
+        try:
+            tokens = engine.generate(PROMPTS[:3], BUDGETS[:3], ignore_eos=True)
+            counters = engine.prefill_counters()
+        finally:
+            engine.close()
+    assert tokens == reference[:3]
+    assert engine.transfer.recomputed == 0 and engine.transfer.leases_expired == 0
+    assert counters["released"] == 3 and counters["late_releases"] == 0
+    assert_no_leak(engine, counters)
+
+
+def test_a_pull_that_outlives_its_lease_never_uses_another_requests_blocks(model, reference, monkeypatch):
+    """The prefill side has blocks for one long prompt at a time and leases them for 0.3 s; the read
+    of the first prompt is held back until that lease has expired and the second prompt has been
+    prefilled into the same blocks. Its tokens must still be the single-process ones (recomputed)."""
+    if mooncake_problem():
+        if os.environ.get("ASCEND_GRAPH_REQUIRE_MOONCAKE"):
+            pytest.fail(mooncake_problem())
+        pytest.skip(mooncake_problem())
+    order = [4, 3]  # 40 tokens (3 blocks), then 31 (2 blocks): the second must wait for the first's blocks
+    with prefill("mooncake", hold_timeout_s=0.3, num_blocks=4) as server:
+        engine = decode(model, server, "mooncake")
+        receive, delayed = engine._transport.receive, []
+
+        def late(plan, timeout_s):
+            if not delayed:  # the first pull: wait for the prefill side to expire its lease, then some
+                delayed.append(plan)
+                deadline = time.monotonic() + 60.0
+                while "no release for request" not in server.stderr_tail(100_000):
+                    assert time.monotonic() < deadline, "the prefill side never expired the lease"
+                    time.sleep(0.05)
+                time.sleep(1.0)  # margin for its next step: the second prompt prefilled into those blocks
+            receive(plan, timeout_s)
+
+        monkeypatch.setattr(engine._transport, "receive", late)
+        try:
+            tokens = engine.generate([PROMPTS[i] for i in order], [BUDGETS[i] for i in order], ignore_eos=True)
+            counters = engine.prefill_counters()
+        finally:
+            engine.close()
+    assert tokens == [reference[i] for i in order]
+    assert engine.transfer.leases_expired >= 1 and engine.transfer.recomputed >= 1
+    assert counters["expired"] >= 1 and counters["late_releases"] >= 1 and counters["prefilled"] == 2
+    assert engine.blocks.num_free == NUM_BLOCKS - 1 and counters["held"] == 0 and counters["free_blocks"] == 3
 
 
 def test_pd_demo_reports_tokens_transfer_and_decode_counters_as_json(capsys):
@@ -191,7 +297,7 @@ def test_pd_demo_reports_tokens_transfer_and_decode_counters_as_json(capsys):
 
 def test_blocks_never_released_by_the_decode_side_are_freed_after_the_hold_timeout(model, reference, monkeypatch):
     with prefill("gloo", hold_timeout_s=1.0) as server:
-        engine = decode(model, server, "gloo")
+        engine = decode(model, server, "gloo", prefill_timeout_s=10.0)  # a pull not confirmed in time is recomputed
         tell = engine._tell
         monkeypatch.setattr(engine, "_tell", lambda op, seq_id: None if op == "release" else tell(op, seq_id))
         try:

@@ -41,7 +41,8 @@ def test_layout_lists_every_tensor_in_layer_order():
 
 
 def test_fingerprint_ignores_addresses_and_block_counts_but_not_shapes():
-    a, b = CacheLayout.of(caches(12)), CacheLayout.of(caches(30))
+    kept = caches(12), caches(30)  # both alive: a freed one's address may be reused
+    a, b = CacheLayout.of(kept[0]), CacheLayout.of(kept[1])
     assert a.fingerprint == b.fingerprint and a.regions[0].address != b.regions[0].address
     c = CacheLayout.of(caches(12, block_size=8))
     assert c.fingerprint != a.fingerprint

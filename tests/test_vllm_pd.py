@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import subprocess
 
@@ -81,15 +82,22 @@ def _require_mooncake(python: str) -> None:
 def _pair(vllm_run, path: str, timeout_s: int = 600) -> tuple[dict, dict]:
     """Producer and consumer run at once (their inits overlap); each one's OUT.json."""
     root, port = vllm_run.root, _free_port()
-    handoff, release = root / "pd_handoff.json", root / "pd_release"
+    handoff, release, secret = root / "pd_handoff.json", root / "pd_release", root / "pd_secret"
+    secret.write_text(secrets.token_hex(32))  # the shared secret both connectors read (no default)
+    secret.chmod(0o600)
     procs, outs, logs = [], [], []
     for role in ("producer", "consumer"):
         kv = {"kv_connector": "TupleCacheConnector", "kv_connector_module_path": "ascend_graph.vllm.kv_connector",
-              "kv_role": f"kv_{role}", "kv_port": port, "kv_connector_extra_config": {"host": "127.0.0.1"},
+              "kv_role": f"kv_{role}", "kv_port": port, "kv_connector_extra_config": {"host": "127.0.0.1", "secret_file": str(secret)},
               "kv_load_failure_policy": "recompute"}
+        # the consumer without prefix caching: a recomputed prompt is then a whole eager prefill (with it,
+        # a prompt decoded before hits the cache and only its last, partial block is recomputed, in a
+        # one-token step that looks like the step after a successful pull)
+        llm = dict(LLM_ARGS, additional_config=ON, kv_transfer_config=kv,
+                   **({"enable_prefix_caching": False} if role == "consumer" else {}))
         spec = {"role": role, "model": path, "prompts": PROMPTS, "max_tokens": NEW_TOKENS, "timeout_s": timeout_s,
                 "handoff": str(handoff), "release": str(release), "dead_port": _free_port(), "producer_gone": True,
-                "llm": dict(LLM_ARGS, additional_config=ON, kv_transfer_config=kv)}
+                "llm": llm}
         spec_path, out_path, log = root / f"pd_{role}.json", root / f"pd_{role}_out.json", root / f"pd_{role}.log"
         spec_path.write_text(json.dumps(spec))
         outs.append(out_path)
@@ -138,9 +146,13 @@ def test_decode_instance_pulls_the_prefilled_tuple_blocks_and_decodes_as_one_ins
     assert moved["regions"] == 2 * 2  # two layers, two tensors each
     assert moved["descriptors"] == len(PROMPTS) * 2 * 2  # each request's blocks one run, per tensor
 
-    # the producer freed every held request once the consumer said it had read it
+    # the producer freed every held request once the consumer said it had read it, each lease held
+    # till then; its authenticated control server answered one layout and one done per prompt
     assert producer["transfer"]["requests_sent"] == len(PROMPTS)
     assert producer["transfer"]["requests_loaded"] == 0
+    assert producer["transfer"]["leases_expired"] == 0 and moved["expired_pulls"] == 0
+    assert producer["transfer"]["control"] == {"served": 1 + len(PROMPTS), "refused_connections": 0,
+                                               "refused_messages": 0, "errors": 0}
 
     # a pull that fails (nothing listens at the address) is reported; vLLM recomputes the prompt
     failure = consumer["after_failure"]

@@ -82,6 +82,11 @@ def format_pd_demo(r: dict) -> str:
              f"({t['gib_per_s']:.3f} GiB/s, {t['descriptors']} descriptors in {t['batches']} batches)",
              f"  time to first token  mean {_ms(t['ttft_mean_s'])}, max {_ms(t['ttft_max_s'])}",
              f"  recomputed here      {t['recomputed']}" + (f" (errors: {t['errors']})" if t["errors"] else ""),
+             f"  leases               {t['leases_expired']} pulls discarded here (lease expired)"
+             + ("" if p is None else f"; prefill side: {p['expired']} expired, {p['late_releases']} late releases"),
+             f"  control channel      {t['refused_messages']} messages refused here"
+             + ("" if p is None else f"; prefill side: {p['refused_messages']} messages, "
+                                     f"{p['refused_connections']} connections refused"),
              f"  decode runner        {s['graph_steps']} graph steps, {sum(s['eager_steps'].values())} eager "
              f"steps, {s['recompiles']} recompiles",
              f"  decode free blocks   {blocks['before']} before, {blocks['after']} after",

@@ -3,7 +3,10 @@
 A ``CacheLayout`` lists one ``Region`` per cache tensor (layer by layer, the tuple's fields in
 order: ``kv_c, k_pe`` or ``k, v``): its address, block count, bytes per block and block shape.
 Two processes compare layouts at handshake (``check_matches``); the ``fingerprint`` covers
-everything but addresses and block counts, which differ between processes by design.
+everything but addresses and block counts, which differ between processes by design. A layout
+for a handshake also carries the model's ``identity`` (``pd/identity.py``: each layer's attention
+kind, cache family and ``k_pe`` rope layout, the config, a few weights' digests); where either
+side has one, both must, and they must be equal.
 
 ``plan_transfer`` maps source block ids to destination block ids and turns them into
 ``Descriptor``s (source address, destination address, length), one per maximal run of blocks
@@ -15,6 +18,7 @@ Shape legend: N num_blocks, S block_size, H heads per token, D dim per head.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -24,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ..kv_cache import NULL_BLOCK, LayerCache, check_layer_cache
+from .identity import ModelIdentity
 
 REGISTRATION_ALIGN = 2 << 20  # cache tensors start 2 MiB-aligned: what Ascend's registration wants
 DEFAULT_MAX_DESCRIPTORS = 512  # per batch: a TCP lane rejects much more in flight to one peer (docs/pd.md)
@@ -60,6 +65,7 @@ class CacheLayout:
 
     block_size: int
     regions: tuple[Region, ...]
+    identity: Optional[ModelIdentity] = None  # the model's, for a handshake (pd/identity.py)
 
     @classmethod
     def of(cls, kv_caches: Sequence[LayerCache]) -> "CacheLayout":
@@ -93,18 +99,31 @@ class CacheLayout:
 
     @property
     def fingerprint(self) -> str:
-        """A digest of what both sides must agree on (no addresses, no block counts)."""
+        """A digest of what both sides must agree on (no addresses, no block counts; the identity)."""
         shape = [(r.layer, r.field, r.block_shape, r.dtype, r.block_bytes) for r in self.regions]
-        return hashlib.sha256(json.dumps([self.block_size, shape]).encode()).hexdigest()[:16]
+        identity = self.identity.to_dict() if self.identity is not None else None
+        return hashlib.sha256(json.dumps([self.block_size, shape, identity], sort_keys=True).encode()).hexdigest()[:16]
+
+    def with_identity(self, identity: ModelIdentity) -> "CacheLayout":
+        """This layout with the model's identity, for a handshake."""
+        return dataclasses.replace(self, identity=identity)
 
     def to_dict(self) -> dict:
         """JSON-safe form, for a handshake."""
-        return {"block_size": self.block_size, "regions": [asdict(r) for r in self.regions]}
+        out = {"block_size": self.block_size,
+               "regions": [{**asdict(r), "block_shape": list(r.block_shape)} for r in self.regions]}
+        if self.identity is not None:
+            out["identity"] = self.identity.to_dict()
+        return out
 
     @classmethod
-    def from_dict(cls, data: dict) -> "CacheLayout":
-        regions = tuple(Region(**{**r, "block_shape": tuple(r["block_shape"])}) for r in data["regions"])
-        return cls(int(data["block_size"]), regions)
+    def from_dict(cls, data: object) -> "CacheLayout":
+        """Strict: the keys ``to_dict`` writes, of the right types (a peer's layout is untrusted);
+        ``LayoutMismatch`` naming what is wrong."""
+        try:
+            return _layout_from_dict(data)
+        except (ValueError, TypeError) as e:
+            raise LayoutMismatch(f"malformed layout from the peer: {e}") from None
 
     def check_matches(self, peer: "CacheLayout", peer_name: str = "peer") -> None:
         """Raise ``LayoutMismatch`` naming the first difference between this layout and ``peer``'s."""
@@ -121,6 +140,40 @@ class CacheLayout:
                 if a != b:
                     raise LayoutMismatch(f"{mine.name}: {key.replace('_', ' ')} differs: {a} here, {b} on the "
                                          f"{peer_name}")
+        if (self.identity is None) != (peer.identity is None):
+            raise LayoutMismatch(f"model identity: {'none' if self.identity is None else 'given'} here, "
+                                 f"{'none' if peer.identity is None else 'given'} on the {peer_name}")
+        if self.identity is not None:
+            difference = self.identity.difference(peer.identity, peer_name)
+            if difference:
+                raise LayoutMismatch(difference)
+
+
+_LAYOUT_KEYS = ("block_size", "regions")
+_REGION_TYPES = {"layer": int, "field": str, "address": int, "num_blocks": int, "block_bytes": int,
+                 "block_shape": (list, tuple), "dtype": str}
+
+
+def _layout_from_dict(data: object) -> CacheLayout:
+    if not isinstance(data, dict) or not {"block_size", "regions"} <= set(data) <= {*_LAYOUT_KEYS, "identity"}:
+        raise ValueError("a layout is an object of block_size, regions and (optionally) identity")
+    if not isinstance(data["block_size"], int) or not isinstance(data["regions"], list) or not data["regions"]:
+        raise ValueError("block_size must be an int and regions a non-empty list")
+    regions = []
+    for i, r in enumerate(data["regions"]):
+        if not isinstance(r, dict) or sorted(r) != sorted(_REGION_TYPES):
+            raise ValueError(f"regions[{i}] must be an object of exactly {', '.join(_REGION_TYPES)}")
+        for key, kind in _REGION_TYPES.items():
+            if not isinstance(r[key], kind) or isinstance(r[key], bool):
+                raise ValueError(f"regions[{i}].{key} must be {'a list' if key == 'block_shape' else kind.__name__}, "
+                                 f"got {type(r[key]).__name__}")
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in r["block_shape"]):
+            raise ValueError(f"regions[{i}].block_shape must be positive ints")
+        if min(r["address"], r["num_blocks"], r["block_bytes"]) < 0:
+            raise ValueError(f"regions[{i}]: address, num_blocks and block_bytes must be >= 0")
+        regions.append(Region(**{**r, "block_shape": tuple(r["block_shape"])}))
+    identity = ModelIdentity.from_dict(data["identity"]) if "identity" in data else None
+    return CacheLayout(data["block_size"], tuple(regions), identity)
 
 
 def _region(layer: int, field: str, t: Tensor) -> Region:

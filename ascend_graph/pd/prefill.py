@@ -4,9 +4,14 @@
 match, ``layout.CacheLayout.check_matches``), then ``prefill`` jobs (prompt + the decode side's
 block ids) batched into one eager step per round as far as free blocks allow. For each job it
 sends ``prefilled`` (its own block ids and the last token's logits) and then the transport's
-source side of the plan. It frees a job's blocks on ``release`` (the decode side has the data or
-gave up), or when no release came within ``hold_timeout_s``. Run as a process:
-``python -m ascend_graph.pd.prefill --model small --port 0`` prints ``READY <port>`` once listening.
+source side of the plan. A job's blocks are leased to the decode side until its ``release`` (the
+decode side has read them, or gave up), or until ``hold_timeout_s`` passes without one (counted
+in ``expired``). The answer to a release, ``released`` with ``held``, says whether the lease was
+still held: only then may the decode side use what it read, since expired blocks may already
+hold another request's data (the fence; one thread handles both, so the answer is exact).
+
+Run as a process: ``python -m ascend_graph.pd.prefill --model small --port 0 --secret-file PATH``
+prints ``READY <port>`` once listening; the decode side must hold the same secret (``pd/auth.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import argparse
 import logging
 import math
 import os
+import select
 import sys
 import time
 from collections import deque
@@ -27,7 +33,9 @@ from torch import nn
 from ..config import GraphConfig
 from ..engine.engine import Engine
 from ..runner.step import SequenceStep
-from .control import Channel, PeerLost, accept, listen
+from .auth import SECRET_ENV, check_secret, secret_from
+from .control import Channel, PeerLost, WireError, accept, listen
+from .identity import model_identity
 from .layout import REGISTRATION_ALIGN, CacheLayout, LayoutMismatch, plan_transfer
 from .select import open_transport
 from .transport import TransferError
@@ -44,7 +52,10 @@ class PrefillStats:
     prefilled: int = 0
     failed: int = 0
     released: int = 0
-    expired: int = 0  # holds freed because no release came in time
+    expired: int = 0  # leases freed because no release came in time
+    late_releases: int = 0  # releases answered held=False: the lease had expired
+    refused_messages: int = 0  # malformed, oversized or undeclared messages (answered with an error)
+    refused_connections: int = 0  # connections that failed the challenge before the decode side's
     send_errors: int = 0
     prefill_seconds: float = 0.0
 
@@ -55,11 +66,14 @@ class PrefillServer:
     def __init__(self, model: nn.Module, *, block_size: int, num_blocks: int, max_model_len: int,
                  transport: str = "auto", host: str = "127.0.0.1", max_batch: int = 8,
                  hold_timeout_s: float = 120.0, handshake_timeout_s: float = 60.0) -> None:
+        for name, value in (("hold_timeout_s", hold_timeout_s), ("handshake_timeout_s", handshake_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value}")
         self.engine = Engine(model, graph_config=GraphConfig(enabled=False), block_size=block_size,
                              num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=max_batch,
                              cache_align_bytes=REGISTRATION_ALIGN)
         self.transport = open_transport(transport, "source", host)
-        self.layout = self.transport.register(self.engine.runner.kv_caches)
+        self.layout = self.transport.register(self.engine.runner.kv_caches).with_identity(model_identity(model))
         self.max_batch = max_batch
         self.hold_timeout_s = hold_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
@@ -74,7 +88,7 @@ class PrefillServer:
         try:
             if self._handshake(channel):
                 self._loop(channel)
-        except PeerLost as e:
+        except (PeerLost, TimeoutError) as e:
             log.warning("prefill server: %s; freeing every held block", e)
         finally:
             for rid in list(self._held):
@@ -84,32 +98,51 @@ class PrefillServer:
     # -- protocol -----------------------------------------------------------------------------
 
     def _handshake(self, channel: Channel) -> bool:
-        hello = channel.expect("hello", self.handshake_timeout_s)
-        peer = CacheLayout.from_dict(hello["layout"])
+        deadline = time.monotonic() + self.handshake_timeout_s
+        while True:  # a refused message is answered and the wait goes on, to the deadline
+            try:
+                hello = channel.expect("hello", max(0.0, deadline - time.monotonic()))
+                break
+            except (WireError, RuntimeError) as e:
+                self.stats.refused_messages += 1
+                channel.send("error", error=f"message refused: {e}")
         try:
+            peer = CacheLayout.from_dict(hello["layout"])
             if hello["transport"] != self.transport.name:
                 raise LayoutMismatch(f"transport differs: {self.transport.name} here, {hello['transport']} on the "
                                      "decode side")
             self.layout.check_matches(peer, "decode side")
-        except LayoutMismatch as e:
-            channel.send("error", error=f"layout mismatch: {e}")
+            options = dict(hello.get("plan_options") or {})
+            plan_transfer(self.layout, peer, [1], [1], **options)  # the options hold (ValueError names them)
+        except ValueError as e:  # LayoutMismatch too
+            channel.send("error", error=f"handshake refused: {e}")
             return False
-        self._peer, self._plan_options = peer, dict(hello.get("plan_options", {}))
+        self._peer, self._plan_options = peer, options
         channel.send("hello", layout=self.layout.to_dict(), endpoint=self.transport.endpoint(), pid=os.getpid(),
                      fingerprint=self.layout.fingerprint)
         self.transport.connect(hello["endpoint"], self.handshake_timeout_s)
         return True
 
     def _loop(self, channel: Channel) -> None:
+        timeout = 0.05 if self._waiting else 0.5
         while True:
-            msg = channel.recv(0.05 if self._waiting else 0.5)
-            while msg is not None:
+            try:
+                msg = channel.recv(timeout)
+            except WireError as e:  # refused; the link and the server go on
+                self.stats.refused_messages += 1
+                log.warning("prefill server: refused a message from the decode side: %s", e)
+                channel.send("error", error=f"message refused: {e}")
+                timeout = 0.0
+                continue
+            if msg is not None:
                 if msg["op"] == "shutdown":
                     return
                 self._handle(channel, msg)
-                msg = channel.recv(0.0)
+                timeout = 0.0
+                continue
             self._expire_holds()
             self._prefill_waiting(channel)
+            timeout = 0.05 if self._waiting else 0.5
 
     def _handle(self, channel: Channel, msg: dict) -> None:
         op = msg["op"]
@@ -117,13 +150,17 @@ class PrefillServer:
             self._waiting.extend(msg["jobs"])
         elif op in ("release", "cancel"):
             self._waiting = deque(j for j in self._waiting if j["id"] != msg["id"])
-            if msg["id"] in self._held:
+            held = msg["id"] in self._held  # the fence: one thread expires and releases
+            if held:
                 self._free(msg["id"])
                 self.stats.released += 1
+            if op == "release":
+                self.stats.late_releases += not held
+                channel.send("released", id=msg["id"], held=held)
         elif op == "stats":
-            channel.send("stats", **self.counters())
-        else:
-            channel.send("error", error=f"unknown message {op!r}")
+            channel.send("stats", counters=self.counters())
+        else:  # the schema admits no other op; a new one must be handled here
+            channel.send("error", error=f"op {op!r} is declared but not handled")
 
     def counters(self) -> dict:
         """The server's counters and its free blocks."""
@@ -138,7 +175,7 @@ class PrefillServer:
         jobs, blocks = [], self.engine.blocks
         while self._waiting and len(jobs) < self.max_batch:
             job = self._waiting[0]
-            problem = self._problem(job)
+            problem = self._problem(job, set(self._held) | {j["id"] for j in jobs})
             if problem:
                 self._waiting.popleft()
                 self.stats.failed += 1
@@ -158,8 +195,17 @@ class PrefillServer:
         for job, row in zip(jobs, logits):
             self._reply(channel, job, row)
 
-    def _problem(self, job: dict) -> Optional[str]:
+    def _problem(self, job: dict, taken: set) -> Optional[str]:
         need = math.ceil(len(job["prompt"]) / self.engine.block_size)
+        vocab = self.engine.runner.model.config.vocab_size
+        if not job["prompt"]:
+            return "prompt is empty"
+        if any(not 0 <= t < vocab for t in job["prompt"]):
+            return f"prompt has token ids outside [0, {vocab})"
+        if job["id"] in taken:
+            return f"id {job['id']} is in use already"
+        if not job["timeout_s"] > 0:
+            return f"timeout_s must be > 0, got {job['timeout_s']}"
         if len(job["prompt"]) > self.engine.max_model_len:
             return f"prompt of {len(job['prompt'])} tokens exceeds the prefill side's max_model_len"
         if need > self.engine.num_blocks - 1:
@@ -170,12 +216,20 @@ class PrefillServer:
 
     def _reply(self, channel: Channel, job: dict, row: torch.Tensor) -> None:
         src = list(self.engine.blocks.table(job["id"]))
+        plan = None
+        if not self.transport.pulls:  # we push: the plan must hold before we promise anything
+            try:
+                plan = plan_transfer(self.layout, self._peer, src, job["dst_blocks"], **self._plan_options)
+            except ValueError as e:
+                self.engine.blocks.free(job["id"])
+                self.stats.failed += 1
+                channel.send("failed", id=job["id"], error=f"no transfer plan: {e}")
+                return
         self._held[job["id"]] = time.monotonic() + self.hold_timeout_s
         self.stats.prefilled += 1
-        channel.send("prefilled", id=job["id"], src_blocks=src, logits=row.clone())
-        if self.transport.pulls:
+        channel.send("prefilled", id=job["id"], src_blocks=src, logits=row, lease_s=self.hold_timeout_s)
+        if plan is None:
             return
-        plan = plan_transfer(self.layout, self._peer, src, job["dst_blocks"], **self._plan_options)
         try:
             self.transport.send(plan, float(job.get("timeout_s", 30.0)))
         except TransferError as e:
@@ -199,10 +253,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Serve one decode process: listen, print ``READY <port>``, answer until it shuts us down."""
     from ..models.named import named_model
 
-    p = argparse.ArgumentParser(prog="python -m ascend_graph.pd.prefill", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m ascend_graph.pd.prefill", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="small")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=256)
@@ -210,8 +265,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--transport", default="auto")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--hold-timeout", type=float, default=120.0)
+    p.add_argument("--accept-timeout", type=float, default=600.0,
+                   help="seconds to wait for the decode side to connect and pass the challenge")
     p.add_argument("--threads", type=int, default=None)
+    secret = p.add_mutually_exclusive_group()
+    secret.add_argument("--secret-file", default=None, metavar="PATH",
+                        help=f"a file holding the shared secret (else ${SECRET_ENV}); the decode side uses the same")
+    secret.add_argument("--secret-stdin", action="store_true",
+                        help="read the secret from the first line of stdin (how PrefillProcess hands over its own)")
     args = p.parse_args(argv)
+    for name in ("hold_timeout", "accept_timeout"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}")
+    try:
+        key = _stdin_secret() if args.secret_stdin else secret_from(
+            secret_file=args.secret_file, what="give --secret-file PATH or --secret-stdin")
+    except ValueError as e:
+        p.error(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -219,10 +289,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     server = PrefillServer(model, block_size=args.block_size, num_blocks=args.num_blocks,
                            max_model_len=args.max_model_len, transport=args.transport, host=args.host,
                            max_batch=args.max_batch, hold_timeout_s=args.hold_timeout)
-    with listen(args.host, args.port) as listener:
+    with listen(key, args.host, args.port) as listener:
         print(f"{READY} {listener.address[1]}", flush=True)
-        server.serve(accept(listener, "decode"))
+        try:
+            channel = accept(listener, args.accept_timeout)
+        except TimeoutError as e:
+            server.transport.close()
+            print(f"prefill server: {e}", file=sys.stderr)
+            return 1
+        server.stats.refused_connections = listener.refused
+        server.serve(channel)
     return 0
+
+
+def _stdin_secret(timeout_s: float = 60.0) -> bytes:
+    """The secret, hex-encoded on the first line of stdin, within ``timeout_s`` (the parent writes it at once)."""
+    ready, _, _ = select.select([sys.stdin.buffer], [], [], timeout_s)
+    line = sys.stdin.buffer.readline(1 << 12) if ready else b""
+    try:
+        secret = bytes.fromhex(line.strip().decode("ascii"))
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError("--secret-stdin: the first line of stdin is not a hex-encoded secret") from None
+    return check_secret(secret, "the secret on stdin (--secret-stdin)")
 
 
 if __name__ == "__main__":

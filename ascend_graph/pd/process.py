@@ -1,4 +1,10 @@
-"""A prefill server in a child process on this machine (``python -m ascend_graph.pd.prefill``)."""
+"""A prefill server in a child process on this machine (``python -m ascend_graph.pd.prefill``).
+
+The control channel's secret is made fresh per run (``auth.new_secret``) and handed to the child
+on its stdin (``--secret-stdin``), which it reads once and closes: never on the command line,
+which ``ps`` shows to every user, and not in the environment, which every process the child
+starts (inductor's compile workers, for one) would inherit and keep in ``/proc/PID/environ``.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import tempfile
 import time
 from typing import Optional
 
+from .auth import check_secret, new_secret
 from .prefill import READY
 
 
@@ -18,23 +25,30 @@ class PrefillProcess:
     """Starts a prefill server process and waits until it listens; a context manager that stops it.
 
     The arguments are the server's (``pd/prefill.py``); ``env`` adds environment variables.
-    ``address`` is where a ``DecodeEngine`` connects. The child's stderr goes to a temporary
-    file whose tail is quoted when it fails to start.
+    ``address`` is where a ``DecodeEngine`` connects, with ``secret`` (a fresh random one unless
+    given). The child's stderr goes to a temporary file whose tail is quoted when it fails to start.
     """
 
     def __init__(self, model: str = "small", *, dtype: Optional[str] = None, block_size: int = 16,
                  num_blocks: int = 256, max_model_len: int = 512, transport: str = "auto",
                  host: str = "127.0.0.1", max_batch: int = 8, hold_timeout_s: float = 120.0,
-                 threads: Optional[int] = None, env: Optional[dict] = None, ready_timeout_s: float = 180.0) -> None:
+                 threads: Optional[int] = None, env: Optional[dict] = None, ready_timeout_s: float = 180.0,
+                 secret: Optional[bytes] = None) -> None:
+        self.secret = new_secret() if secret is None else check_secret(secret, "secret")
         cmd = [sys.executable, "-m", "ascend_graph.pd.prefill", "--model", model, "--host", host,
                "--block-size", str(block_size), "--num-blocks", str(num_blocks), "--max-model-len",
                str(max_model_len), "--transport", transport, "--max-batch", str(max_batch),
-               "--hold-timeout", str(hold_timeout_s)]
+               "--hold-timeout", str(hold_timeout_s), "--secret-stdin"]
         cmd += ["--dtype", dtype] if dtype else []
         cmd += ["--threads", str(threads)] if threads else []
         self._stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+                                     text=True, env={**os.environ, **(env or {})})
+        try:
+            self.proc.stdin.write(self.secret.hex() + "\n")  # hex: any secret bytes fit one line
+            self.proc.stdin.close()
+        except OSError:  # the child died at once: _wait_ready quotes its stderr
+            pass
         self.host = host
         self.port = self._wait_ready(ready_timeout_s)
 

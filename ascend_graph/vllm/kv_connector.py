@@ -2,9 +2,10 @@
 
 ``LLM(..., kv_transfer_config={"kv_connector": "TupleCacheConnector", "kv_connector_module_path":
 "ascend_graph.vllm.kv_connector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
-"kv_port": PORT, "kv_connector_extra_config": {"host": HOST}})`` with graph mode on
-(docs/vllm.md, "PD between two vLLM instances"). vLLM's own connectors register the tensors
-vLLM allocated, which graph mode releases; this one registers the runner's ``MLACache`` /
+"kv_port": PORT, "kv_connector_extra_config": {"host": HOST, "secret_file": PATH}})`` with graph
+mode on; producer and consumer share the secret (``secret_file``, else ``$ASCEND_GRAPH_PD_SECRET``;
+no default: the connector refuses to start without one); docs/vllm.md, "PD between two vLLM
+instances". vLLM's own connectors register the tensors vLLM allocated, which graph mode releases; this one registers the runner's ``MLACache`` /
 ``KVCache`` tensors (the ones its graphs captured) with Mooncake's transfer engine.
 
 Protocol: a request sent to the producer with ``kv_transfer_params {"do_remote_decode": True}``
@@ -12,20 +13,22 @@ keeps its blocks when it finishes; its output's ``kv_transfer_params`` (``do_rem
 the producer's request id, block ids, control address and engine id) go with the same prompt to
 the consumer, whose scheduler reports the prompt as external tokens loaded asynchronously. The
 producer registers its caches with a Mooncake transport (``pd/mooncake.py``) and answers the
-consumer's layout request on its control server (``kv_transfer``). The consumer's worker
-handshakes once per producer instance (layouts checked), pulls each request's blocks
+consumer's layout request on its authenticated control server (``kv_transfer``). The consumer's
+worker handshakes once per producer instance (layouts and model identity checked: the
+``model_identity`` hook of the model's cache layers), pulls each request's blocks
 (``pd.layout.plan_transfer``, within ``kv_connector_extra_config["load_timeout_s"]``), tells
-the producer ``done`` and reports the request received. A failed pull reports the request's
+the producer ``done`` and reports the request received if the producer answers that the
+request's lease was still held. A failed pull, or an expired lease, reports the request's
 blocks invalid, in the same step as the request and, where reads were left in flight, only once
 the broken transport has settled (``kv_transfer.Puller``); vLLM then fails the request or, with
 ``kv_load_failure_policy="recompute"``, recomputes it. The producer frees a request's blocks at
-its first step after ``done``, or after ``kv_connector_extra_config["send_timeout_s"]``.
+its first step after ``done``, or once its lease expires (``send_timeout_s``), whichever
+``kv_transfer.Leases`` decides first; a ``done`` after the expiry is answered ``expired``.
 Tensor and pipeline parallelism are not supported (graph mode rejects them).
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
@@ -37,6 +40,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.request import RequestStatus
 
+from ..pd.auth import SECRET_ENV, secret_from
 from ..pd.select import open_transport
 from ..pd.transport import Transport
 from . import kv_transfer as kt
@@ -49,6 +53,7 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 STATS_METHOD = "ascend_graph_kv_transfer_stats"  # added to vLLM's WorkerBase, called by name
+EXTRA_KEYS = ("host", "secret_file", "send_timeout_s", "load_timeout_s")  # kv_connector_extra_config
 
 
 @dataclass
@@ -77,6 +82,10 @@ class TupleCacheConnector(KVConnectorBase_V1):
                  kv_cache_config: Optional["KVCacheConfig"] = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         config = vllm_config.kv_transfer_config
+        _check_extra_config(config.kv_connector_extra_config or {})
+        self._secret = secret_from(secret_file=config.get_from_extra_config("secret_file", None),
+                                   what='TupleCacheConnector: set kv_connector_extra_config["secret_file"] (a file '
+                                        'holding the secret the producer and consumer share)')
         self._host = str(config.get_from_extra_config("host", "127.0.0.1"))
         self._port = int(config.kv_port)
         self._engine_id = str(config.engine_id)  # one per instance, shared by both halves
@@ -183,13 +192,12 @@ class _Worker:
         self.source: Optional[Transport] = None  # producer: serves reads of its registered caches
         self.puller: Optional[kt.Puller] = None  # consumer
         self.server: Optional[kt.ControlServer] = None
-        self.lock = threading.Lock()
-        self.done: set[str] = set()  # producer: request ids a consumer has read (control thread writes)
-        self.pending: dict[str, float] = {}  # producer: request id -> deadline to free its blocks
+        self.leases = kt.Leases(connector._send_timeout_s)  # producer: held requests' blocks
+        self.identity = None  # this instance's model identity (pd/identity.py), once registered
         self.invalid: set[int] = set()
         self.stats = {"requests_loaded": 0, "blocks_loaded": 0, "bytes_loaded": 0, "descriptors": 0,
                       "load_seconds": 0.0, "load_failures": 0, "requests_sent": 0, "regions": 0,
-                      "transports_opened": 0}
+                      "transports_opened": 0, "leases_expired": 0, "expired_pulls": 0, "control": {}}
         _add_worker_method()
 
     def register(self, layer_names: list[str]) -> None:
@@ -203,28 +211,24 @@ class _Worker:
                                  "not one (turn graph mode on: additional_config={'torchair_graph_config': "
                                  "{'enabled': True}}, or use one of vLLM's connectors)")
             caches.append(tuple_cache())  # the runner's MLACache / KVCache: the tensors its graphs captured
+        self.identity = _identity(context, layer_names)
         if self.c._consumer:
-            self.puller = kt.Puller(caches, self.c._host, self.c._load_timeout_s)
+            self.puller = kt.Puller(caches, self.c._secret, self.c._host, self.c._load_timeout_s,
+                                    identity=self.identity)
             self.stats["regions"] = len(self.puller.layout.regions)
         if self.c._producer:
             self.source = open_transport("mooncake", "source", self.c._host)
             self.stats["regions"] = len(self.source.register(caches).regions)
-            self.server = kt.ControlServer(self.c._host, self.c._port, self.answer)
+            self.server = kt.ControlServer(self.c._host, self.c._port, self.answer, self.c._secret)
 
     def answer(self, message: dict) -> dict:
-        """The control server's handler (its threads)."""
-        if message.get("op") == "layout":
-            return kt.layout_reply(self.source, self.c._engine_id)
-        if message.get("op") == "done":
-            with self.lock:
-                self.done.add(str(message["request_id"]))
-            return {"ok": True}
-        raise ValueError(f"unknown op {message.get('op')!r}")
+        """The control server's handler (its threads); ``message`` passed ``kt.REQUESTS``."""
+        if message["op"] == "layout":
+            return kt.layout_reply(self.source, self.c._engine_id, self.identity)
+        return {"lease": self.leases.done(message["request_id"])}
 
     def hold(self, request_ids: list[str]) -> None:
-        deadline = time.monotonic() + self.c._send_timeout_s
-        for request_id in request_ids:
-            self.pending[request_id] = deadline
+        self.leases.hold(request_ids)
 
     def load(self, load: Load) -> None:
         """Pull one request's blocks; a failure reaches vLLM through ``finished`` (it then recomputes)."""
@@ -232,7 +236,8 @@ class _Worker:
             raise RuntimeError("TupleCacheConnector: a load on an instance that is not a kv_consumer")
         start = time.perf_counter()
         producer = kt.Producer(load.host, load.port, load.engine_id)
-        plan = self.puller.load(load.request_id, producer, load.remote_blocks, load.local_blocks)
+        plan = self.puller.load(load.request_id, producer, load.remote_request_id, load.remote_blocks,
+                                load.local_blocks)
         if plan is None:
             self.stats["load_failures"] += 1
         else:
@@ -242,21 +247,14 @@ class _Worker:
             self.stats["descriptors"] += plan.num_descriptors
         self.stats["load_seconds"] += time.perf_counter() - start
         self.stats["transports_opened"] = self.puller.transports_opened
-        try:  # the producer may free its blocks either way: a late read only lands in ours
-            kt.ask(load.host, load.port, {"op": "done", "request_id": load.remote_request_id})
-        except (OSError, ValueError) as e:
-            logger.warning("TupleCacheConnector: telling %s:%d that %s is read failed: %s", load.host,
-                           load.port, load.remote_request_id, e)
+        self.stats["expired_pulls"] = self.puller.expired_pulls
 
     def finished(self) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        now, sent = time.monotonic(), set()
-        with self.lock:
-            for request_id, deadline in list(self.pending.items()):
-                if request_id in self.done or now > deadline:
-                    sent.add(request_id)
-                    self.done.discard(request_id)
-                    del self.pending[request_id]
+        sent = self.leases.finished()  # done or expired: vLLM may free their blocks now
         self.stats["requests_sent"] += len(sent)
+        self.stats["leases_expired"] = self.leases.expired
+        if self.server is not None:
+            self.stats["control"] = dict(self.server.counters)
         received: set[str] = set()
         if self.puller is not None:  # a failed request's blocks are reported in the same pass as it
             received, invalid = self.puller.take_finished()
@@ -275,6 +273,25 @@ class _Worker:
             self.puller.close()
         if self.source is not None:
             self.source.close()
+
+
+def _check_extra_config(extra: dict) -> None:
+    if "secret" in extra:
+        raise ValueError('kv_connector_extra_config["secret"]: vLLM logs its config; put the secret in a file and '
+                         f'name it with "secret_file" (or set ${SECRET_ENV})')
+    unknown = sorted(set(extra) - set(EXTRA_KEYS))
+    if unknown:
+        raise ValueError(f"kv_connector_extra_config: unknown key(s) {', '.join(map(repr, unknown))} for "
+                         f"TupleCacheConnector (it reads {', '.join(EXTRA_KEYS)})")
+
+
+def _identity(context: dict, layer_names: list[str]):
+    """The model identity from the cache layers' ``model_identity`` hook (set by the model)."""
+    hooks = {getattr(context.get(name), "model_identity", None) for name in layer_names}
+    if None in hooks or len(hooks) != 1:
+        raise ValueError("TupleCacheConnector needs the model's identity for its handshake: every cache layer's "
+                         "model_identity hook must be set, to one function (ascend_graph.vllm.model sets it)")
+    return hooks.pop()()
 
 
 def _seconds(config: Any, key: str, default: float) -> float:

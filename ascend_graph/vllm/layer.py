@@ -77,6 +77,8 @@ class TupleCacheLayer(nn.Module, AttentionLayerBase):
         # Set by the model: returns this layer's cache tuple, the runner's tensors its graphs
         # capture (a KV connector registers those); callable once vLLM has bound the caches.
         self.tuple_cache: Optional[Callable[[], Any]] = None
+        # Set by the model: returns its identity for a KV connector's handshake (pd/identity.py).
+        self.model_identity: Optional[Callable[[], Any]] = None
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return TupleCacheBackend

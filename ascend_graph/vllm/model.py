@@ -25,6 +25,7 @@ from vllm.forward_context import get_forward_context
 
 from ..models import DeepseekConfig, DeepseekForCausalLM
 from ..models.loader import CheckpointError, _check_complete, _piece, _target
+from ..pd.identity import model_identity
 from ..runner import GraphRunner, RunnerStats
 from ..runtime import weights_on_huge_pages
 from .flags import moe_kernel, parse_additional_config
@@ -55,8 +56,10 @@ class AscendGraphForCausalLM(nn.Module):
         self.cache_layers = nn.ModuleList(
             TupleCacheLayer(vllm_config, f"{prefix}model.layers.{i}.self_attn.attn", spec)
             for i, spec in enumerate(self.model.kv_cache_specs()))
+        identity = functools.partial(model_identity, self.model)  # called once weights are loaded
         for i, layer in enumerate(self.cache_layers):
             layer.tuple_cache = functools.partial(self._layer_cache, i)
+            layer.model_identity = identity
         self.block_size = vllm_config.cache_config.block_size
         self.max_model_len = vllm_config.model_config.max_model_len
         self.runner: Optional[GraphRunner] = None
