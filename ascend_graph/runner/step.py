@@ -24,6 +24,12 @@ class GraphCompileError(RuntimeError):
     """Compiling a capture size failed and ``fallback_on_compile_error`` is off."""
 
 
+class GraphCompileWarning(RuntimeWarning):
+    """Compiling a capture size (or a compile group) failed and it falls back: the size runs
+    eagerly, or the group's sizes compile one by one. The message names the sizes and the
+    exception (``RunnerStats.compile_errors`` keeps the same text per size)."""
+
+
 @dataclass(frozen=True)
 class SequenceStep:
     """One sequence's share of a step: its new tokens, how many it has cached, its blocks."""
@@ -42,6 +48,8 @@ class RunnerStats:
     compiles: int = 0
     recompiles: int = 0
     compile_failures: int = 0
+    # capture size (int) or failed compile group ("2-8") -> "ExceptionType: message" of its compile failure
+    compile_errors: dict = field(default_factory=dict)
     packages_loaded: int = 0  # capture sizes loaded from AOTInductor packages without compiling
     capture_seconds: float = 0.0
     # size -> {"seconds": .., "memory_bytes": .., "compile_cache": "hit" | "miss" | "bypass" | None,
@@ -58,6 +66,7 @@ class RunnerStats:
             "graph_steps": self.graph_steps, "eager_steps": dict(self.eager_steps),
             "eager_steps_total": sum(self.eager_steps.values()), "compiles": self.compiles,
             "recompiles": self.recompiles, "compile_failures": self.compile_failures,
+            "compile_errors": {str(k): v for k, v in self.compile_errors.items()},
             "packages_loaded": self.packages_loaded,
             "capture_seconds": round(self.capture_seconds, 3),
             "capture": {str(k): v for k, v in sorted(self.capture.items())},
