@@ -180,7 +180,9 @@ def format_parity(r: dict) -> str:
              f"{'untouched':>9}  ok"]
     for s in r["steps"]:
         lines.append(f"{s['step']:>5} {s['batch_size']:>5} {s['logits_max_abs']:>17.3g} {s['caches_max_abs']:>16.3g} "
-                     f"{_yes(s['untouched_ok']):>9}  {'ok' if s['ok'] else 'MISMATCH'}{_flips(s['routing_flips'])}")
+                     f"{_yes(s['untouched_ok']):>9}  {'ok' if s['ok'] else 'MISMATCH'}{_flips(s['routing_flips'])}"
+                     + "".join(f"; layer {c['layer']} {c['element']} blocks {c['blocks'][:8]} changed outside the step"
+                               for c in s.get("untouched_changed", ())))
     sm = r["summary"]
     lines += ["", f"{sm['checks']} graph decode steps checked, {sm['failures']} mismatched"
               f"{_flip_count(sm['routing_flips'])}; tokens identical to a "

@@ -397,10 +397,11 @@ class GraphRunner:
 
     def _run_with_parity(self, step: PreparedStep) -> Tensor:
         from .parity import compare_prepared
-        report = compare_prepared(self, step, check_untouched=False)
+        report = compare_prepared(self, step, check_untouched="digest")  # no copy of the cache
         self.stats.parity_checks += 1
         if not report.ok:
             self.stats.parity_failures += 1
+            self.stats.last_parity_failure = report.summary()
             log.warning("graph/eager parity check failed: %s", report.summary())
         return report.graph_logits
 

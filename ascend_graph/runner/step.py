@@ -9,7 +9,7 @@ from __future__ import annotations
 import types
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from torch import Tensor, nn
 
@@ -58,6 +58,7 @@ class RunnerStats:
     capture: dict = field(default_factory=dict)
     parity_checks: int = 0
     parity_failures: int = 0
+    last_parity_failure: Optional[str] = None  # ``ParityReport.summary()`` of the latest failed check
     recaptures: int = 0  # graph recaptures the backend counted since capture (npugraph_ex: a cache's address changed)
 
     def to_dict(self) -> dict:
@@ -71,6 +72,7 @@ class RunnerStats:
             "capture_seconds": round(self.capture_seconds, 3),
             "capture": {str(k): v for k, v in sorted(self.capture.items())},
             "parity_checks": self.parity_checks, "parity_failures": self.parity_failures,
+            "last_parity_failure": self.last_parity_failure,
             "recaptures": self.recaptures,
         }
 
