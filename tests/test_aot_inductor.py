@@ -6,6 +6,7 @@ written cache slots, and every block the step must not touch.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -159,6 +160,49 @@ def test_a_different_cache_geometry_gets_a_different_package(tmp_path):
         assert key(make_runner(model, config)) != same
     finally:
         torch.set_num_threads(threads)
+
+
+USER_MODEL = """import torch
+
+
+def scale(x):
+    return x * {scale}
+
+
+class UserModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = {{"hidden": 4}}
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return {body}
+"""
+
+
+def user_model(folder, **source) -> torch.nn.Module:
+    """``UserModel`` of module ``user_model`` from ``folder/user_model.py``, written from ``USER_MODEL``."""
+    folder.mkdir()
+    (folder / "user_model.py").write_text(USER_MODEL.format(**source))
+    spec = importlib.util.spec_from_file_location("user_model", folder / "user_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.UserModel()
+
+
+def test_the_package_key_covers_the_models_code_and_config_not_only_its_class_name(tmp_path):
+    """Edits of a model file that keep its module, class name and config (another forward, or
+    another helper beside the class) give another key, as another config does; the same model
+    twice, and the same file in another directory, give the same key."""
+    key = lambda model: package_key(model, (torch.zeros(2, 4),), {})  # noqa: E731
+    base = {"scale": 2, "body": "scale(self.proj(x))"}
+    first = user_model(tmp_path / "first", **base)
+    assert key(first) == key(first) == key(user_model(tmp_path / "copy", **base))
+    assert key(user_model(tmp_path / "forward", scale=2, body="scale(self.proj(x)).relu()")) != key(first)
+    assert key(user_model(tmp_path / "helper", scale=3, body=base["body"])) != key(first)
+    other = user_model(tmp_path / "config", **base)
+    other.config = {"hidden": 5}
+    assert key(other) != key(first)
 
 
 def test_bad_aot_inductor_settings_are_refused_by_name(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ascend_graph.cli import build_parser, commands, main, report
+from ascend_graph.runner import GraphCompileWarning
 
 QUICK = ["--backend", "aot_eager", "--capture-sizes", "1,2", "--max-model-len", "64", "--no-progress", "--json"]
 
@@ -151,6 +152,31 @@ def test_parity_fails_with_exit_code_1_when_the_graph_is_wrong(capsys, monkeypat
     code, r = run_json(capsys, ["parity", *QUICK, "--num-requests", "2", "--max-new-tokens", "3"])
     assert code == 1 and not r["ok"] and r["summary"]["failures"] == r["summary"]["checks"] > 0
     assert r["summary"]["max_logit_diff"] == pytest.approx(1e-2, rel=1e-3)
+
+
+@pytest.mark.parametrize("command, extra", [
+    ("demo", ["--num-requests", "3", "--max-new-tokens", "4", "--rounds", "1"]),
+    ("generate", ["--prompt-ids", "1,2,3", "--prompt-ids", "9,8,7,6,5", "--max-new-tokens", "4"]),
+    ("parity", ["--num-requests", "3", "--max-new-tokens", "4"]),
+])
+def test_a_size_that_fails_to_compile_is_shown_in_the_report_and_the_json(command, extra, monkeypatch):
+    """The graph engine's size 2 fails to compile (``test_engine.fails_at_two_rows``): the
+    readable report names the size and the exception, the JSON counters carry it, the run goes on."""
+    from test_engine import fails_at_two_rows
+
+    make_engine = commands.make_engine
+
+    def failing(model, args, graph, *a, **kw):
+        return make_engine(model, args, graph, *a, **({"backend": fails_at_two_rows} if graph else {}), **kw)
+
+    monkeypatch.setattr(commands, "make_engine", failing)
+    args = build_parser().parse_args([command, *QUICK, *extra])
+    with pytest.warns(GraphCompileWarning, match="capture size 2 failed"):
+        result, text, code = getattr(commands, f"run_{command}")(args)
+    error = "RuntimeError: simulated compiler failure at 2 rows"
+    assert code == 0 and result["counters"]["compile_errors"] == {"2": error}
+    assert result["counters"]["compile_failures"] == 1 and result["counters"]["eager_steps"]["compile_failed"] > 0
+    assert f"WARNING: 1 graph compile(s) failed" in text and f"\n  size 2: {error}" in text
 
 
 def test_generate_from_token_ids_graph_equals_no_graph(capsys):

@@ -14,6 +14,7 @@ from ascend_graph.config import GraphConfig
 from ascend_graph.engine import Engine
 from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
 from ascend_graph.engine.sampling import SamplingParams, filtered_probs
+from ascend_graph.runner import GraphCompileWarning
 
 PROMPTS = [[(7 * i + 3 * j) % 256 for j in range(2 + 3 * i)] for i in range(6)]  # 2..17 tokens
 BUDGETS = [5, 12, 3, 9, 7, 4]
@@ -78,6 +79,29 @@ def test_graph_mode_tokens_equal_eager_tokens(model):
     checked, reports = graph.generate_checked(PROMPTS, BUDGETS)
     assert checked == e_tokens and len(reports) == stats["decode_steps"]
     assert all(r.ok and r.untouched_ok for r in reports), [r.summary() for r in reports if not r.ok]
+
+
+def fails_at_two_rows(gm, example_inputs, **kwargs):
+    """A compile backend that cannot compile the 2-row step (integer inputs of 2 rows) and runs
+    the others as traced."""
+    if any(isinstance(t, torch.Tensor) and not t.is_floating_point() and tuple(t.shape) == (2,)
+           for t in example_inputs):
+        raise RuntimeError("simulated compiler failure at 2 rows")
+    return gm.forward
+
+
+def test_a_size_that_fails_to_compile_runs_eagerly_warned_and_named_in_the_stats(model):
+    """Oracle for the tokens: the engine with graph mode off."""
+    error = "RuntimeError: simulated compiler failure at 2 rows"
+    config = GraphConfig(enabled=True, backend="aot_eager", capture_sizes=(1, 2), max_batch_size=2)
+    graph = engine(model, config, max_num_seqs=2, backend=fails_at_two_rows)
+    with pytest.warns(GraphCompileWarning, match=f"capture size 2 failed, that size runs eagerly: {error}"):
+        graph.capture(show_progress=False)
+    budgets = [3, 9]  # 2-row decode steps, then 1-row ones
+    assert graph.generate(PROMPTS[:2], budgets) == engine(model, max_num_seqs=2).generate(PROMPTS[:2], budgets)
+    stats = graph.stats
+    assert stats["compile_failures"] == 1 and stats["compile_errors"] == {"2": error}
+    assert stats["graph_steps"] > 0 and stats["eager_steps"]["compile_failed"] > 0
 
 
 # -- sampling and stopping ------------------------------------------------------------------

@@ -9,6 +9,7 @@ import atexit
 import ctypes
 import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -145,9 +146,10 @@ def test_a_later_process_loads_the_built_kernel_without_compiling(tmp_path):
     cache = str(tmp_path / "kernels")
     first = _fresh_process("from ascend_graph import kernels; assert kernels.available()", cache)
     assert first.returncode == 0, first.stderr[-2000:]
-    built = sorted(os.listdir(cache))  # the library and the lock its build held
-    assert len(built) == 2 and built[0].startswith("kernels-") and built[0].endswith(".so"), built
-    assert built[1] == f"{built[0]}.lock"
+    built = sorted(os.listdir(cache))  # the build's log, the library and the lock its build held
+    assert len(built) == 3 and built[1].startswith("kernels-") and built[1].endswith(".so"), built
+    assert built[0] == f"{built[1][:-3]}.log" and built[2] == f"{built[1]}.lock"
+    assert "exit status 0" in open(os.path.join(cache, built[0])).read()
     second = _fresh_process("""
 import subprocess
 run = subprocess.run
@@ -256,3 +258,29 @@ def test_each_build_computes_what_the_kernel_computes(name):
         out = torch.full((e, rows, n), float("nan"), dtype=torch.bfloat16)
         assert dll.kn_rows(x.data_ptr(), w.data_ptr(), k * n, out.data_ptr(), e, rows, k, n, 1) == 0
         _assert_one_rounding(out, x.double() @ w.double())
+
+
+def test_a_failed_build_warns_naming_its_log_which_holds_the_compilers_output(tmp_path, monkeypatch):
+    """Compilers that print an error and exit 1 (``$CC`` and ``$CXX`` scripts): the build returns
+    None with a KernelBuildWarning naming one log per build key (with and without OpenMP) in the
+    kernel cache, and each log holds both compilers' commands, text and exit status."""
+    scripts = {}
+    for name in ("cc", "cxx"):
+        script = tmp_path / f"fake-{name}"
+        script.write_text(f'#!/bin/sh\necho "fake-{name}: error: simulated failure of $*" >&2\nexit 1\n')
+        script.chmod(0o755)
+        scripts[name] = str(script)
+    monkeypatch.setenv("CC", scripts["cc"])
+    monkeypatch.setenv("CXX", scripts["cxx"])
+    monkeypatch.setenv("ASCEND_GRAPH_KERNEL_CACHE", str(tmp_path / "cache"))
+    cc, cxx = kernels.build.compiler(), kernels.build.cxx_compiler()
+    assert (cc, cxx) == (scripts["cc"], scripts["cxx"])
+    with pytest.warns(kernels.build.KernelBuildWarning, match="did not build") as caught:
+        assert kernels.build._built(cc, cxx) is None
+    logs = re.findall(r"(/\S+\.log)", str(caught[0].message))
+    assert len(set(logs)) == 2 and all(os.path.dirname(log) == str(tmp_path / "cache") for log in logs)
+    for log, openmp in zip(logs, (True, False)):
+        text = open(log).read()
+        assert "fake-cc: error: simulated failure of -O3 -march=native" in text
+        assert "fake-cxx: error: simulated failure of -O1" in text and text.count("exit status 1") == 2
+        assert ("-fopenmp" in text) is openmp

@@ -195,3 +195,74 @@ def test_a_group_swap_is_tried_only_where_the_groups_are_near_tied():
     with parity._routing([("gate", every_group)], 0.02, near=near):
         every_group(x)
     assert not [n for n in near if "groups" in n]
+
+
+# -- blocks a step must not touch --------------------------------------------------------------
+
+
+def test_parity_sampling_catches_a_graph_step_that_writes_a_block_it_must_not():
+    """A broken graph step (its backend adds 1 to sequence 2's first block of layer 1's ``v``
+    after every 2-row step, a sequence outside the batch) passes the logits and written-block
+    comparison, yet each sampled check fails, counted, and names the block; the same check with
+    a copy of the cache names the same block."""
+    from ascend_graph.config import GraphConfig
+    from ascend_graph.runner.parity import compare_step
+    from tests.runner_helpers import Schedule, make_runner, prefilled, small_model
+
+    victim = {"block": None}
+
+    def corrupting(gm, example_inputs, **kwargs):
+        def run(*args):
+            out = gm(*args)
+            if victim["block"] is not None:
+                runner.kv_caches[1].v[victim["block"]] += 1
+            return out
+        return run
+
+    model = small_model("llama")
+    config = GraphConfig(enabled=True, backend="aot_eager", capture_sizes=(2,), max_batch_size=2, parity_interval=2)
+    runner, sched = make_runner(model, config, backend=corrupting), Schedule()
+    prefilled(runner, sched, 3, model.config.vocab_size)
+
+    def decode(steps: int) -> None:
+        for _ in range(steps):
+            entries = sched.decode_entries()[:2]  # sequences 0 and 1
+            sched.advance([0, 1], entries, runner.execute(entries))
+
+    decode(2)
+    assert (runner.stats.parity_checks, runner.stats.parity_failures) == (1, 0)  # the step itself is right
+    victim["block"] = block = sched.blocks.table(2)[0]
+    decode(4)
+    assert (runner.stats.graph_steps, runner.stats.parity_checks, runner.stats.parity_failures) == (6, 3, 2)
+    assert f"layer 1 v blocks [{block}]" in runner.stats.last_parity_failure
+    for mode in ("digest", "copy"):
+        report = compare_step(runner, sched.decode_entries()[:2], check_untouched=mode)
+        assert not report.ok and report.untouched_ok is False and report.untouched_check == mode
+        assert report.untouched_changed == [{"layer": 1, "element": "v", "blocks": [block]}]
+        assert report.logits["max_abs"] < 1e-4  # only the untouched-blocks check sees it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8])
+def test_a_block_digest_changes_with_any_one_element_and_only_that_blocks(dtype):
+    """Oracle: the block changed by construction. Every bit of one element, in turn, flipped in
+    a block of a cache tensor ``[blocks, block_size, heads, dim]``: exactly that block's digest
+    changes. A NaN stays equal to itself; -0.0 differs from 0.0 (bits, not values)."""
+    from ascend_graph.runner.block_digest import tensor_digest
+
+    gen = torch.Generator().manual_seed(0)
+    cache = (torch.randn(5, 4, 2, 3, generator=gen) * 50).to(dtype)
+    before = tensor_digest(cache)
+    unit = torch.int16 if cache.element_size() % 2 == 0 else torch.uint8
+    for lane in range(cache.view(unit).shape[-1]):  # 3 * units per element
+        for bit in range(unit.itemsize * 8):
+            changed = cache.clone()
+            word = changed.view(unit)[3, 2, 1, lane:lane + 1]
+            word ^= torch.tensor(1 << bit).to(unit)  # the top bit wraps to the unit's sign bit
+            assert (tensor_digest(changed) != before).any(dim=1).nonzero().flatten().tolist() == [3], (lane, bit)
+    if dtype.is_floating_point:
+        nan = torch.zeros(2, 3, dtype=dtype)
+        nan[1, 0] = float("nan")
+        assert torch.equal(tensor_digest(nan), tensor_digest(nan.clone()))
+        signed = nan.clone()
+        signed[0, 1] = -0.0
+        assert (tensor_digest(signed) != tensor_digest(nan)).any(dim=1).tolist() == [True, False]

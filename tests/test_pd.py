@@ -139,7 +139,9 @@ def test_a_hung_prefill_misses_its_deadline_and_the_request_is_recomputed(model,
             engine.close()
     assert tokens == reference[:2]
     assert engine.transfer.errors["no prefill reply within 2 s"] == 2 and engine.transfer.recomputed == 2
-    assert elapsed < 30
+    # a deadline, not a timing: two 2 s prefill waits and an eager recompute, with a generous margin
+    # for a loaded shared host; without the prefill deadline the suspended prefill would block for ever
+    assert elapsed < 60
     assert_no_leak(engine, None)
 
 

@@ -182,7 +182,9 @@ def test_a_killed_source_fails_the_transfer(kind, peers):
     start = time.monotonic()
     with pytest.raises(TransferError) as failure:
         transport.receive(plan, 3.0)
-    assert time.monotonic() - start < 3.0 + GRACE_S
+    # a deadline, not a timing: the transfer fails by its 3 s deadline, with a generous margin for a
+    # loaded shared host that stays below the 30 s the source holds the transfer after batch 0
+    assert time.monotonic() - start < 3.0 + 20.0
     assert failure.value.batches_done == 1 and victim.proc.poll() is not None
     with pytest.raises(TransferError, match="broken after an earlier failure"):
         transport.receive(plan, 3.0)
@@ -204,7 +206,9 @@ def test_a_hung_source_fails_at_the_deadline_and_writes_nothing_late(kind, peers
         start = time.monotonic()
         with pytest.raises(TransferError) as failure:
             transport.receive(plan, 1.5)
-        assert time.monotonic() - start < 1.5 + GRACE_S
+        # a deadline, not a timing: the transfer fails at its own 1.5 s deadline, before Mooncake's
+        # transfer timeout could fail it instead (gloo has none: it would wait for ever)
+        assert time.monotonic() - start < ENGINE_TIMEOUT_S
         assert failure.value.batches_done == 0
         assert failure.value.in_flight == (kind == "mooncake")  # an abandoned read on Mooncake
         assert wait_settled(transport, ENGINE_TIMEOUT_S + 10)

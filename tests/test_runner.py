@@ -7,6 +7,7 @@ separate runner with graph mode off that follows the same schedule on its own ca
 from __future__ import annotations
 
 import logging
+import warnings
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from runner_helpers import (BLOCK_SIZE, NUM_BLOCKS, KernelCalls, Schedule, asser
 
 from ascend_graph.config import GraphConfig, InductorOptions
 from ascend_graph.runner.parity import compare_step
-from ascend_graph.runner import GraphCompileError, RecompileError, SequenceStep
+from ascend_graph.runner import GraphCompileError, GraphCompileWarning, RecompileError, SequenceStep
 from ascend_graph.runtime import StaticAddressError
 
 SIZES = (1, 2, 4)
@@ -282,17 +283,39 @@ def failing_backend(gm, example_inputs, **kwargs):
     raise RuntimeError("simulated compiler failure")
 
 
-def test_compile_failure_falls_back_to_eager_or_raises():
+def test_compile_failure_falls_back_to_eager_with_a_warning_naming_the_exception_or_raises():
+    """Each failed size is a GraphCompileWarning with the compiler's exception (not dynamo's
+    wrapper), counted, and kept per size in the stats; with the fallback off it raises, unwarned."""
+    error = "RuntimeError: simulated compiler failure"
     model = small_model("llama")
     runner, sched = make_runner(model, graph_config(), backend=failing_backend), Schedule()
+    with pytest.warns(GraphCompileWarning) as caught:
+        runner.capture(show_progress=False)
+    assert [str(w.message) for w in caught if w.category is GraphCompileWarning] == [
+        f"compiling capture size {s} failed, that size runs eagerly: {error}" for s in (4, 2, 1)]
+    assert runner.stats.compile_failures == len(SIZES) and runner.graph_sizes == ()
+    assert runner.stats.to_dict()["compile_errors"] == {"4": error, "2": error, "1": error}
     prefilled(runner, sched, 2, 256)
     runner.execute(sched.decode_entries())
-    assert runner.stats.compile_failures == len(SIZES) and runner.graph_sizes == ()
     assert runner.stats.eager_steps["compile_failed"] == 1 and runner.stats.graph_steps == 0
 
     strict = make_runner(model, graph_config(fallback_on_compile_error=False), backend=failing_backend)
-    with pytest.raises(GraphCompileError, match="capture size 4"):
-        strict.capture(show_progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphCompileWarning)
+        with pytest.raises(GraphCompileError, match=f"capture size 4 failed: {error}"):
+            strict.capture(show_progress=False)
+    assert strict.stats.compile_errors == {4: error} and strict.stats.compile_failures == 1
+
+
+def test_a_failed_shared_compile_warns_and_names_its_group():
+    from test_compile_groups import config as group_config, fails_on_a_dynamic_batch
+
+    runner = make_runner(small_model("llama"), group_config(), backend=fails_on_a_dynamic_batch)
+    with pytest.warns(GraphCompileWarning, match="shared compile of sizes 2-4 failed, they compile one by one: "
+                                                 "RuntimeError: simulated: no dynamic shapes here"):
+        runner.capture(show_progress=False)
+    assert runner.stats.to_dict()["compile_errors"] == {"2-4": "RuntimeError: simulated: no dynamic shapes here"}
+    assert runner.graph_sizes == (1, 2, 4)
 
 
 def test_moved_cache_tensor_is_detected_by_name():

@@ -117,7 +117,9 @@ def test_the_vllm_worker_times_vllms_calls_of_the_model_forward(monkeypatch):
     counter = type("Counter", (), {"forward_seconds": 0.0})()
     vllm_peer_worker.time_model_forward(counter)
     assert GPUModelRunner._model_forward(None, 1) == 2 and GPUModelRunner._model_forward(None, 2) == 3
-    assert 0.04 <= counter.forward_seconds < 1.0
+    # two 20 ms sleeps; the upper bound is a deadline (a generous margin for a loaded shared host),
+    # against a counter that adds other time (e.g. clock readings), not a timing
+    assert 0.04 <= counter.forward_seconds < 30.0
 
 
 def test_a_stalled_one_token_generation_does_not_count_as_the_prefill():

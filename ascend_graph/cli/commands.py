@@ -290,7 +290,8 @@ def run_parity(args: argparse.Namespace) -> tuple[dict, str, int]:
                                 [f for r in reports for f in r.routing_flips])
     steps = [{"step": i, "batch_size": r.batch_size, "ok": r.ok, "logits_max_abs": r.logits["max_abs"],
               "caches_max_abs": max((d["max_abs"] for layer in r.caches for d in layer.values()), default=0.0),
-              "untouched_ok": r.untouched_ok, "routing_flips": r.routing_flips} for i, r in enumerate(reports)]
+              "untouched_ok": r.untouched_ok, "untouched_changed": r.untouched_changed,
+              "routing_flips": r.routing_flips} for i, r in enumerate(reports)]
     summary = reports_summary(reports)
     ok = bool(reports) and not summary["failures"] and agreement["tokens_agree"]
     result = {"command": "parity", "model": info, "settings": settings(args, graph), "ok": ok,

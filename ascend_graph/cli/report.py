@@ -84,6 +84,20 @@ def counter_lines(stats: dict) -> list[str]:
             f"  decode batch sizes (size x steps): {sizes}"]
 
 
+def compile_failure_lines(stats: dict) -> list[str]:
+    """One line per failed compile (``RunnerStats.compile_errors``): the size or compile group,
+    what it fell back to, and the exception's first line; none when every compile succeeded."""
+    errors = stats.get("compile_errors") or {}
+    if not errors:
+        return []
+    lines = [f"WARNING: {stats['compile_failures']} graph compile(s) failed; a failed size runs eagerly, "
+             "a failed compile group compiles its sizes one by one:"]
+    for key, error in errors.items():
+        first = error.splitlines()[0] if error else ""
+        lines.append(f"  {'sizes' if '-' in key else 'size'} {key}: {first[:200]}")
+    return lines
+
+
 def _verdict(ok: bool) -> str:
     return "PASS: graph mode reproduces eager" if ok else "FAIL: graph and eager differ"
 
@@ -110,7 +124,7 @@ def format_demo(r: dict) -> str:
              f"other blocks untouched: {_yes(cs['untouched_ok'])}",
              f"  verdict                   {_verdict(p['ok'])}",
              "", "Counters (graph engine; compare_step checks are not counted as graph steps)",
-             *counter_lines(r["counters"]), "",
+             *counter_lines(r["counters"]), *compile_failure_lines(r["counters"]), "",
              f"sample: request 0 prompt {r['sample']['prompt'][:8]}... -> {r['sample']['tokens'][:12]}...",
              f"finished in {r['seconds']:.1f} s"]
     return "\n".join(lines)
@@ -155,7 +169,8 @@ def format_generate(r: dict) -> str:
         lines.append(f"    -> {out['tokens']}" + (f" {out['text']!r}" if out["text"] is not None else ""))
     s = r["counters"]
     lines += ["", f"{s['generated_tokens']} tokens in {r['seconds']:.2f} s; decode {s['decode_tokens_per_s']:.1f} "
-              f"tokens/s; graph steps {s['graph_steps']}, eager steps {s['eager_steps_total']}"]
+              f"tokens/s; graph steps {s['graph_steps']}, eager steps {s['eager_steps_total']}",
+              *compile_failure_lines(s)]
     return "\n".join(lines)
 
 
@@ -165,12 +180,14 @@ def format_parity(r: dict) -> str:
              f"{'untouched':>9}  ok"]
     for s in r["steps"]:
         lines.append(f"{s['step']:>5} {s['batch_size']:>5} {s['logits_max_abs']:>17.3g} {s['caches_max_abs']:>16.3g} "
-                     f"{_yes(s['untouched_ok']):>9}  {'ok' if s['ok'] else 'MISMATCH'}{_flips(s['routing_flips'])}")
+                     f"{_yes(s['untouched_ok']):>9}  {'ok' if s['ok'] else 'MISMATCH'}{_flips(s['routing_flips'])}"
+                     + "".join(f"; layer {c['layer']} {c['element']} blocks {c['blocks'][:8]} changed outside the step"
+                               for c in s.get("untouched_changed", ())))
     sm = r["summary"]
     lines += ["", f"{sm['checks']} graph decode steps checked, {sm['failures']} mismatched"
               f"{_flip_count(sm['routing_flips'])}; tokens identical to a "
               f"separate eager run: {_yes(r['tokens_identical'])}{_first_differences(r['first_differences'])}",
-              f"verdict: {'PASS' if r['ok'] else 'FAIL'}"]
+              *compile_failure_lines(r["counters"]), f"verdict: {'PASS' if r['ok'] else 'FAIL'}"]
     return "\n".join(lines)
 
 

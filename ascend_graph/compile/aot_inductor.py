@@ -21,10 +21,11 @@ dynamo graph would recompile instead); the parity check reports it.
 A package is found by a key over everything that shapes the compiled code: torch's version,
 the CPU's vector capability and the thread count the kernels are generated for, this package's
 version and source files (C included), whether the project's CPU kernel runs here (part of the
-decode-matmul pass's key), the model's class, config, parameter and buffer
-shapes, dtypes and strides, the step's input shapes (capture size, caches, block table), and
-the Inductor options. Anything else that differs makes a new package; nothing is ever loaded
-for inputs it was not compiled for.
+decode-matmul pass's key), the model's class, config and code (``model_code_digest``: every
+module class's methods and defining file, so an edited model of the same name never loads an
+old package), its parameter and buffer shapes, dtypes and strides, the step's input shapes
+(capture size, caches, block table), and the Inductor options. Anything else that differs makes
+a new package; nothing is ever loaded for inputs it was not compiled for.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import sys
+import types
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -89,7 +92,7 @@ def package_key(step: nn.Module, inputs: Sequence[Any], options: dict[str, Any])
 
     add(torch.__version__, torch.backends.cpu.get_cpu_capability(), parallel_num_threads(), _source_digest())
     model = getattr(step, "model", step)
-    add(type(model).__module__, type(model).__qualname__, repr(getattr(model, "config", None)))
+    add(type(model).__module__, type(model).__qualname__, repr(getattr(model, "config", None)), model_code_digest(step))
     for name, t in _constants(step).items():
         add(name, tuple(t.shape), t.dtype, t.stride(), t.device.type)
     leaves, spec = pytree.tree_flatten(tuple(inputs))
@@ -115,6 +118,59 @@ def _source_digest() -> str:
             with open(path, "rb") as f:
                 h.update(os.path.relpath(path, root).encode() + hashlib.sha256(f.read()).digest())
     return h.hexdigest()
+
+
+def model_code_digest(model: nn.Module) -> str:
+    """A hex digest of the code of every module class in ``model.modules()`` and their bases
+    (torch's own left out: its version is keyed): per class its module and name, the code of each
+    method (bytecode, names and constants, nested functions included) and the text of the file
+    that defines it (the helpers beside the class). An edited method or model file gives another
+    digest; the same code in another directory gives the same."""
+    classes = {c for m in model.modules() for c in type(m).__mro__
+               if c is not object and not (c.__module__ or "").split(".")[0] == "torch"}
+    h = hashlib.sha256()
+    for cls in sorted(classes, key=lambda c: (c.__module__ or "", c.__qualname__)):
+        h.update(repr((cls.__module__, cls.__qualname__)).encode())
+        for name in sorted(vars(cls)):
+            code = _method_code(vars(cls)[name])
+            if code is not None:
+                h.update(name.encode() + _code_bytes(code))
+        path = _defining_file(cls)
+        if path is not None:
+            with open(path, "rb") as f:
+                h.update(hashlib.sha256(f.read()).digest())
+    return h.hexdigest()
+
+
+def _defining_file(cls: type) -> Optional[str]:
+    """The file ``cls``'s methods were compiled from, else its module's file; None where neither exists."""
+    for value in vars(cls).values():
+        code = _method_code(value)
+        if code is not None and os.path.isfile(code.co_filename):
+            return code.co_filename
+    path = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    return path if path and os.path.isfile(path) else None
+
+
+def _method_code(value: Any) -> Optional[types.CodeType]:
+    """The code object of a class attribute that is a function, static or class method, or property."""
+    value = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+    return getattr(value, "__code__", None)
+
+
+def _code_bytes(code: types.CodeType) -> bytes:
+    """What a code object computes, independent of its file's path and of the hash seed: bytecode,
+    names and constants (a set's members sorted), nested code objects alike."""
+    def const(c: Any) -> bytes:
+        if isinstance(c, types.CodeType):
+            return _code_bytes(c)
+        if isinstance(c, (frozenset, set)):
+            return repr(sorted(repr(x) for x in c)).encode()
+        if isinstance(c, tuple):
+            return b"(" + b",".join(const(x) for x in c) + b")"
+        return repr(c).encode()
+
+    return b"\0".join([code.co_code, repr((code.co_names, code.co_varnames)).encode(), const(code.co_consts)])
 
 
 def load_or_compile(step: nn.Module, name: str, inputs: Sequence[Any], config: GraphConfig,

@@ -12,10 +12,11 @@ inference mode where the runner's caches are inference tensors (a runner built u
 mode, whatever mode the caller is in; the mode is part of the file's key.
 
 A file is found by ``aot_inductor.package_key`` (torch's version, the CPU's vector capability
-and thread count, this package's sources, the model's class, config and parameter shapes, the
-step's input shapes, the backend's options) plus the compile group, so it is only ever loaded
-for what it was compiled for. Any failure to save or load is logged and the step compiles as a
-plain ``torch.compile`` graph: precompiling never decides whether a step runs.
+and thread count, this package's sources, the model's class, config, code (its module classes'
+methods and files) and parameter shapes, the step's input shapes, the backend's options) plus
+the compile group, so it is only ever loaded for what it was compiled for. Any failure to save
+or load is logged and the step compiles as a plain ``torch.compile`` graph: precompiling never
+decides whether a step runs.
 """
 
 from __future__ import annotations

@@ -21,9 +21,11 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
+import warnings
 
 import torch
 
@@ -82,17 +84,58 @@ def _torch_link_flags() -> list[str]:
     return [f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
 
 
+class KernelBuildWarning(RuntimeWarning):
+    """The kernels did not build (the callers keep their aten forms) or built without OpenMP;
+    the message names the log that holds the compilers' output."""
+
+
 def _built(cc: str, cxx: str) -> str | None:
     """The library's path, built by an earlier process (kept in ``cache_dir()``) or now (one
     process at a time per key; the others wait and load it); None where it does not build, with
-    OpenMP or without."""
+    OpenMP or without. Each build writes its compilers' commands and output to a log beside the
+    library, ``kernels-<key>.log``; a failed build is a ``KernelBuildWarning`` naming it."""
+    failed = []
     for openmp in (["-fopenmp"], []):
         flags = ["-O3", "-march=native", *openmp, "-fPIC"]
-        path = os.path.join(cache_dir(), f"kernels-{_build_key(cc, flags, cxx)}.so")
+        path = library = os.path.join(cache_dir(), f"kernels-{_build_key(cc, flags, cxx)}.so")
         with _one_builder(path):
-            if os.path.exists(path) or (path := _write_atomically(path, lambda out: _link(cc, cxx, flags, out))):
+            if not os.path.exists(path):
+                log = _log_path(path)
+                path = _write_atomically(path, lambda out: _link(cc, cxx, flags, out, log))
+                if path and os.path.dirname(log) != os.path.dirname(library):
+                    os.unlink(log)  # a temporary log of a build that worked
+            if path:
+                if failed:
+                    warnings.warn(KernelBuildWarning(
+                        f"the CPU kernels built without OpenMP (one thread per call): the build with -fopenmp "
+                        f"failed; the compilers' output is in {failed[0]}"), stacklevel=2)
                 return path
+        failed.append(log)
+    warnings.warn(KernelBuildWarning(
+        f"the CPU kernels did not build with {cc} and {cxx}, so the aten forms run instead; the compilers' "
+        f"output is in {' and '.join(failed)}"), stacklevel=2)
     return None
+
+
+def _log_path(library: str) -> str:
+    """Where the build of ``library`` logs its compilers' output: beside it (``.log`` for ``.so``),
+    or, where that directory cannot be written, a file of its own in the temporary directory."""
+    stem = os.path.splitext(library)[0]
+    try:
+        os.makedirs(os.path.dirname(stem), exist_ok=True)
+        with open(f"{stem}.log", "a"):
+            return f"{stem}.log"
+    except OSError:
+        fd, log = tempfile.mkstemp(prefix=f"{os.path.basename(stem)}-", suffix=".log")
+        os.close(fd)
+        return log
+
+
+def _log_run(log, cmd: list[str], returncode: int, output: str) -> bool:
+    """Append one command, its output and its exit status to the open ``log``; whether it succeeded."""
+    tail = "" if not output or output.endswith("\n") else "\n"
+    log.write(f"$ {shlex.join(cmd)}\n{output}{tail}exit status {returncode}\n\n")
+    return returncode == 0
 
 
 @contextlib.contextmanager
@@ -110,27 +153,43 @@ def _one_builder(path: str):
         yield
 
 
-def _link(cc: str, cxx: str, flags: list[str], out: str) -> bool:
+def _link(cc: str, cxx: str, flags: list[str], out: str, log: str) -> bool:
     """``SOURCES`` compiled with ``flags`` and ``ops.cpp`` against torch (the two side by side),
-    linked into the shared object ``out``; False where any step fails."""
+    linked into the shared object ``out``; False where any step fails. Every command, its output
+    and exit status go to the file ``log`` (written anew)."""
     openmp = [f for f in flags if f == "-fopenmp"]
-    with tempfile.TemporaryDirectory(prefix="ascend_graph-objects-") as d:
-        c = subprocess.Popen([cc, *flags, "-c", *SOURCES], cwd=d, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        ops = subprocess.run([cxx, *_cxx_flags(), "-c", OPS_SOURCE, "-o", os.path.join(d, "ops.o")],
-                             capture_output=True)
-        if c.wait() != 0 or ops.returncode != 0:
+    c_cmd = [cc, *flags, "-c", *SOURCES]
+    ops_cmd = [cxx, *_cxx_flags(), "-c", OPS_SOURCE]
+    with tempfile.TemporaryDirectory(prefix="ascend_graph-objects-") as d, open(log, "w") as f:
+        ops_cmd += ["-o", os.path.join(d, "ops.o")]
+        with open(os.path.join(d, "cc.out"), "w+") as c_out:
+            c = subprocess.Popen(c_cmd, cwd=d, stdout=c_out, stderr=subprocess.STDOUT, text=True)
+            ops = subprocess.run(ops_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            c.wait()
+            c_out.seek(0)
+            c_ok = _log_run(f, c_cmd, c.returncode, c_out.read())
+        if not (_log_run(f, ops_cmd, ops.returncode, ops.stdout) and c_ok):
             return False
         objects = sorted(os.path.join(d, name) for name in os.listdir(d) if name.endswith(".o"))
-        return subprocess.run([cxx, "-shared", *openmp, *objects, *_torch_link_flags(), "-o", out],
-                              capture_output=True).returncode == 0
+        link_cmd = [cxx, "-shared", *openmp, *objects, *_torch_link_flags(), "-o", out]
+        done = subprocess.run(link_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return _log_run(f, link_cmd, done.returncode, done.stdout)
 
 
 def _compile(cc: str, flags: list[str], path: str, sources: tuple[str, ...] = SOURCES) -> str | None:
     """The C ``sources`` alone (no ops: the entry points for ctypes, as tests and
     ``benchmarks.kernel_builds`` bind them) built with ``flags`` into ``path``
-    (``_write_atomically``); None where they do not compile."""
-    return _write_atomically(path, lambda out: subprocess.run([cc, *flags, *sources, "-o", out],
-                                                              capture_output=True).returncode == 0)
+    (``_write_atomically``); None where they do not compile. The compiler's command and output
+    go to ``_log_path(path)``."""
+    log = _log_path(path)
+
+    def build(out: str) -> bool:
+        cmd = [cc, *flags, *sources, "-o", out]
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        with open(log, "w") as f:
+            return _log_run(f, cmd, done.returncode, done.stdout)
+
+    return _write_atomically(path, build)
 
 
 def _write_atomically(path: str, build) -> str | None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -42,10 +43,15 @@ INTERPRETER_PROGRAMS = 8  # "multiprocessors" under the interpreter: small batch
 
 @functools.lru_cache(maxsize=1)
 def available() -> bool:
-    """Whether triton imports here (the kernels are compiled at their first call, not now)."""
+    """Whether triton imports here (the kernels are compiled at their first call, not now). An
+    installed triton that fails to import is a RuntimeWarning naming the error."""
     try:
         import triton  # noqa: F401
-    except (ImportError, OSError, RuntimeError):
+    except ImportError:
+        return False
+    except (OSError, RuntimeError) as e:
+        warnings.warn(f"triton is installed but does not import ({type(e).__name__}: {e}); the Triton decode "
+                      "attention is not used", RuntimeWarning, stacklevel=2)
         return False
     return True
 

@@ -17,6 +17,7 @@ import itertools
 import logging
 import math
 import time
+import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -33,8 +34,8 @@ from .decode_inputs import check_decode_inputs, decode_steps
 from .freezing import freezing
 from .groups import CompileGroup, compile_groups, compile_recipe_for, resolve_compile_options
 from .static_inputs import StaticInputs
-from .step import (DecodeStep, GraphCompileError, PreparedStep, RecompileError, RunnerStats, SequenceStep,
-                   step_for_size)
+from .step import (DecodeStep, GraphCompileError, GraphCompileWarning, PreparedStep, RecompileError, RunnerStats,
+                   SequenceStep, step_for_size)
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,6 @@ class GraphRunner:
         # allocate their outputs per call (tests/test_runner.py checks it), a user's may not.
         self._copy_logits = not (self.device.type == "cpu" and backend is None)
         self._graphs: dict[int, Callable] = {}
-        self._failed: dict[int, str] = {}
         self._shared: dict[CompileGroup, tuple[Callable, Optional[str]]] = {}  # compiled group -> (graph, cache)
         self._warm = False
         self._recapture_base: dict[str, int] = {}
@@ -268,16 +268,17 @@ class GraphRunner:
                 for _ in range(2):  # compile, then a warm run (device graphs record on it)
                     compiled(ids_v, pos_v, self.kv_caches, meta_v)
         except Exception as e:  # noqa: BLE001 - any compiler error falls back or is re-raised
-            self.stats.compile_failures += 1
             if group.dynamic:  # e.g. the model chose by row count inside the range: compile each size alone
-                log.warning("the shared compile of sizes %s failed, they compile one by one: %s", group.label, e)
+                self._compile_failed(group.label, e, f"the shared compile of sizes {group.label} failed, "
+                                                     "they compile one by one")
                 self.stats.capture_seconds += time.perf_counter() - start
                 self._split_group(group)
                 return self._capture_size(size, backend)
-            if not self.config.fallback_on_compile_error:
-                raise GraphCompileError(f"compiling capture size {size} failed: {e}") from e
-            self._failed[size] = f"{type(e).__name__}: {e}"
-            log.warning("graph capture of size %d failed, that size runs eagerly: %s", size, e)
+            fallback = self.config.fallback_on_compile_error
+            error = self._compile_failed(size, e, f"compiling capture size {size} failed, that size runs eagerly"
+                                         if fallback else None)
+            if not fallback:
+                raise GraphCompileError(f"compiling capture size {size} failed: {error}") from e
             return
         seconds = time.perf_counter() - start
         self._graphs[size] = compiled
@@ -291,6 +292,19 @@ class GraphRunner:
                 self._shared[group] = (compiled, cache)
         self.stats.capture[size] = {"seconds": round(seconds, 3), "memory_bytes": memory_in_use(self.device) - mem0,
                                     "compile_cache": cache, "compile_group": group.label}
+
+    def _compile_failed(self, key: int | str, e: Exception, fallback: Optional[str]) -> str:
+        """Count a failed compile of ``key`` (a capture size, or a compile group's label) and keep
+        its ``"ExceptionType: message"`` (the compiler's own exception, not dynamo's wrapper) in
+        ``stats.compile_errors``; warn ``fallback`` with it (``GraphCompileWarning``), unless None
+        (the caller raises). Returns that text."""
+        inner = e.inner_exception if isinstance(e, torch._dynamo.exc.BackendCompilerFailed) else e
+        error = f"{type(inner).__name__}: {inner}"
+        self.stats.compile_failures += 1
+        self.stats.compile_errors[key] = error
+        if fallback is not None:
+            warnings.warn(GraphCompileWarning(f"{fallback}: {error}"), stacklevel=2)
+        return error
 
     def _compile_for_size(self, size: int, backend: Optional[Callable]) -> Callable:
         if self.config.inductor.aot:
@@ -383,10 +397,11 @@ class GraphRunner:
 
     def _run_with_parity(self, step: PreparedStep) -> Tensor:
         from .parity import compare_prepared
-        report = compare_prepared(self, step, check_untouched=False)
+        report = compare_prepared(self, step, check_untouched="digest")  # no copy of the cache
         self.stats.parity_checks += 1
         if not report.ok:
             self.stats.parity_failures += 1
+            self.stats.last_parity_failure = report.summary()
             log.warning("graph/eager parity check failed: %s", report.summary())
         return report.graph_logits
 

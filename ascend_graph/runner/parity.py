@@ -2,8 +2,8 @@
 
 The check snapshots the blocks the step writes, runs eager, restores them, runs the graph (so the
 caches end as after a normal graph step), then compares the logits and the written blocks per
-layer and element, and verifies that no other live block changed (padded rows write only into
-the null block).
+layer and element, and verifies that no other block changed (padded rows write only into the
+null block), against a copy of the cache or per-block digests (``block_digest``).
 
 A mixture-of-experts router can sit at a near-tie: a token's K-th and (K+1)-th experts score
 within rounding of each other, or, where the router picks the experts within its best groups
@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..kv_cache import NULL_BLOCK
+from .block_digest import block_digests, changed_blocks
 
 if TYPE_CHECKING:  # pragma: no cover
     from .graph_runner import GraphRunner, PreparedStep, SequenceStep
@@ -80,19 +81,25 @@ class ParityReport:
     # ``GraphRunner.backends()``: the attention and MoE backends both modes ran, and the graph's
     # compiled-only rewrites (what the comparison covers beyond the shared algorithm)
     backends: dict = field(default_factory=dict)
+    untouched_check: Optional[str] = None  # "copy" (exact), "digest" (``block_digest``) or None
+    # blocks outside the step's own that changed: {"layer", "element", "blocks"} per cache tensor
+    untouched_changed: list = field(default_factory=list)
 
     def summary(self) -> str:
         """One line for logs."""
         worst = max((d["max_abs"] for layer in self.caches for d in layer.values()), default=0.0)
         flips = f"; {len(self.routing_flips)} routing near-tie(s) reproduced" if self.routing_flips else ""
+        changed = "".join(f"; changed outside the step: layer {c['layer']} {c['element']} blocks {c['blocks'][:8]}"
+                          for c in self.untouched_changed)
         return (f"batch {self.batch_size}: {'OK' if self.ok else 'MISMATCH'}; logits max abs "
-                f"{self.logits['max_abs']:.3g}; caches max abs {worst:.3g}; "
-                f"untouched blocks {'unchecked' if self.untouched_ok is None else self.untouched_ok}{flips}")
+                f"{self.logits['max_abs']:.3g}; caches max abs {worst:.3g}; untouched blocks "
+                f"{'unchecked' if self.untouched_ok is None else self.untouched_ok}{changed}{flips}")
 
     def to_dict(self) -> dict:
         """A JSON-safe copy (without the logits tensor)."""
         return {"ok": self.ok, "batch_size": self.batch_size, "logits": self.logits,
-                "caches": self.caches, "untouched_ok": self.untouched_ok, "routing_flips": self.routing_flips,
+                "caches": self.caches, "untouched_ok": self.untouched_ok, "untouched_check": self.untouched_check,
+                "untouched_changed": self.untouched_changed, "routing_flips": self.routing_flips,
                 "backends": self.backends}
 
 
@@ -102,12 +109,16 @@ def compare_step(runner: "GraphRunner", seqs: Sequence["SequenceStep"], **kwargs
 
 
 def compare_prepared(runner: "GraphRunner", step: "PreparedStep", *, atol: Optional[float] = None,
-                     rtol: Optional[float] = None, check_untouched: bool = True) -> ParityReport:
+                     rtol: Optional[float] = None, check_untouched: bool | str = True) -> ParityReport:
     """Run ``step`` eagerly and as a graph from the same cache state and compare.
 
-    ``check_untouched`` also snapshots the whole cache to prove that no block other than the
-    step's own changed (costs a copy of the cache; the runner's sampling turns it off).
+    ``check_untouched`` also proves that no block other than the step's own changed, bit for
+    bit: ``True`` or ``"copy"`` against a copy of the whole cache (exact); ``"digest"`` against
+    per-block digests taken before (``block_digest``: catches every change of one element, and
+    of several but for a chance of 2^-28; costs a read of the cache, no copy; the runner's
+    sampling uses it); ``False`` not at all. ``ParityReport.untouched_changed`` names the blocks.
     """
+    mode = _untouched_mode(check_untouched)
     caches = runner.kv_caches
     dtype = caches[0][0].dtype
     d_atol, d_rtol = tolerances(dtype)
@@ -115,7 +126,7 @@ def compare_prepared(runner: "GraphRunner", step: "PreparedStep", *, atol: Optio
     live = sorted({s // runner.block_size for s in step.meta.slot_mapping.tolist() if s >= 0})
     written = torch.tensor(sorted({*live, NULL_BLOCK}), device=runner.device)
     before = _blocks(caches, written)
-    full = [[t.clone() for t in cache] for cache in caches] if check_untouched else None
+    full = _untouched_state(caches, mode)
 
     routers, near = _routers(runner.model), []
     with _routing(routers, rtol, near=near):
@@ -142,11 +153,28 @@ def compare_prepared(runner: "GraphRunner", step: "PreparedStep", *, atol: Optio
             flips = []  # a token that no swap reproduced: the step is a mismatch
         _restore(caches, written, graph_blocks)  # the caches end as after the graph step
     ok = not bad and all(blocks_ok[live_rows]) or bool(flips)
-    untouched_ok = None if full is None else _untouched(caches, full, written)
+    changed = None if mode is None else changed_blocks(full, _untouched_state(caches, mode), caches, written)
+    untouched_ok = None if changed is None else not changed
     return ParityReport(ok=ok and untouched_ok is not False, batch_size=len(step.order),
                         logits=_diff(graph_logits, eager_logits), caches=layer_diffs,
                         untouched_ok=untouched_ok, graph_logits=graph_logits, routing_flips=flips,
-                        backends=runner.backends())
+                        backends=runner.backends(), untouched_check=mode, untouched_changed=changed or [])
+
+
+def _untouched_mode(check_untouched: bool | str) -> Optional[str]:
+    """``check_untouched`` as ``"copy"``, ``"digest"`` or None (unchecked)."""
+    if check_untouched is True or check_untouched in ("copy", "digest"):
+        return "copy" if check_untouched is True else check_untouched
+    if check_untouched is False:
+        return None
+    raise ValueError(f"check_untouched must be True, False, 'copy' or 'digest', got {check_untouched!r}")
+
+
+def _untouched_state(caches: tuple, mode: Optional[str]) -> Optional[list[list[Tensor]]]:
+    """What the untouched-blocks check compares: a copy of every cache tensor, or their per-block digests."""
+    if mode == "copy":
+        return [[t.clone() for t in cache] for cache in caches]
+    return block_digests(caches) if mode == "digest" else None
 
 
 def _close_tokens(graph_logits: Tensor, graph_blocks: list, eager_logits: Tensor, eager_blocks: list,
@@ -255,9 +283,3 @@ def _restore(caches: tuple, blocks: Tensor, saved: list[list[Tensor]]) -> None:
     for cache, layer in zip(caches, saved):
         for t, s in zip(cache, layer):
             t[blocks] = s  # in place: the addresses stay
-
-
-def _untouched(caches: tuple, full: list[list[Tensor]], written: Tensor) -> bool:
-    keep = torch.ones(caches[0][0].shape[0], dtype=torch.bool, device=written.device)
-    keep[written] = False
-    return all(torch.equal(t[keep], s[keep]) for cache, layer in zip(caches, full) for t, s in zip(cache, layer))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import types
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from torch import Tensor, nn
 
@@ -22,6 +22,12 @@ class RecompileError(RuntimeError):
 
 class GraphCompileError(RuntimeError):
     """Compiling a capture size failed and ``fallback_on_compile_error`` is off."""
+
+
+class GraphCompileWarning(RuntimeWarning):
+    """Compiling a capture size (or a compile group) failed and it falls back: the size runs
+    eagerly, or the group's sizes compile one by one. The message names the sizes and the
+    exception (``RunnerStats.compile_errors`` keeps the same text per size)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,8 @@ class RunnerStats:
     compiles: int = 0
     recompiles: int = 0
     compile_failures: int = 0
+    # capture size (int) or failed compile group ("2-8") -> "ExceptionType: message" of its compile failure
+    compile_errors: dict = field(default_factory=dict)
     packages_loaded: int = 0  # capture sizes loaded from AOTInductor packages without compiling
     capture_seconds: float = 0.0
     # size -> {"seconds": .., "memory_bytes": .., "compile_cache": "hit" | "miss" | "bypass" | None,
@@ -50,6 +58,7 @@ class RunnerStats:
     capture: dict = field(default_factory=dict)
     parity_checks: int = 0
     parity_failures: int = 0
+    last_parity_failure: Optional[str] = None  # ``ParityReport.summary()`` of the latest failed check
     recaptures: int = 0  # graph recaptures the backend counted since capture (npugraph_ex: a cache's address changed)
 
     def to_dict(self) -> dict:
@@ -58,10 +67,12 @@ class RunnerStats:
             "graph_steps": self.graph_steps, "eager_steps": dict(self.eager_steps),
             "eager_steps_total": sum(self.eager_steps.values()), "compiles": self.compiles,
             "recompiles": self.recompiles, "compile_failures": self.compile_failures,
+            "compile_errors": {str(k): v for k, v in self.compile_errors.items()},
             "packages_loaded": self.packages_loaded,
             "capture_seconds": round(self.capture_seconds, 3),
             "capture": {str(k): v for k, v in sorted(self.capture.items())},
             "parity_checks": self.parity_checks, "parity_failures": self.parity_failures,
+            "last_parity_failure": self.last_parity_failure,
             "recaptures": self.recaptures,
         }
 
