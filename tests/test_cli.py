@@ -243,3 +243,13 @@ def test_main_restores_torch_threads(capsys):
     before = torch.get_num_threads()
     main(["generate", "--no-graph", "--prompt-ids", "1,2", "--max-new-tokens", "2", "--threads", "1", "--json"])
     assert torch.get_num_threads() == before
+
+
+def test_an_attention_fallback_is_shown_beside_the_compile_failures():
+    """``RunnerStats.attention_fallbacks`` (an NPU prefill the fused operator does not take ran
+    in torch) is a WARNING line of the reports, as a failed compile is."""
+    reason = "torch: TND takes query head size 192 (value 128/192) on torch_npu 7.1, this layer has 80 (value 16)"
+    lines = report.compile_failure_lines({"attention_fallbacks": {reason: 3}, "compile_errors": {},
+                                          "compile_failures": 0})
+    assert lines == [f"WARNING: attention ran a slower form 3 time(s) per layer: {reason}"]
+    assert report.compile_failure_lines({"attention_fallbacks": {}, "compile_errors": {}}) == []

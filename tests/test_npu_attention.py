@@ -411,6 +411,10 @@ def test_a_model_on_the_npu_backend_follows_the_float64_model_step_by_step(monke
         worst = max(worst, ((out.double() - ref).abs().max() / ref.abs().max()).item())
         sched.advance(ids, entries, ref)
     assert worst < 0.05, worst
+    # these layers' head sizes (MLA 16 + 64 / value 16, GQA 16) are none TND documents: each of
+    # the three prefills ran in torch, counted per layer under that reason, and shown
+    (reason, calls), = runner.stats.to_dict()["attention_fallbacks"].items()
+    assert calls == 3 and reason.startswith("torch: TND takes query head size 192"), reason
     decodes = [kw for kw in _calls("npu_fused_infer_attention_score") if kw["block_table"] is not None]
     assert decodes and all(len(kw["actual_seq_lengths_kv"]) == kw["query"].shape[0] for kw in decodes)
     assert any(S in range(min(kw["actual_seq_lengths_kv"]), max(kw["actual_seq_lengths_kv"]) + 2) for kw in decodes)

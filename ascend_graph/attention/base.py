@@ -84,6 +84,10 @@ class AttentionBackend:
         """Whether this implementation reads caches of ``block_size`` tokens per block."""
         return block_size >= 1
 
+    def fallbacks(self) -> dict[str, int]:
+        """Calls this backend handed to a slower form than its own, by reason (none by default)."""
+        return {}
+
     def write(self, cache: MLACache | KVCache, first: Tensor, second: Tensor, slot_mapping: Tensor) -> None:
         """Write ``[T, 1 or Hk, width]`` new entries of both cache elements at ``slot_mapping [T]``."""
         write_slots(cache[0], cache[1], first, second, slot_mapping)

@@ -133,6 +133,10 @@ class _NpuOps:
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
         return _runs(device, dtype)
 
+    def fallbacks(self) -> dict[str, int]:
+        """Prefill calls that ran in torch instead of the fused TND attention, by reason."""
+        return {key: n for key, n in self.prefill_runs.items() if key != "tnd"}
+
     def _tnd(self, q_d: int, v_d: int, hq: int, hk: int, dtype: torch.dtype, prefill) -> Optional[limits.TndPlan]:
         """The TND plan for this prefill, or None (counted and logged once per reason)."""
         plan, why = limits.tnd_plan(self.release, q_d, v_d, hq, hk, dtype)

@@ -86,11 +86,14 @@ def counter_lines(stats: dict) -> list[str]:
 
 def compile_failure_lines(stats: dict) -> list[str]:
     """One line per failed compile (``RunnerStats.compile_errors``): the size or compile group,
-    what it fell back to, and the exception's first line; none when every compile succeeded."""
+    what it fell back to, and the exception's first line; one per attention fallback reason
+    (``RunnerStats.attention_fallbacks``); none when nothing fell back."""
     errors = stats.get("compile_errors") or {}
+    lines = [f"WARNING: attention ran a slower form {n} time(s) per layer: {reason}"
+             for reason, n in (stats.get("attention_fallbacks") or {}).items()]
     if not errors:
-        return []
-    lines = [f"WARNING: {stats['compile_failures']} graph compile(s) failed; a failed size runs eagerly, "
+        return lines
+    lines += [f"WARNING: {stats['compile_failures']} graph compile(s) failed; a failed size runs eagerly, "
              "a failed compile group compiles its sizes one by one:"]
     for key, error in errors.items():
         first = error.splitlines()[0] if error else ""

@@ -52,6 +52,7 @@ class GraphRunner:
         self.compile_options = resolve_compile_options(model, config, self.device, backend)
         self.recipe = compile_recipe_for(config, self.device, backend)
         backends = model_attention_backends(model)
+        self._attention_backends = backends
         self.block_size = choose_block_size(backends, block_size)
         # whether a backend reads the context lengths as host ints (decided with the block size)
         self._host_lens = any(b.host_context_lens for b in backends)
@@ -225,7 +226,14 @@ class GraphRunner:
         with torch.inference_mode():
             hidden = self.model(step.input_ids.to(dev), step.positions.to(dev), self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[step.last.to(dev)])
+        self._count_attention_fallbacks()
         return self._unpermute(logits, step.order)
+
+    def _count_attention_fallbacks(self) -> None:
+        """``stats.attention_fallbacks``: per reason, the most calls any one layer's backend sent there."""
+        for backend in self._attention_backends:
+            for reason, n in backend.fallbacks().items():
+                self.stats.attention_fallbacks[reason] = max(n, self.stats.attention_fallbacks.get(reason, 0))
 
     # -- graph ----------------------------------------------------------------------------
 

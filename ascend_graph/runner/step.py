@@ -59,6 +59,8 @@ class RunnerStats:
     parity_checks: int = 0
     parity_failures: int = 0
     last_parity_failure: Optional[str] = None  # ``ParityReport.summary()`` of the latest failed check
+    # reason -> calls per layer that an attention backend handed to a slower form (``fallbacks()``)
+    attention_fallbacks: dict = field(default_factory=dict)
     recaptures: int = 0  # graph recaptures the backend counted since capture (npugraph_ex: a cache's address changed)
 
     def to_dict(self) -> dict:
@@ -73,7 +75,7 @@ class RunnerStats:
             "capture": {str(k): v for k, v in sorted(self.capture.items())},
             "parity_checks": self.parity_checks, "parity_failures": self.parity_failures,
             "last_parity_failure": self.last_parity_failure,
-            "recaptures": self.recaptures,
+            "recaptures": self.recaptures, "attention_fallbacks": dict(self.attention_fallbacks),
         }
 
 
