@@ -89,7 +89,7 @@ def contract_probe(worker) -> dict:
     model = runner.get_model()
     before = model.runner_stats()
     hidden, _ = runner._dummy_run(3)  # what DP's execute_dummy_batch and the warm-ups run
-    out["dummy_run"] = {"shape": list(hidden.shape), "rows": sorted({r for r, _ in hidden.tolist()}),
+    out["dummy_run"] = {"shape": list(hidden.shape), "rows": sorted(set(hidden[:, 0].tolist())),
                         "stats_unchanged": model.runner_stats() == before}
     out["profile_run_error"] = outcome(runner.profile_run)
     with set_forward_context({}, worker.vllm_config):
