@@ -12,7 +12,7 @@ call count and median milliseconds. vLLM's own per-step work (``engine_core.step
 ``model forward``: scheduling, input preparation, sampling, output handling) is the same code on
 both sides; ``model forward`` is vLLM's compiled model on one, ``AscendGraphDeepseekV2ForCausalLM
 .forward`` (decode-only steps ``GraphRunner.execute_decode``; others ``sequence_steps``,
-``GraphRunner.execute``, ``logits_at_last_tokens``) on the other.
+``GraphRunner.execute``; ``select_logits`` in ``compute_logits``) on the other.
 Wrapping adds a few microseconds per probe.
 """
 
@@ -32,7 +32,7 @@ PROBES = [("vllm.v1.engine.core", "EngineCore", "step", "engine_core.step"),
           ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward", "model forward"),
           ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens", "runner.sample_tokens")]
 GRAPH_PROBES = [("ascend_graph.vllm.model", None, "sequence_steps", "sequence_steps"),
-                ("ascend_graph.vllm.model", None, "logits_at_last_tokens", "logits_at_last_tokens"),
+                ("ascend_graph.vllm.model", None, "select_logits", "select_logits"),
                 ("ascend_graph.runner", "GraphRunner", "execute", "GraphRunner.execute"),
                 ("ascend_graph.runner", "GraphRunner", "execute_decode", "GraphRunner.execute_decode"),
                 ("ascend_graph.runner", "GraphRunner", "prepare", "GraphRunner.prepare"),

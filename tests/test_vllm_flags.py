@@ -2,10 +2,16 @@
 
 Oracles: the GraphConfig each dict must give, written out by hand from vllm-ascend's
 documented semantics (ascend_graph/integrations/vllm_ascend.py) and docs/vllm.md; the
-real-vLLM side (the error out of ``LLM(...)``) is tests/test_vllm_plugin.py.
+real-vLLM side (the error out of ``LLM(...)``) is tests/test_vllm_plugin.py. Platforms are
+stand-ins with the attributes the real ones declare: vLLM's ``CpuPlatform``
+(``platforms/cpu.py``: ``device_type = "cpu"``) and vllm-ascend's ``NPUPlatform``
+(``vllm_ascend/platform.py``: ``_enum = PlatformEnum.OOT``, ``device_name = device_type = "npu"``),
+each with a stock ``check_and_update_config`` that records its calls.
 """
 
+import copy
 import importlib
+import logging
 import pathlib
 import subprocess
 import sys
@@ -104,6 +110,24 @@ def test_graph_mode_on_another_architecture_fails_naming_it():
         graph_architecture(["MistralForCausalLM"])
 
 
+def fake_platform(device_type: str) -> type:
+    """A fresh platform class: vLLM's CPU one (``"cpu"``) or vllm-ascend's NPU one (``"npu"``)."""
+    calls: list = []
+
+    def check_and_update_config(cls, vllm_config) -> None:  # the stock check: records its calls
+        calls.append(vllm_config)
+
+    name = {"cpu": "FakeCpuPlatform", "npu": "FakeNPUPlatform"}[device_type]
+    attrs = {"device_name": device_type, "device_type": device_type, "stock_calls": calls,
+             "check_and_update_config": classmethod(check_and_update_config)}
+    if device_type == "npu":
+        attrs["_enum"] = "OOT"
+    return type(name, (), attrs)
+
+
+CPU = fake_platform("cpu")
+
+
 def _vllm_config(additional, architectures=("DeepseekV2ForCausalLM",)):
     """What ``plugin.apply_flag`` reads of a ``VllmConfig``."""
     hf_config = SimpleNamespace(architectures=list(architectures))
@@ -117,7 +141,7 @@ def _vllm_config(additional, architectures=("DeepseekV2ForCausalLM",)):
                                         {"ascend_graph": {"parity_interval": 2}}])
 def test_the_config_is_untouched_without_graph_mode(additional):
     config = _vllm_config(additional)
-    plugin.apply_flag(config)
+    plugin.apply_flag(config, CPU)
     assert config.model_config.hf_config.architectures == ["DeepseekV2ForCausalLM"]
 
 
@@ -125,7 +149,7 @@ def test_graph_mode_points_the_model_at_our_class_and_turns_vllms_compile_off(mo
     compile_off = []
     monkeypatch.setattr(plugin, "_no_vllm_compile", compile_off.append)  # needs vLLM's enum
     config = _vllm_config(ON)
-    plugin.apply_flag(config)
+    plugin.apply_flag(config, CPU)
     assert config.model_config.hf_config.architectures == [flags.ARCHITECTURES["DeepseekV2ForCausalLM"]]
     assert compile_off == [config]
 
@@ -133,8 +157,60 @@ def test_graph_mode_points_the_model_at_our_class_and_turns_vllms_compile_off(mo
 def test_bad_flag_fails_before_the_config_is_changed():
     config = _vllm_config({"torchair_graph_config": {"enabled": True, "bogus": 1}})
     with pytest.raises(ValueError, match="bogus"):
-        plugin.apply_flag(config)
+        plugin.apply_flag(config, CPU)
     assert config.model_config.hf_config.architectures == ["DeepseekV2ForCausalLM"]
+
+
+def _hooked(device_type: str, monkeypatch) -> tuple[type, list]:
+    """A fake platform whose check is wrapped as ``plugin.install`` wraps vLLM's, and the calls
+    of vLLM's compile switch."""
+    compile_off: list = []
+    monkeypatch.setattr(plugin, "_no_vllm_compile", compile_off.append)
+    platform = fake_platform(device_type)
+    plugin._wrap_check_and_update_config(platform)
+    return platform, compile_off
+
+
+@pytest.mark.parametrize("section", [{"enabled": True, "graph_batch_sizes": [1, 4]},
+                                     {"enabled": True, "bogus": 1}, "not even a dict"])
+def test_on_an_npu_platform_torchair_graph_config_is_left_to_it_unparsed(section, monkeypatch, caplog):
+    npu, compile_off = _hooked("npu", monkeypatch)
+    additional = {"torchair_graph_config": section, "other": 1}
+    config = _vllm_config(copy.deepcopy(additional))
+    with caplog.at_level(logging.DEBUG, logger=plugin.__name__):
+        npu.check_and_update_config(config)  # a bad section too: not ours to parse here
+    assert npu.stock_calls == [config]
+    assert config.additional_config == additional and compile_off == []
+    assert config.model_config.hf_config.architectures == ["DeepseekV2ForCausalLM"]
+    assert "FakeNPUPlatform" in caplog.text
+
+
+@pytest.mark.parametrize("additional", [{"ascend_graph": {"parity_interval": 2}}, {**ON, "ascend_graph": {}}])
+def test_on_an_npu_platform_our_own_section_is_an_error_naming_the_platform(additional, monkeypatch):
+    npu, compile_off = _hooked("npu", monkeypatch)
+    config = _vllm_config(copy.deepcopy(additional))
+    with pytest.raises(ValueError, match=r"additional_config\['ascend_graph'\].*FakeNPUPlatform \(device_type 'npu'\)"):
+        npu.check_and_update_config(config)
+    assert config.additional_config == additional and compile_off == []
+    assert config.model_config.hf_config.architectures == ["DeepseekV2ForCausalLM"]
+
+
+def test_on_the_cpu_platform_the_flag_switches_graph_mode_on_through_the_hook(monkeypatch):
+    cpu, compile_off = _hooked("cpu", monkeypatch)
+    config = _vllm_config(ON)
+    cpu.check_and_update_config(config)
+    assert cpu.stock_calls == [config] and compile_off == [config]
+    assert config.model_config.hf_config.architectures == [flags.ARCHITECTURES["DeepseekV2ForCausalLM"]]
+    bad = _vllm_config({"torchair_graph_config": {"enabled": True, "bogus": 1}})
+    with pytest.raises(ValueError, match="bogus"):
+        cpu.check_and_update_config(bad)
+
+
+def test_the_hook_wraps_a_platform_once(monkeypatch):
+    cpu, _ = _hooked("cpu", monkeypatch)
+    plugin._wrap_check_and_update_config(cpu)
+    cpu.check_and_update_config(_vllm_config({}))
+    assert len(cpu.stock_calls) == 1
 
 
 def test_graph_mode_with_tensor_parallelism_fails_naming_it(monkeypatch):
@@ -142,7 +218,7 @@ def test_graph_mode_with_tensor_parallelism_fails_naming_it(monkeypatch):
     config = _vllm_config(ON)
     config.parallel_config.tensor_parallel_size = 2
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        plugin.apply_flag(config)
+        plugin.apply_flag(config, CPU)
     assert config.model_config.hf_config.architectures == ["DeepseekV2ForCausalLM"]
 
 

@@ -13,7 +13,13 @@ The ``ascend_graph`` torch.compile backend also serves as vLLM's own compilation
 ``torch_dynamo_backends`` entry point.
 
 Oracles: transformers' greedy tokens (float32) on the same checkpoint, and stock vLLM (the same
-``LLM`` without the flag). Counters: one prefill step, then one graph step per further token.
+``LLM`` without the flag). Counters: every capture size captured in vLLM's start-up, before the
+first request; then one prefill step, then one graph step per further token. The model contract
+inside vLLM's own runner: its dummy run (``GPUModelRunner._dummy_run``, no attention metadata)
+runs nothing and yields no logits, its profile run's sampler warm-up gets an error instead of
+made-up logits, a forward without our metadata is an error naming the layer, the forward
+returns ``[T, 2]`` rows (never ``[T, V]``) and ``compute_logits`` one row per request, and a
+request for prompt logprobs (logits at prompt tokens) is an error.
 Checkpoints: ``tests/hf_models.py`` with vLLM's CPU MLA widths (kv_lora_rank 512, rope 64),
 2 layers, block 16. The V2 one has ``n_group = topk_group = 1``, as DeepSeek-V2-Lite: vLLM
 routes every DeepSeek MoE group-limited whatever ``topk_method`` says, so with
@@ -37,7 +43,7 @@ import pytest
 transformers = pytest.importorskip("transformers", minversion="5.0")
 import torch  # noqa: E402
 
-from hf_models import tiny_hf_model  # noqa: E402
+from hf_models import VOCAB, tiny_hf_model  # noqa: E402
 
 pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.slow]
 
@@ -51,6 +57,10 @@ LLM_ARGS = dict(dtype="float32", max_model_len=128, block_size=16, max_num_seqs=
 # what a V3 checkpoint says and transformers' config omits: stock vLLM builds the correction bias from it
 V3_ROUTING = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 ON = {"torchair_graph_config": {"enabled": True, "graph_batch_sizes": SIZES}}
+# Stock vLLM's MLA: on a CPU with AMX tiles vLLM picks AMX_MLA, whose weight packing refuses these
+# checkpoints' 16-wide heads (``convert_weight_packed``: "invalid weight input features 16"); CPU_MLA
+# takes them. Graph mode's layers bring their own backend.
+STOCK_MLA = {"attention_config": {"backend": "CPU_MLA"}}
 
 
 def vllm_python() -> str:
@@ -141,12 +151,37 @@ def checkpoints(tmp_path_factory):
 
 
 def generate(vllm_run, path: str, additional_config: dict | None = None, repeats: int = 1,
-             llm_args: dict | None = None, **env: str) -> dict:
+             llm_args: dict | None = None, spec: dict | None = None, **env: str) -> dict:
     llm = dict(LLM_ARGS, **(llm_args or {}), **({"additional_config": additional_config} if additional_config else {}))
     result = vllm_run({"model": path, "llm": llm, "prompts": PROMPTS, "max_tokens": NEW_TOKENS,
-                       "repeats": repeats, "count_backend_calls": True}, **env)
+                       "repeats": repeats, "count_backend_calls": True, **(spec or {})}, **env)
     assert result["error"] is None, result["error"]
     return result
+
+
+def assert_captured_at_start(result: dict, max_num_seqs: int = LLM_ARGS["max_num_seqs"]) -> None:
+    """Every capture size captured in vLLM's start-up (``runner_stats`` right after ``LLM(...)``:
+    its time, an entry per size, no step yet), and nothing compiled or captured after it."""
+    start, end = result["stats_at_start"], result["stats"]
+    sizes = sorted(set(SIZES) | {max_num_seqs})
+    assert start["graph_steps"] == 0 and start["eager_steps"] == {}, start
+    assert sorted(start["capture"], key=int) == [str(s) for s in sizes], start["capture"]
+    assert start["capture_seconds"] > 0 and start["compiles"] + start["packages_loaded"] == len(sizes)
+    for key in ("compiles", "packages_loaded", "capture", "capture_seconds"):
+        assert end[key] == start[key], key
+
+
+def assert_model_contract(result: dict, generations: int) -> None:
+    """What ``spec["contract"]`` and ``spec["prompt_logprobs"]`` record (tests/vllm_worker.py)."""
+    contract = result["contract"]
+    assert contract["dummy_run"] == {"shape": [3, 2], "rows": [-1.0], "stats_unchanged": True}
+    assert "dummy run" in contract["profile_run_error"]["message"], contract
+    assert "'model.layers.0.self_attn.attn'" in contract["no_metadata_error"]["message"], contract
+    assert contract["stats_unchanged"]
+    steps = [[sum(map(len, PROMPTS)), 2]] + [[len(PROMPTS), 2]] * (NEW_TOKENS - 1)  # the prefill, then decodes
+    assert result["shapes"] == {"forward": steps * generations,
+                                "compute_logits": [[len(PROMPTS), VOCAB]] * NEW_TOKENS * generations}
+    assert "prompt logprobs are not supported" in result["prompt_logprobs_error"]["message"]
 
 
 def assert_graph_counters(stats: dict, generations: int) -> None:
@@ -188,17 +223,20 @@ def test_v2_graph_mode_tokens_equal_stock_vllm_and_transformers(vllm_run, checkp
     """Graph mode twice, each a fresh vLLM on one compile cache: the first compiles and saves its
     steps, the second (a restarted server) loads them and gives the same tokens."""
     path, expected = checkpoints["v2_greedy"]
-    stock = generate(vllm_run, path)
+    stock = generate(vllm_run, path, llm_args=STOCK_MLA)
     assert stock["plugin_loaded"] and stock["model_class"] == "DeepseekV2ForCausalLM"  # loaded, inert
     assert stock["tokens"] == expected and stock["backend_calls"] == 0  # vLLM's Inductor, not ours
     on = {**ON, "ascend_graph": {"compile_cache_dir": str(tmp_path)}}
-    graph = generate(vllm_run, path, on, repeats=2)
+    graph = generate(vllm_run, path, on, repeats=2, spec={"contract": True, "prompt_logprobs": True})
     assert graph["model_class"] == "AscendGraphDeepseekV2ForCausalLM"
     assert graph["tokens"] == expected and graph["fused_moe_calls"] > 0  # the MoE in vLLM's kernel
     assert_graph_counters(graph["stats"], generations=2)
+    assert_captured_at_start(graph)
+    assert_model_contract(graph, generations=2)
     warm = generate(vllm_run, path, on)
     assert warm["tokens"] == expected and warm["stats"]["compiles"] == 0
     assert_graph_counters(warm["stats"], generations=1)
+    assert_captured_at_start(warm)
 
 
 def test_v3_graph_mode_tokens_equal_stock_vllm_eager_and_transformers_with_parity_checks(vllm_run, checkpoints):
@@ -206,20 +244,23 @@ def test_v3_graph_mode_tokens_equal_stock_vllm_eager_and_transformers_with_parit
     upstream problems): the stock side is its eager path with native ops. Graph mode runs the
     MoE in our own backend here (``moe_kernel``), in vLLM's kernel in the V2 test."""
     path, expected = checkpoints["v3"]
-    stock = generate(vllm_run, path, llm_args={"enforce_eager": True, "compilation_config": {"custom_ops": ["none"]}})
+    stock = generate(vllm_run, path, llm_args={"enforce_eager": True, "compilation_config": {"custom_ops": ["none"]},
+                                               **STOCK_MLA})
     assert stock["model_class"] == "DeepseekV3ForCausalLM" and stock["tokens"] == expected
     graph = generate(vllm_run, path, {**ON, "ascend_graph": {"parity_interval": 3, "moe_kernel": "ascend_graph"}})
     assert graph["model_class"] == "AscendGraphDeepseekV3ForCausalLM"
     assert graph["tokens"] == expected and graph["fused_moe_calls"] == 0  # the MoE in our own backend
     stats = graph["stats"]
     assert_graph_counters(stats, generations=1)
+    assert_captured_at_start(graph)
     assert stats["parity_checks"] == (NEW_TOKENS - 1) // 3 and stats["parity_failures"] == 0
 
 
 def test_the_ascend_graph_backend_compiles_vllms_own_graph_with_tokens_equal_transformers(vllm_run, checkpoints):
     """vLLM's compilation with our backend (mode 2, its graph holds ``LayerName`` inputs)."""
     path, expected = checkpoints["v2_greedy"]
-    compiled = generate(vllm_run, path, llm_args={"compilation_config": {"mode": 2, "backend": "ascend_graph"}})
+    compiled = generate(vllm_run, path, llm_args={"compilation_config": {"mode": 2, "backend": "ascend_graph"},
+                                                  **STOCK_MLA})
     assert compiled["model_class"] == "DeepseekV2ForCausalLM"  # vLLM's own model, no graph mode
     assert compiled["backend_calls"] >= 1
     assert compiled["tokens"] == expected

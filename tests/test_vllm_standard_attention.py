@@ -26,7 +26,8 @@ import pytest
 transformers = pytest.importorskip("transformers", minversion="5.0")
 import torch  # noqa: E402
 
-from test_vllm_plugin import NEW_TOKENS, SIZES, assert_graph_counters, greedy_tokens, vllm_run  # noqa: E402,F401
+from test_vllm_plugin import (NEW_TOKENS, SIZES, assert_captured_at_start, assert_graph_counters,  # noqa: E402,F401
+                              greedy_tokens, vllm_run)
 
 pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.slow]
 
@@ -83,6 +84,7 @@ def test_llama_graph_mode_tokens_equal_stock_vllm_and_transformers(vllm_run, lla
     assert graph["tokens"] == expected
     stats = graph["stats"]
     assert_graph_counters(stats, generations=2)  # max_num_seqs 4, as test_vllm_plugin's
+    assert_captured_at_start(graph)
     assert stats["parity_checks"] == 2 * (NEW_TOKENS - 1) // 3 and stats["parity_failures"] == 0
 
 

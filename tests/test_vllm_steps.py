@@ -1,15 +1,18 @@
-"""A vLLM step's metadata in the runner's terms, without vLLM.
+"""A vLLM step's metadata in the runner's terms, and the logits rows vLLM gets back, without vLLM.
 
 Oracle: a mixed step written out by hand as vLLM lays it out (decodes first, a padded block
-table, spans in ``query_start_loc``), and the SequenceSteps and logits rows it must give.
+table, spans in ``query_start_loc``), the SequenceSteps it must give, and vLLM's own selection
+``logits_indices = query_start_loc[1:] - 1`` (``GPUModelRunner._prepare_inputs``) applied to
+what ``forward`` returns, which must give back the runner's logits row per request.
 """
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from ascend_graph.runner import SequenceStep
-from ascend_graph.vllm.steps import logits_at_last_tokens, sequence_steps
+from ascend_graph.vllm.steps import select_logits, sequence_steps, token_rows
 
 # Two decodes (lengths 17 and 5 after this step), then a 3-token prefill; block size 16.
 # The table has a padding row and padding columns, as vLLM's persistent buffers do.
@@ -30,10 +33,45 @@ def test_each_request_brings_its_span_its_cached_count_and_the_blocks_its_length
     ]
 
 
-def test_each_requests_logits_land_on_its_last_token_and_nowhere_else():
-    logits = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
-    out = logits_at_last_tokens(logits, MIXED, num_tokens=5)
-    assert torch.equal(out, torch.tensor([[1.0, 2.0], [3.0, 4.0], [0.0, 0.0], [0.0, 0.0], [5.0, 6.0]]))
+def vllm_logits_indices(meta) -> torch.Tensor:
+    """What vLLM selects from the forward's output without speculative decoding."""
+    return meta.query_start_loc_cpu[1: meta.num_reqs + 1].to(torch.long) - 1
+
+
+def test_a_mixed_step_returns_a_small_row_per_token_and_vllms_selection_gives_each_requests_logits():
+    logits = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])  # the runner's, one row per request
+    rows = token_rows(5, step=7, meta=MIXED)
+    assert rows.shape == (5, 2)  # T x 2, never T x V
+    assert torch.equal(select_logits(rows[vllm_logits_indices(MIXED)], logits, step=7), logits)
+    reordered = rows[torch.tensor([4, 0])]  # request 2's last token, then request 0's
+    assert torch.equal(select_logits(reordered, logits, step=7), logits[[2, 0]])
+
+
+@pytest.mark.parametrize("tokens", [[2], [3], [2, 4]])  # a prompt token: no logits there
+def test_a_token_without_logits_is_an_error_not_a_row_of_zeros(tokens):
+    rows = token_rows(5, step=7, meta=MIXED)
+    with pytest.raises(ValueError, match=r"logits at token rows \[0"):
+        select_logits(rows[torch.tensor(tokens)], torch.ones(3, 2), step=7)
+
+
+def test_rows_of_another_forward_or_made_up_rows_are_refused_naming_them():
+    rows = token_rows(5, step=7, meta=MIXED)[vllm_logits_indices(MIXED)]
+    with pytest.raises(ValueError, match=r"another forward \(step 7\).*step 8"):
+        select_logits(rows, torch.ones(3, 2), step=8)
+    with pytest.raises(ValueError, match="another forward"):  # vLLM's sampler warm-up feeds rand_like(hidden)
+        select_logits(torch.rand_like(rows), torch.ones(3, 2), step=7)
+    with pytest.raises(ValueError, match=r"\[k, 2\] float64"):
+        select_logits(torch.zeros(3, 5), torch.ones(3, 2), step=7)
+    bad = rows.clone()
+    bad[0, 0] = 3.0  # past the runner's 3 rows
+    with pytest.raises(ValueError, match=r"outside \[0, 3\)"):
+        select_logits(bad, torch.ones(3, 2), step=7)
+
+
+def test_a_dummy_run_has_no_logits_anywhere():
+    rows = token_rows(4, step=2)  # no metadata: vLLM's _dummy_run
+    with pytest.raises(ValueError, match="dummy run"):
+        select_logits(rows[torch.tensor([1, 3])], None, step=2, what="vLLM's dummy run")
 
 
 # Three decodes (lengths 1, 16 and 33 after this step: 1, 1 and 3 blocks of 16), a padded table.
@@ -53,4 +91,5 @@ def test_a_decode_only_step_gives_one_token_per_request_and_its_blocks():
 
 def test_one_token_per_request_passes_the_logits_through_uncopied():
     logits = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
-    assert logits_at_last_tokens(logits, DECODES, num_tokens=3) is logits
+    rows = token_rows(3, step=1, meta=DECODES)[vllm_logits_indices(DECODES)]
+    assert select_logits(rows, logits, step=1) is logits

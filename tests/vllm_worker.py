@@ -12,6 +12,12 @@ and writes each one's error (``None`` where it was built). With ``spec["timing"]
 ``spec["count_backend_calls"]``, ``backend_calls`` counts the ``ascend_graph`` backend's compiles, and
 ``fused_moe_calls`` the calls of vLLM's ``cpu_fused_moe`` through ``vllm._custom_ops`` (where graph
 mode's MoE runs vLLM's kernel, ``ascend_graph.vllm.moe``).
+In graph mode ``stats_at_start`` is ``runner_stats`` right after ``LLM(...)``, before any request.
+With ``spec["contract"]`` (graph mode, in-process engine) it first drives the model through
+vLLM's own runner (``contract_probe``: a dummy run, a profile run, a forward without our layers'
+metadata), then records every forward's and ``compute_logits``' output shape during the
+generations (``shapes``); with ``spec["prompt_logprobs"]`` a last request asks for prompt
+logprobs (``prompt_logprobs_error``).
 Standard library, vLLM and ascend_graph only.
 """
 
@@ -40,17 +46,27 @@ def run(spec: dict) -> dict:
         llm = vllm.LLM(model=spec["model"], **spec["llm"])
         out["init_s"] = time.perf_counter() - start
         out["model_class"] = llm.llm_engine.vllm_config.model_config.hf_config.architectures[0]
+        graph = out["model_class"].startswith("AscendGraph")
+        if graph:
+            from ascend_graph.vllm import runner_stats
+
+            out["stats_at_start"] = runner_stats(llm)
+        if spec.get("contract"):
+            (out["contract"],) = llm.collective_rpc(contract_probe)
         params = vllm.SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
                                      detokenize=False)
         for _ in range(spec.get("repeats", 1)):
             outputs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
             out["tokens"] = [list(o.outputs[0].token_ids) for o in outputs]
+        if spec.get("contract"):
+            (out["shapes"],) = llm.collective_rpc(  # a copy: later calls append to the recorded lists
+                lambda worker: json.loads(json.dumps(worker.model_runner.get_model().recorded_shapes)))
         if "timing" in spec:
             out["ms_per_step"] = decode_ms(llm, vllm, spec)
-        if out["model_class"].startswith("AscendGraph"):
-            from ascend_graph.vllm import runner_stats
-
+        if graph:
             out["stats"] = runner_stats(llm)
+        if spec.get("prompt_logprobs"):
+            out["prompt_logprobs_error"] = prompt_logprobs_error(llm, vllm, spec)
     except Exception as e:  # the test reads the error; the traceback goes to stderr
         out["error"] = error_of(e)
     finally:
@@ -61,6 +77,56 @@ def run(spec: dict) -> dict:
         out["backend_calls"], out["fused_moe_calls"] = len(backend_calls), len(fused_moe_calls)
     out["plugin_loaded"] = "ascend_graph.vllm.plugin" in sys.modules  # vLLM ran our entry point
     return out
+
+
+def contract_probe(worker) -> dict:
+    """In the worker: vLLM's own dummy run and profile run, and a forward under a context without
+    our layers, each one's outcome; then record the model's output shapes (``recorded_shapes``)."""
+    import torch
+    from vllm.forward_context import set_forward_context
+
+    runner, out = worker.model_runner, {}
+    model = runner.get_model()
+    before = model.runner_stats()
+    hidden, _ = runner._dummy_run(3)  # what DP's execute_dummy_batch and the warm-ups run
+    out["dummy_run"] = {"shape": list(hidden.shape), "rows": sorted(set(hidden[:, 0].tolist())),
+                        "stats_unchanged": model.runner_stats() == before}
+    out["profile_run_error"] = outcome(runner.profile_run)
+    with set_forward_context({}, worker.vllm_config):
+        out["no_metadata_error"] = outcome(lambda: model(input_ids=torch.tensor([1, 2]),
+                                                         positions=torch.tensor([0, 1])))
+    out["stats_unchanged"] = model.runner_stats() == before
+    model.recorded_shapes = {"forward": [], "compute_logits": []}
+    for name in ("forward", "compute_logits"):
+        record(model, name)
+    return out
+
+
+def record(model, name: str) -> None:
+    """Record the output shape of each call of ``model.<name>``."""
+    inner = getattr(model, name)
+
+    def recorded(*args, **kwargs):
+        result = inner(*args, **kwargs)
+        model.recorded_shapes[name].append(list(result.shape))
+        return result
+
+    setattr(model, name, recorded)
+
+
+def outcome(fn) -> dict | None:
+    """``fn()``'s error (type and message), ``None`` where it returned."""
+    try:
+        fn()
+    except Exception as e:
+        return {"type": type(e).__name__, "message": str(e)}
+    return None
+
+
+def prompt_logprobs_error(llm, vllm, spec: dict) -> dict | None:
+    """Ask for prompt logprobs (logits at every prompt token); the error, if any."""
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, detokenize=False)
+    return outcome(lambda: llm.generate([{"prompt_token_ids": spec["prompts"][0]}], params, use_tqdm=False))
 
 
 def count_calls(module, attr: str) -> list:

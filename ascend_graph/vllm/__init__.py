@@ -1,10 +1,12 @@
-"""ascend_graph as a vLLM plugin: graph mode switched on by vllm-ascend's flag (docs/vllm.md).
+"""ascend_graph as a vLLM plugin: graph mode switched on by vllm-ascend's flag on vLLM's CPU
+platform (docs/vllm.md).
 
 ``register`` is the ``vllm.general_plugins`` entry point; vLLM calls it once in every
 process. It is inert unless ``LLM(..., additional_config=...)`` holds
-``torchair_graph_config`` or ``ascend_graph``. ``runner_stats(llm)`` reads the runner's
-counters from the LLM's workers. vLLM is imported only inside these functions: importing
-``ascend_graph`` or this package never imports it.
+``torchair_graph_config`` or ``ascend_graph``, and on any platform but CPU it leaves
+``torchair_graph_config`` to that platform's plugin (our own section there is an error).
+``runner_stats(llm)`` reads the runner's counters from the LLM's workers. vLLM is imported
+only inside these functions: importing ``ascend_graph`` or this package never imports it.
 """
 
 from __future__ import annotations

@@ -11,6 +11,11 @@ Two sections of ``additional_config`` are ours:
 ``max_batch_size`` is vLLM's ``max_num_seqs`` and cannot be set here. Any other key of
 ``additional_config`` belongs to someone else and is left alone. Errors are ``ValueError`` /
 ``TypeError`` whose message starts with the section that holds the bad key or value.
+
+One owner per flag: graph mode runs where vLLM's active platform is one of ``RUNS_ON`` (its
+``device_type``; the model is built on the host, so CPU only). Elsewhere, e.g. under
+vllm-ascend's NPU platform, ``torchair_graph_config`` is that platform's, and only our own
+section is ours (an error there: ``check_platform``).
 """
 
 from __future__ import annotations
@@ -30,14 +35,44 @@ ARCHITECTURES = {
 }
 
 
+RUNS_ON = ("cpu",)  # vLLM platforms' device_type where graph mode runs: the model is built on the host
+
+
 # additional_config["ascend_graph"]["moe_kernel"]: whose kernel runs the routed experts ("vllm":
 # vLLM's cpu_fused_moe over weights packed for it, where it takes the model; the default)
 MOE_KERNELS = ("vllm", "ascend_graph")
 PLUGIN_KEYS = frozenset({"moe_kernel"})  # keys of our section that are not GraphConfig's
 
 
+def runs_graph_mode(platform: Any) -> bool:
+    """Whether graph mode runs on vLLM ``platform`` (its ``device_type`` is in ``RUNS_ON``)."""
+    return getattr(platform, "device_type", None) in RUNS_ON
+
+
+def platform_name(platform: Any) -> str:
+    """``platform`` as errors name it: its class and ``device_type``."""
+    cls = platform if isinstance(platform, type) else type(platform)
+    return f"{cls.__name__} (device_type {getattr(platform, 'device_type', None)!r})"
+
+
+def check_platform(additional_config: Any, platform: Any) -> bool:
+    """Whether our sections of ``additional_config`` are ours to read on ``platform``: False
+    without them or where graph mode does not run (``torchair_graph_config`` is then that
+    platform's); ``ValueError`` naming the platform for our own section there."""
+    if not has_flag(additional_config):
+        return False
+    if runs_graph_mode(platform):
+        return True
+    if OWN_SECTION in additional_config:
+        raise ValueError(f"additional_config[{OWN_SECTION!r}]: ascend_graph's graph mode runs on vLLM's CPU "
+                         f"platform only (its model is built on the host); the active platform is "
+                         f"{platform_name(platform)}. Remove the section")
+    return False
+
+
 def has_flag(additional_config: Any) -> bool:
-    """Whether ``additional_config`` holds one of our sections (otherwise the plugin does nothing)."""
+    """Whether ``additional_config`` holds one of our sections (otherwise the plugin does nothing;
+    on a platform graph mode does not run on, see ``check_platform``)."""
     return isinstance(additional_config, Mapping) and (
         TORCHAIR_SECTION in additional_config or OWN_SECTION in additional_config)
 

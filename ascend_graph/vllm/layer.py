@@ -11,7 +11,7 @@ ours). Its backend's metadata builder hands the model vLLM's
 ``CommonAttentionMetadata`` unchanged (block tables, sequence lengths, query starts).
 
 Prototype: the ``GraphRunner`` allocates the tuples itself; vLLM's fused buffer is released
-when bound (docs/vllm.md, "Caches").
+when bound (docs/vllm.md, "Caches"), and the model captures its graphs then (``on_bound``).
 """
 
 from __future__ import annotations
@@ -79,6 +79,8 @@ class TupleCacheLayer(nn.Module, AttentionLayerBase):
         self.tuple_cache: Optional[Callable[[], Any]] = None
         # Set by the model: returns its identity for a KV connector's handshake (pd/identity.py).
         self.model_identity: Optional[Callable[[], Any]] = None
+        # Set by the model: called after each bind (the model captures once every layer is bound).
+        self.on_bound: Optional[Callable[[], None]] = None
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return TupleCacheBackend
@@ -95,8 +97,11 @@ class TupleCacheLayer(nn.Module, AttentionLayerBase):
                                 dtype=self.spec.dtype, cache_dtype_str="auto")
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """Take the block count of vLLM's view, then release vLLM's buffer: our runner holds the caches."""
+        """Take the block count of vLLM's view, then release vLLM's buffer: our runner holds the
+        caches. Then ``on_bound`` (where the model set it)."""
         self.num_blocks = int(kv_cache.shape[0])
         if kv_cache.untyped_storage().nbytes():
             kv_cache.untyped_storage().resize_(0)
         self.kv_cache = ()
+        if self.on_bound is not None:
+            self.on_bound()

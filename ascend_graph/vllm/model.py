@@ -4,13 +4,19 @@
 vLLM keeps its scheduler, block pool, sampler and weight streaming; the forward pass is
 ascend_graph's model (here ``DeepseekForCausalLM``) run by a ``GraphRunner``: decode-only batches up to the
 largest capture size as per-size graphs over the tuple caches, everything else eagerly on the
-same caches. vLLM calls ``forward`` with the step's flattened tokens under its forward context,
-whose metadata (``layer.TupleCacheMetadataBuilder``) gives each request's query span, sequence
+same caches. The runner is built, and every capture size captured, when vLLM binds the KV
+caches (``TupleCacheLayer.bind_kv_cache``, in the worker's ``initialize_from_config``), before
+any request.
+
+vLLM calls ``forward`` with the step's flattened tokens under its forward context, whose
+metadata (``layer.TupleCacheMetadataBuilder``) gives each request's query span, sequence
 length, block table and slots. A decode-only step (one token per request) passes those tensors
-to ``GraphRunner.execute_decode``; any other becomes the runner's ``SequenceStep``s. ``forward`` returns
-``[T, V]`` logits with each request's row at its last token (the rows vLLM samples; in a
-decode-only step, one token per request, the runner's ``[n, V]`` logits themselves), and
-``compute_logits`` passes them through.
+to ``GraphRunner.execute_decode``; any other becomes the runner's ``SequenceStep``s. Either gives
+``[R, V]`` logits, one row per request, which the model keeps; ``forward`` returns
+``steps.token_rows`` (``[T, 2]``: which logits row each token has, if any) and
+``compute_logits`` maps vLLM's selection of it back to those logits (``steps.select_logits``).
+vLLM's dummy runs (``GPUModelRunner._dummy_run``) set no attention metadata: they run nothing
+and have no logits. Any other forward without this model's metadata raises.
 """
 
 from __future__ import annotations
@@ -28,10 +34,10 @@ from ..models.loader import CheckpointError, _check_complete, _piece, _target
 from ..pd.identity import model_identity
 from ..runner import GraphRunner, RunnerStats
 from ..runtime import weights_on_huge_pages
-from .flags import moe_kernel, parse_additional_config
+from .flags import moe_kernel, parse_additional_config, platform_name, runs_graph_mode
 from .layer import TupleCacheLayer
 from .moe import use_vllm_fused_moe
-from .steps import logits_at_last_tokens, sequence_steps
+from .steps import select_logits, sequence_steps, token_rows
 
 
 class AscendGraphForCausalLM(nn.Module):
@@ -49,6 +55,7 @@ class AscendGraphForCausalLM(nn.Module):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
+        _check_platform()
         self.config, self.model = self._build_model(vllm_config)
         self.graph_config = parse_additional_config(
             vllm_config.additional_config, max_num_seqs=vllm_config.scheduler_config.max_num_seqs)
@@ -60,9 +67,13 @@ class AscendGraphForCausalLM(nn.Module):
         for i, layer in enumerate(self.cache_layers):
             layer.tuple_cache = functools.partial(self._layer_cache, i)
             layer.model_identity = identity
+            layer.on_bound = self._caches_bound
         self.block_size = vllm_config.cache_config.block_size
         self.max_model_len = vllm_config.model_config.max_model_len
         self.runner: Optional[GraphRunner] = None
+        self._forwards = 0  # forwards so far: the serial number in token_rows
+        self._logits: Optional[Tensor] = None  # the latest forward's [R, V]; None after a dummy run
+        self._forward_name = "no forward yet"
 
     def _build_model(self, vllm_config: VllmConfig) -> tuple[Any, nn.Module]:
         raise NotImplementedError
@@ -82,41 +93,72 @@ class AscendGraphForCausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, intermediate_tensors: Any = None,
                 inputs_embeds: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
+        """Run the step; keep its ``[R, V]`` logits for ``compute_logits`` and return its
+        ``steps.token_rows`` ``[T, 2]``. A dummy run runs nothing and keeps no logits."""
+        self._forwards += 1
+        self._logits = None
+        self._forward_name = f"forward {self._forwards}"
+        if input_ids is None:
+            raise ValueError("ascend_graph's graph mode takes input_ids; got None (prompt embeddings: not supported)")
         meta = self._metadata()
-        if meta is None:  # vLLM's profiling and dummy runs, before the caches exist
-            return torch.zeros(input_ids.shape[0], self.config.vocab_size, dtype=torch.float32)
+        if meta is None:
+            self._forward_name = f"vLLM's dummy run (forward {self._forwards}: no attention metadata)"
+            return token_rows(input_ids.shape[0], self._forwards)
         n = meta.num_reqs
         if meta.num_actual_tokens == n and self.decode_as_tensors:  # decode-only: vLLM's tensors go to the graph's inputs as they are
-            return self._runner().execute_decode(input_ids[:n], meta.seq_lens[:n], meta.block_table_tensor[:n],
-                                                 meta.slot_mapping[:n])  # [n, V]
-        token_ids = input_ids.tolist()
-        logits = self._runner().execute(sequence_steps(token_ids, meta, self.block_size))  # [n, V]
-        return logits_at_last_tokens(logits, meta, len(token_ids))  # [T, V]
+            self._logits = self.runner.execute_decode(input_ids[:n], meta.seq_lens[:n],
+                                                      meta.block_table_tensor[:n], meta.slot_mapping[:n])
+        else:
+            self._logits = self.runner.execute(sequence_steps(input_ids.tolist(), meta, self.block_size))
+        return token_rows(input_ids.shape[0], self._forwards, meta)
 
     def embed_input_ids(self, input_ids: Tensor) -> Tensor:
         """vLLM's text-generation interface asks for it; our steps embed inside the model."""
         return self.model.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
-        """``forward`` already returns logits: vLLM's selected rows pass through."""
-        return hidden_states
+        """The latest forward's logits at the rows vLLM selected (``forward(...)[logits_indices]``):
+        ``[k, V]``; the runner's own tensor where those are its rows in order (decode steps)."""
+        return select_logits(hidden_states, self._logits, self._forwards, self._forward_name)
 
     def runner_stats(self) -> dict:
-        """The runner's counters (all zero before the first step)."""
+        """The runner's counters (all zero before vLLM binds the caches, when it captures)."""
         return (self.runner.stats if self.runner is not None else RunnerStats()).to_dict()
 
     def _metadata(self) -> Any:
+        """This step's metadata: ``None`` where vLLM passes none (its dummy runs: ``_dummy_run``
+        sets ``attn_metadata=None`` unless it captures full device graphs); else an error naming
+        what is missing."""
         metadata = get_forward_context().attn_metadata
+        if metadata is None:
+            return None
         if isinstance(metadata, list):
             raise NotImplementedError("ascend_graph's graph mode does not run vLLM's micro-batches (ubatching)")
-        if not isinstance(metadata, dict) or self.cache_layers[0].layer_name not in metadata:
-            return None
-        if self.cache_layers[0].num_blocks is None:
-            return None
-        return metadata[self.cache_layers[0].layer_name]
+        name = self.cache_layers[0].layer_name
+        if not isinstance(metadata, dict) or name not in metadata:
+            held = sorted(metadata)[:4] if isinstance(metadata, dict) else type(metadata).__name__
+            raise RuntimeError(f"vLLM's forward context has no attention metadata for layer {name!r} (it holds "
+                               f"{held}): this model's stand-in layers were not in the step")
+        if self.runner is None:  # built once every layer is bound
+            unbound = [layer.layer_name for layer in self.cache_layers if layer.num_blocks is None]
+            raise RuntimeError(f"a step ran before vLLM bound the KV caches of layers {unbound[:4]}")
+        return metadata[name]
+
+    def _caches_bound(self) -> None:
+        """Once vLLM has bound every layer's cache: build the runner and capture every size
+        (vLLM's start-up, so no request pays it; ``runner_stats`` shows the time)."""
+        counts = {layer.num_blocks for layer in self.cache_layers}
+        if None in counts:
+            return
+        if len(counts) > 1 or (self.runner is not None and counts != {self.runner.num_blocks}):
+            had = "none" if self.runner is None else self.runner.num_blocks
+            raise RuntimeError(f"vLLM bound {sorted(counts)} blocks to the layers (the runner has {had}): "
+                               "graph mode needs one block count, bound once")
+        with torch.inference_mode():  # vLLM steps run in inference mode: the caches and graphs match it
+            self._runner().capture(show_progress=False)
 
     def _layer_cache(self, index: int) -> Any:
-        """Layer ``index``'s cache tuple in the runner (built here if no step has built it yet)."""
+        """Layer ``index``'s cache tuple in the runner (built once vLLM has bound the caches)."""
         if self.cache_layers[0].num_blocks is None:
             raise RuntimeError("the tuple caches exist once vLLM has bound its KV blocks")
         return self._runner().kv_caches[index]
@@ -126,6 +168,15 @@ class AscendGraphForCausalLM(nn.Module):
             self.runner = GraphRunner(self.model, self.graph_config, num_blocks=self.cache_layers[0].num_blocks,
                                       block_size=self.block_size, max_model_len=self.max_model_len)
         return self.runner
+
+
+def _check_platform() -> None:
+    """Graph mode builds its model on the host: any other vLLM platform is an error naming it."""
+    from vllm.platforms import current_platform
+
+    if not runs_graph_mode(current_platform):
+        raise RuntimeError(f"ascend_graph's graph mode runs on vLLM's CPU platform; the active platform is "
+                           f"{platform_name(current_platform)}")
 
 
 class AscendGraphDeepseekV2ForCausalLM(AscendGraphForCausalLM):

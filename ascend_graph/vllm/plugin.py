@@ -3,16 +3,22 @@
 vLLM's ``VllmConfig.__post_init__`` ends in ``current_platform.check_and_update_config``, the
 one call that sees the whole config in the process that runs ``LLM(...)``. ``install`` wraps
 that classmethod: the stock method runs first, unchanged; then, only where
-``additional_config`` holds one of our sections, ``flags.parse_additional_config`` checks it
-(its errors propagate out of ``LLM(...)``) and, with graph mode on, the checkpoint's
-architecture is pointed at our class (``flags.ARCHITECTURES``).
+``additional_config`` holds one of our sections and the platform is one graph mode runs on
+(``flags.check_platform``: CPU; elsewhere ``torchair_graph_config`` is left to that platform's
+plugin, e.g. vllm-ascend, and our own section is an error naming the platform),
+``flags.parse_additional_config`` checks it (its errors propagate out of ``LLM(...)``) and,
+with graph mode on, the checkpoint's architecture is pointed at our class (``flags.ARCHITECTURES``).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from .flags import ARCHITECTURES, graph_architecture, has_flag, parse_additional_config
+from .flags import (ARCHITECTURES, check_platform, graph_architecture, has_flag, parse_additional_config,
+                    platform_name, runs_graph_mode)
+
+log = logging.getLogger(__name__)
 
 MODEL_MODULE = "ascend_graph.vllm.model"
 MODEL_MODULES = {"AscendGraphLlamaForCausalLM": "ascend_graph.vllm.llama"}  # the others: MODEL_MODULE
@@ -31,15 +37,17 @@ def require_vllm() -> Any:
 
 
 def install() -> None:
-    """Register the model classes by name (nothing imported) and wrap the platform's config check."""
+    """Register the model classes by name (nothing imported; only on a platform graph mode runs
+    on) and wrap the platform's config check."""
     require_vllm()
     from vllm import ModelRegistry
     from vllm.platforms import current_platform
 
-    known = set(ModelRegistry.get_supported_archs())
-    for ours in ARCHITECTURES.values():
-        if ours not in known:
-            ModelRegistry.register_model(ours, f"{MODEL_MODULES.get(ours, MODEL_MODULE)}:{ours}")
+    if runs_graph_mode(current_platform):
+        known = set(ModelRegistry.get_supported_archs())
+        for ours in ARCHITECTURES.values():
+            if ours not in known:
+                ModelRegistry.register_model(ours, f"{MODEL_MODULES.get(ours, MODEL_MODULE)}:{ours}")
     _wrap_check_and_update_config(type(current_platform))
     _add_worker_method()
 
@@ -60,15 +68,19 @@ def _wrap_check_and_update_config(platform_cls: type) -> None:
 
     def check_and_update_config(cls: type, vllm_config: Any) -> None:
         stock(vllm_config)
-        apply_flag(vllm_config)
+        apply_flag(vllm_config, cls)
 
     setattr(check_and_update_config, _MARK, True)
     platform_cls.check_and_update_config = classmethod(check_and_update_config)
 
 
-def apply_flag(vllm_config: Any) -> None:
-    """Check our sections of ``vllm_config.additional_config``; with graph mode on, switch the model class."""
-    if not has_flag(vllm_config.additional_config):
+def apply_flag(vllm_config: Any, platform: Any) -> None:
+    """On ``platform`` (vLLM's active one), check our sections of ``vllm_config.additional_config``
+    and, with graph mode on, switch the model class; on a platform graph mode does not run on,
+    touch nothing (``flags.check_platform``: our own section there raises)."""
+    if not check_platform(vllm_config.additional_config, platform):
+        if has_flag(vllm_config.additional_config):
+            log.debug("ascend_graph: torchair_graph_config is %s's here, left alone", platform_name(platform))
         return
     config = parse_additional_config(vllm_config.additional_config,
                                      max_num_seqs=vllm_config.scheduler_config.max_num_seqs)

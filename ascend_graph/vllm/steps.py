@@ -1,19 +1,29 @@
-"""A vLLM step in the runner's terms, without importing vLLM.
+"""A vLLM step in the runner's terms, and the logits rows it hands back, without importing vLLM.
 
 vLLM's ``CommonAttentionMetadata`` (``v1/attention/backend.py``) lists a step's requests in
 batch order, decodes first: ``query_start_loc_cpu [R + 1]`` (each request's span of the
 flattened tokens), ``seq_lens [R]`` (its length after this step), ``block_table_tensor [R', W]``
 (its blocks, rows past ``R`` and columns past its length being padding) and ``num_reqs`` (R).
+
+Logits rows. vLLM's runner does ``logits = model.compute_logits(forward(...)[logits_indices])``.
+The runner computes logits only where vLLM samples: ``[R, V]``, one row per request at its last
+token. So ``forward`` returns ``token_rows``, a ``[T, 2]`` float64 tensor (``ROW``: the request
+whose last token this is, or ``NO_ROW``; ``STEP``: the forward's serial number), and
+``compute_logits`` maps vLLM's selection of it to the runner's rows with ``select_logits``,
+which refuses a token without logits (e.g. prompt logprobs) and rows of another forward.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from ..runner import SequenceStep
+
+ROW, STEP = 0, 1  # the columns of token_rows
+NO_ROW = -1.0  # a token vLLM gets no logits for (not a request's last token, or a dummy run)
 
 
 def sequence_steps(token_ids: list[int], meta: Any, block_size: int) -> list[SequenceStep]:
@@ -30,13 +40,42 @@ def sequence_steps(token_ids: list[int], meta: Any, block_size: int) -> list[Seq
                          tables[i][:widths[i]]) for i in range(n)]
 
 
-def logits_at_last_tokens(logits: Tensor, meta: Any, num_tokens: int) -> Tensor:
-    """``[T, V]``: each request's ``logits`` row at its last token (the row vLLM samples), zeros elsewhere.
+def token_rows(num_tokens: int, step: int, meta: Optional[Any] = None) -> Tensor:
+    """``[T, 2]`` float64: per token, the request whose last token it is (``NO_ROW`` elsewhere,
+    and everywhere without ``meta``: a dummy run), and ``step``. Exact up to 2**53."""
+    rows = torch.full((num_tokens, 2), NO_ROW, dtype=torch.float64)
+    rows[:, STEP] = step
+    if meta is not None:
+        n = meta.num_reqs
+        last = meta.query_start_loc_cpu[1: n + 1].to(torch.long) - 1
+        rows[last, ROW] = torch.arange(n, dtype=torch.float64)
+    return rows
 
-    Where every request has one token (``T`` equals the request count), row ``i`` is request
-    ``i``'s last token: ``logits`` itself, nothing materialised."""
-    if num_tokens == meta.num_reqs:
+
+def select_logits(selected: Tensor, logits: Optional[Tensor], step: int, what: str = "the latest forward") -> Tensor:
+    """The runner's ``logits [R, V]`` rows that ``selected`` (vLLM's ``token_rows[logits_indices]``,
+    ``[k, 2]``) names, in its order: ``logits`` itself where that is ``0..R-1``, no copy.
+
+    ``ValueError`` naming the problem for: another shape or dtype; rows of another forward than
+    ``step`` (``what`` says which); a token without logits (``logits`` is ``None`` for all of
+    them: ``what`` names that forward); a row past ``R``."""
+    if selected.dim() != 2 or selected.shape[1] != 2 or selected.dtype != torch.float64:
+        raise ValueError("compute_logits takes the rows forward returned, selected at the sampled tokens "
+                         f"([k, 2] float64), got {selected.dtype} {list(selected.shape)}")
+    pairs = selected.tolist()
+    stale = sorted({s for _, s in pairs if s != step})
+    if stale:
+        named = ", ".join(f"{s:g}" for s in stale[:4])
+        raise ValueError(f"compute_logits was given rows of another forward (step {named}), not of "
+                         f"{what} (step {step}): only the latest forward's rows have logits")
+    rows = [r for r, _ in pairs]
+    missing = [i for i, r in enumerate(rows) if r == NO_ROW]
+    if missing or logits is None:
+        raise ValueError(f"vLLM asked for logits at token rows {missing[:8] or list(range(len(rows)))[:8]} of "
+                         f"{what}, which has none: graph mode computes logits only at each request's last "
+                         "token (prompt logprobs are not supported) and none in vLLM's dummy runs")
+    if any(not float(r).is_integer() or not 0 <= r < logits.shape[0] for r in rows):
+        raise ValueError(f"token rows {rows[:8]} name logits rows outside [0, {logits.shape[0]})")
+    if rows == list(range(logits.shape[0])):
         return logits
-    out = logits.new_zeros(num_tokens, logits.shape[-1])
-    out[meta.query_start_loc_cpu[1: meta.num_reqs + 1].to(torch.long) - 1] = logits
-    return out
+    return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
