@@ -33,6 +33,7 @@ from ..runtime import StaticAddresses, compile_cache_counts, compile_cache_outco
 from .decode_inputs import check_decode_inputs, decode_steps
 from .freezing import freezing
 from .groups import CompileGroup, compile_groups, compile_recipe_for, resolve_compile_options
+from .parity import ParitySampler, sampled_parity_check
 from .static_inputs import StaticInputs
 from .step import (DecodeStep, GraphCompileError, GraphCompileWarning, PreparedStep, RecompileError, RunnerStats,
                    SequenceStep, step_for_size)
@@ -73,7 +74,7 @@ class GraphRunner:
         self._shared: dict[CompileGroup, tuple[Callable, Optional[str]]] = {}  # compiled group -> (graph, cache)
         self._warm = False
         self._recapture_base: dict[str, int] = {}
-        self._graph_steps_since_parity = 0
+        self._parity = ParitySampler(config.parity_interval)
         self._step = DecodeStep(model)
         self.static = StaticInputs(max(self.capture_sizes, default=0), self.table_width, self.device)
         self._addresses = StaticAddresses()
@@ -95,8 +96,8 @@ class GraphRunner:
             self.stats.eager_steps[reason] += 1
             return self.run_prepared(step, "eager")
         self.stats.graph_steps += 1
-        if self._parity_due():
-            return self._run_with_parity(step)
+        if self._parity.due():
+            return sampled_parity_check(self, step)
         return self.run_prepared(step, "graph")
 
     def backends(self) -> dict:
@@ -390,26 +391,3 @@ class GraphRunner:
                 torch._dynamo.mark_static_address(t)
                 named[f"kv_caches[{i}].{name}"] = t
         return named
-
-    # -- parity sampling ------------------------------------------------------------------
-
-    def _parity_due(self) -> bool:
-        interval = self.config.parity_interval
-        if not interval:
-            return False
-        self._graph_steps_since_parity += 1
-        if self._graph_steps_since_parity < interval:
-            return False
-        self._graph_steps_since_parity = 0
-        return True
-
-    def _run_with_parity(self, step: PreparedStep) -> Tensor:
-        from .parity import compare_prepared
-        report = compare_prepared(self, step, check_untouched="digest")  # no copy of the cache
-        self.stats.parity_checks += 1
-        if not report.ok:
-            self.stats.parity_failures += 1
-            self.stats.last_parity_failure = report.summary()
-            log.warning("graph/eager parity check failed: %s", report.summary())
-        return report.graph_logits
-

@@ -18,6 +18,7 @@ wrote). ``ParityReport.routing_flips`` lists the swaps that did.
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence
@@ -27,6 +28,8 @@ from torch import Tensor
 
 from ..kv_cache import NULL_BLOCK
 from .block_digest import block_digests, changed_blocks
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .graph_runner import GraphRunner, PreparedStep, SequenceStep
@@ -101,6 +104,36 @@ class ParityReport:
                 "caches": self.caches, "untouched_ok": self.untouched_ok, "untouched_check": self.untouched_check,
                 "untouched_changed": self.untouched_changed, "routing_flips": self.routing_flips,
                 "backends": self.backends}
+
+
+class ParitySampler:
+    """Which graph steps a running engine checks against eager: every ``interval``-th (0: none)."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self._since = 0
+
+    def due(self) -> bool:
+        """Count one graph step; whether it is the one to check."""
+        if not self.interval:
+            return False
+        self._since += 1
+        if self._since < self.interval:
+            return False
+        self._since = 0
+        return True
+
+
+def sampled_parity_check(runner: "GraphRunner", step: "PreparedStep") -> Tensor:
+    """``compare_prepared`` for a sampled step, counted in ``runner.stats`` (a mismatch warns and
+    is kept as ``last_parity_failure``); the graph's logits. Untouched blocks by digests: no copy."""
+    report = compare_prepared(runner, step, check_untouched="digest")
+    runner.stats.parity_checks += 1
+    if not report.ok:
+        runner.stats.parity_failures += 1
+        runner.stats.last_parity_failure = report.summary()
+        log.warning("graph/eager parity check failed: %s", report.summary())
+    return report.graph_logits
 
 
 def compare_step(runner: "GraphRunner", seqs: Sequence["SequenceStep"], **kwargs) -> ParityReport:
