@@ -20,6 +20,7 @@ here has a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
@@ -27,7 +28,7 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 SECRET_ENV = "ASCEND_GRAPH_PD_SECRET"
 MIN_SECRET_BYTES = 16
@@ -155,14 +156,8 @@ def discard(sock: socket.socket, n: int, deadline: float, what: str, sink) -> No
 
 
 def _recv_some(sock: socket.socket, view: memoryview, deadline: float, what: str) -> int:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError(f"{what}: the peer sent too little before the deadline")
-    sock.settimeout(left)
-    try:
+    with _before(sock, deadline, f"{what}: the peer sent too little before the deadline"):
         k = sock.recv_into(view, len(view))
-    except socket.timeout:
-        raise TimeoutError(f"{what}: the peer sent too little before the deadline") from None
     if k == 0:
         raise ConnectionError(f"{what}: the peer closed the connection")
     return k
@@ -170,11 +165,18 @@ def _recv_some(sock: socket.socket, view: memoryview, deadline: float, what: str
 
 def send_all(sock: socket.socket, data: bytes, deadline: float, what: str) -> None:
     """Send ``data`` before ``deadline``; ``TimeoutError`` / ``OSError``."""
+    with _before(sock, deadline, f"{what}: the peer did not take {len(data)} bytes before the deadline"):
+        sock.sendall(data)
+
+
+@contextlib.contextmanager
+def _before(sock: socket.socket, deadline: float, late: str) -> Iterator[None]:
+    """The socket's timeout set to what is left until ``deadline``; ``TimeoutError(late)`` past it."""
     left = deadline - time.monotonic()
     if left <= 0:
-        raise TimeoutError(f"{what}: no time left to send")
+        raise TimeoutError(late)
     sock.settimeout(left)
     try:
-        sock.sendall(data)
+        yield
     except socket.timeout:
-        raise TimeoutError(f"{what}: the peer did not take {len(data)} bytes before the deadline") from None
+        raise TimeoutError(late) from None
