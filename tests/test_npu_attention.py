@@ -444,6 +444,8 @@ def test_graph_mode_on_the_npu_backends_writes_the_caches_and_equals_eager(monke
     if place != "npu":
         fake = install_fake_npu(monkeypatch)  # then the operators' stand-in as torch_npu, over the fakes' empty one
         monkeypatch.setattr(backends, "detect_platform", lambda device: "npu")
+    # the v1 write returns its caches: AOTAutograd's first-call check warns, or raises where $CI is set
+    monkeypatch.setattr(torch._functorch.config, "error_on_custom_op_aliasing", False)
     dev = _place(place, monkeypatch)
     model, _ = _twin_models(kind, torch.bfloat16, **(MLA_NPU if kind == "mla" else {}))
     model = model.to(dev)
@@ -481,3 +483,33 @@ def test_graph_mode_on_the_npu_backends_writes_the_caches_and_equals_eager(monke
     graph_lengths = {tuple(r) for r in npu_ops.RUNS if len(r) in (1, 2, 4)}
     assert len(graph_lengths) >= steps  # new lengths every step, the 128-token block crossed among them
     assert any(max(r) > S for r in graph_lengths) and any(0 in r for r in graph_lengths)  # padded rows read nothing
+
+
+def test_where_torch_refuses_the_v1_writes_aliased_returns_graph_mode_falls_back_loudly(monkeypatch):
+    """torch_npu 7.1's write returns the caches it was given; where AOTAutograd's first-call check
+    raises on that (``error_on_custom_op_aliasing``, on wherever $CI is set), every capture size
+    runs eagerly with the same logits, each failure kept in ``compile_errors`` and warned."""
+    import ascend_graph.compile as backends
+    from npu_fakes import install_fake_npu
+    from ascend_graph.config import GraphConfig
+    from ascend_graph.runner import GraphCompileWarning, GraphRunner
+    from runner_helpers import Schedule
+
+    install_fake_npu(monkeypatch)
+    monkeypatch.setattr(backends, "detect_platform", lambda device: "npu")
+    monkeypatch.setattr(torch._functorch.config, "error_on_custom_op_aliasing", True)
+    dev = _place("standin-7.1", monkeypatch)
+    model = _twin_models("mla", torch.bfloat16, **MLA_NPU)[0].to(dev)
+    geometry = dict(num_blocks=4, max_model_len=2 * S)
+    runner = GraphRunner(model, GraphConfig(enabled=True, backend="torchair", capture_sizes=(1, 2)), **geometry)
+    eager = GraphRunner(model, GraphConfig(enabled=False), **geometry)
+    sched = Schedule(num_blocks=4, block_size=S, seed=3)
+    entry = sched.add(0, [5, 9, 2] * 4, new_tokens=3)
+    logits = runner.execute([entry])
+    torch.testing.assert_close(logits, eager.execute([entry]))
+    sched.advance([0], [entry], logits)
+    with pytest.warns(GraphCompileWarning, match="may not alias any inputs"):
+        entries = sched.decode_entries()
+        torch.testing.assert_close(runner.execute(entries), eager.execute(entries))
+    assert runner.stats.graph_steps == 0 and runner.stats.eager_steps["compile_failed"] == 1
+    assert all("may not alias" in e for e in runner.stats.compile_errors.values()) and runner.stats.compile_errors

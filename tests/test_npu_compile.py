@@ -147,9 +147,11 @@ def test_ge_marks_every_tensor_of_the_step_static_before_its_compile(npu, monkey
 
 def test_ge_cached_graph_compiles_with_dynamic_true(npu):
     config = npu_config("torchair", torchair=TorchairOptions(use_cached_graph=True))
-    runner = make_runner(small_model("llama"), config)
-    runner.capture(show_progress=False)
+    model = small_model("llama")
+    runner, eager = make_runner(model, config), make_runner(model, GraphConfig(enabled=False))
+    sizes = run_against_eager(runner, eager)
     assert [kwargs["dynamic"] for _, kwargs in npu.calls["cache_compile"]] == [True] * len(SIZES)
+    assert runner.stats.graph_steps == len(sizes) and not runner.stats.compile_errors
 
 
 def test_step_inputs_need_tuple_caches():
