@@ -295,7 +295,9 @@ def test_ci_installs_the_pd_extra_and_requires_mooncake():
     assert extras["pd"] == ["mooncake-transfer-engine-non-cuda==0.3.13.post1; platform_machine == 'x86_64' and "
                             "sys_platform == 'linux'"]
     ci = (root / ".ci" / "run").read_text()
-    command = [line for line in ci.splitlines() if line.startswith("python -m pip install")]
-    assert len(command) == 1 and '".[test,vllm,pd]"' in command[0]
+    command = [line for line in ci.splitlines() if line.startswith("bash scripts/install.sh")]
+    assert command == ["bash scripts/install.sh test,vllm,pd && python -m pytest -q"]
     assert command[0] in (root / "README.md").read_text().splitlines()
-    assert "export ASCEND_GRAPH_REQUIRE_MOONCAKE=1" in ci and "libibverbs1" in ci
+    assert "export ASCEND_GRAPH_REQUIRE_MOONCAKE=1" in ci and "export ASCEND_GRAPH_REQUIRE_VLLM=1" in ci
+    install = (root / "scripts" / "install.sh").read_text()
+    assert '"torch==2.13.0"' in install and "libibverbs1" in install
