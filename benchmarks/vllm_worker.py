@@ -1,19 +1,14 @@
-"""A side of ``benchmarks.vllm_peer`` in a process of its own: a script a python runs.
+"""A side of ``benchmarks.vllm_peer`` in a process of its own: ``python vllm_worker.py SPEC.json``.
 
-``python vllm_peer_worker.py SPEC.json`` builds one ``vllm.LLM`` on the spec's checkpoint and
-dtype with vLLM's defaults (the compiled path; CPU MLA), or, where the spec says ``"engine":
+It builds one ``vllm.LLM`` on the spec's checkpoint and dtype with vLLM's defaults (with the
+spec's ``additional_config``, if any: our graph mode's flag), or, where the spec says ``"engine":
 true``, the project's Engine (graph mode on, every batch of the spec captured, a failed compile
-raising), says it is ready, then serves requests until its stdin closes: each stdin line
-``{"batch": b, "new_tokens": n}`` generates greedily (``ignore_eos``) for the spec's first ``b``
-prompts and answers with the seconds the generate call took and the new tokens of each prompt
-(a vLLM side also with ``forward_seconds``: the seconds of those spent in vLLM's calls of the
-model's forward, ``GPUModelRunner._model_forward``, the rest being vLLM's own per-step work);
-``{"stats": true}`` answers with the graph runner's counters. A spec's ``additional_config``
-goes to ``vllm.LLM``: with our graph mode's flag in it, or for the Engine, the parent has put a
-checkout (and its plugin's entry point) on ``PYTHONPATH`` (``vllm_plugin_env``). Answers are
-stdout lines that start with ``REPLY`` (anything else on stdout is a log line). Standard library
-and vLLM only (the Engine: torch and the checkout): the vLLM counters are read through the worker
-method the plugin adds, by name.
+raising). It says it is ready, then serves stdin lines until stdin closes: ``{"batch": b,
+"new_tokens": n}`` generates greedily (``ignore_eos``) for the spec's first ``b`` prompts and
+answers with the seconds of the generate call and the new tokens (a vLLM side also with
+``forward_seconds``, the part spent in vLLM's calls of the model's forward); ``{"stats": true}``
+answers with the graph runner's counters. Answers are stdout lines starting with ``REPLY``
+(anything else is a log line). Standard library and vLLM only (the Engine: torch and the checkout).
 """
 
 from __future__ import annotations
@@ -138,16 +133,6 @@ def serve(spec: dict) -> None:
             continue
         seconds, tokens, forward = served.generate(spec["prompts"][:request["batch"]], request["new_tokens"])
         reply({"seconds": seconds, "tokens": tokens, **({} if forward is None else {"forward_seconds": forward})})
-
-
-def answer_in_file(worker, spec_path: str, out_path: str) -> None:
-    """A one-shot worker script's end (``vllm_peer_sides.run_worker_script`` starts it): ``worker``
-    of the JSON spec at ``spec_path``, its answer as JSON into ``out_path``, then exit at once."""
-    with open(spec_path, encoding="utf-8") as f:
-        result = worker(json.load(f))
-    with open(out_path, "w", encoding="utf-8") as f:
-        json.dump(result, f)
-    os._exit(0)  # skip vLLM's slow interpreter teardown
 
 
 if __name__ == "__main__":  # vLLM may spawn processes: the work must not run on import
