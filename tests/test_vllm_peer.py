@@ -125,7 +125,7 @@ def test_a_ratio_comes_with_the_range_of_its_rounds_own_ratios():
 
 
 def fake_python(tmp_path, body: str) -> str:
-    """An executable standing in for the vLLM venv's python: runs ``body`` (Python), whatever
+    """An executable standing in for vLLM's python: runs ``body`` (Python), whatever
     the arguments."""
     script = tmp_path / "python"
     script.write_text(f"#!{sys.executable}\nimport json, sys\n{body}\n")
