@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import shutil
 import statistics
@@ -50,10 +49,9 @@ import torch  # noqa: E402
 from ascend_graph.models import DeepseekConfig  # noqa: E402
 from benchmarks.common import conditions, write_json  # noqa: E402
 from benchmarks.models import hf_model, v2_lite_slice  # noqa: E402
-from benchmarks.vllm_worker import REPLY  # noqa: E402
+from benchmarks.vllm_worker import WorkerSide, check_vllm_python  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "benchmarks", "vllm_worker.py")
 DEFAULT_JSON = os.path.join(ROOT, "benchmarks", "results", "vllm_peer.json")
 MODELS = {
     "tiny": lambda: DeepseekConfig.small(hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
@@ -144,118 +142,13 @@ def write_checkpoint(name: str, path: str) -> DeepseekConfig:
     return config
 
 
-# ---- the sides: worker processes ---------------------------------------------------------------
+# ---- the sides ---------------------------------------------------------------------------------
 
 def graph_config(batches: list[int]) -> dict:
     """vLLM's ``additional_config`` for our graph mode: every measured batch captured, a failed
     compile raising (never timed as eager)."""
     return {"torchair_graph_config": {"enabled": True, "graph_batch_sizes": sorted(batches)},
             "ascend_graph": {"fallback_on_compile_error": False}}
-
-
-def plugin_path(directory: str) -> str:
-    """A ``dist-info`` under ``directory`` declaring the plugin's entry point (as pyproject.toml
-    does): with it and a checkout on ``PYTHONPATH``, any vLLM python runs that checkout's plugin."""
-    dist = os.path.join(directory, "ascend_graph-0.1.0.dist-info")
-    os.makedirs(dist, exist_ok=True)
-    with open(os.path.join(dist, "METADATA"), "w", encoding="utf-8") as f:
-        f.write("Metadata-Version: 2.1\nName: ascend-graph\nVersion: 0.1.0\n")
-    with open(os.path.join(dist, "entry_points.txt"), "w", encoding="utf-8") as f:
-        f.write("[vllm.general_plugins]\nascend_graph = ascend_graph.vllm:register\n")
-    return directory
-
-
-def vllm_env(cache_root: str, threads: int, path: str | None = None) -> dict:
-    """A worker's environment: vLLM's engine core in process, no thread binding, logs on stderr
-    (stdout carries the answers), and on ``PYTHONPATH`` only ``path``."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind",
-               VLLM_CACHE_ROOT=cache_root, OMP_NUM_THREADS=str(threads), VLLM_LOGGING_STREAM="ext://sys.stderr")
-    if path is not None:
-        env["PYTHONPATH"] = path
-    return env
-
-
-def check_vllm_python(python: str) -> str:
-    """vLLM's version under ``python``; ``SystemExit`` saying why where it cannot run vLLM."""
-    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
-        raise SystemExit(f"--vllm-python {python!r}: no such executable")
-    done = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True,
-                          env=vllm_env(tempfile.gettempdir(), 1))
-    if done.returncode != 0:
-        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise SystemExit(f"--vllm-python {python!r} cannot import vllm: {tail}")
-    return done.stdout.strip().splitlines()[-1]
-
-
-def check_graph_steps(stats: dict) -> None:
-    """``RuntimeError`` where a graph side ran anything but prefills eagerly: never timed as a graph."""
-    eager = {k: v for k, v in stats["eager_steps"].items() if k != "prefill"}
-    if eager or not stats["graph_steps"]:
-        raise RuntimeError(f"a graph-mode side ran decode steps eagerly: {stats}")
-
-
-class WorkerSide:
-    """A ``vllm_worker.py`` subprocess of ``python`` on ``spec`` (a ``Side``): vLLM, with our graph
-    mode where ``spec`` has ``additional_config`` (the checkout at ``root`` and its plugin on the
-    path), or the Engine of ``root`` where ``spec["engine"]``; its log in ``workdir``."""
-
-    def __init__(self, python: str, spec: dict, workdir: str, name: str = STOCK, root: str | None = None,
-                 tag: str = "") -> None:
-        spec_path = os.path.join(workdir, f"spec_{name}.json")
-        with open(spec_path, "w", encoding="utf-8") as f:
-            json.dump(spec, f)
-        self.log_path = os.path.join(workdir, f"{name}_{spec['dtype']}{tag}.log")
-        self.log = open(self.log_path, "w", encoding="utf-8")
-        path = root if root is None or spec.get("engine") else os.pathsep.join(
-            [root, plugin_path(os.path.join(workdir, "plugin"))])
-        self.proc = subprocess.Popen([python, WORKER, spec_path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True,
-                                     env=vllm_env(os.path.join(workdir, f"{name}_cache"), spec["threads"], path))
-        self.graph = "additional_config" in spec or bool(spec.get("engine"))
-        self.about: dict | None = None
-        self.forward_seconds: float | None = None  # of the last generation (vLLM sides)
-
-    def ready(self) -> dict:
-        """Wait for the worker's model; what it reported (start-up seconds, threads, versions)."""
-        if self.about is None:
-            self.about = self._answer()
-        return self.about
-
-    def __call__(self, batch: int, new_tokens: int) -> tuple[float, list[list[int]]]:
-        answer = self._ask({"batch": batch, "new_tokens": new_tokens})
-        self.forward_seconds = answer.get("forward_seconds")
-        return answer["seconds"], answer["tokens"]
-
-    def _ask(self, request: dict) -> dict:
-        self.ready()
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        return self._answer()
-
-    def _answer(self) -> dict:
-        for line in self.proc.stdout:
-            if line.startswith(REPLY):
-                return json.loads(line[len(REPLY):])
-            self.log.write(line)
-        self.log.flush()
-        with open(self.log_path, encoding="utf-8") as f:
-            tail = f.read()[-4000:]
-        raise RuntimeError(f"the {os.path.basename(self.log_path)} worker stopped (exit {self.proc.wait()}); "
-                           f"its log ends:\n{tail}")
-
-    def close(self) -> None:
-        """End the worker; a graph side's counters go into ``about`` and must show no eager decode step."""
-        stats = None
-        try:
-            if self.graph and self.about is not None and self.proc.poll() is None:
-                stats = self.about["runner_stats"] = self._ask({"stats": True})["stats"]
-        finally:
-            self.proc.stdin.close()
-            self.proc.wait(timeout=120)
-            self.log.close()
-        if stats is not None:
-            check_graph_steps(stats)
 
 
 def start_sides(args: argparse.Namespace, spec: dict, workdir: str, tag: str = "") -> dict[str, WorkerSide]:
@@ -288,10 +181,10 @@ def interleaved_decode(sides: dict[str, Side], batch: int, new_tokens: int, roun
     """Per side, after a warm-up generation: each round's decode ms per step (``round_ms``), its
     two timed generations' seconds (``round_s``), the median (``ms_per_step``), the warm-up's
     tokens and whether every round made them (``tokens_stable``). The sides take turns in every
-    round, in alternating order; each turn first pays the switch with an untimed-in-effect 1-token
-    generation, and the faster of the two 1-token times counts (a host stall is not a prefill).
-    A side with ``forward_seconds`` also gets its forward's share (``forward_round_ms``). With
-    ``probe``, each round appends the fastest of 3 calls of it to ``probe_s``, after a pause."""
+    round, in alternating order; each turn makes two 1-token generations (the first pays the
+    switch from the other process) and counts the faster (a host stall is not a prefill). A side
+    with ``forward_seconds`` also gets its forward's share (``forward_round_ms``). With ``probe``,
+    each round appends the fastest of 3 calls of it to ``probe_s``, after a pause."""
     out = {name: {"round_ms": [], "round_s": [], "tokens": side(batch, new_tokens)[1], "tokens_stable": True}
            for name, side in sides.items()}
     names = list(sides)
@@ -682,7 +575,8 @@ def main(argv: list[str] | None = None) -> dict:
                 referee.close()
             shutil.rmtree(path, ignore_errors=True)  # free its disk before the next model's
     out = result_json(args, settings, rows, about)
-    print("\n".join(render(rows) + render_split(rows) + render_floors(rows) + render_startup(out["sides"])))
+    blocks = (render(rows), render_split(rows), render_floors(rows), render_startup(out["sides"]))
+    print("\n\n".join("\n".join(lines) for lines in blocks if lines))
     write_json(args.json, out)
     return out
 

@@ -9,16 +9,23 @@ answers with the seconds of the generate call and the new tokens (a vLLM side al
 ``forward_seconds``, the part spent in vLLM's calls of the model's forward); ``{"stats": true}``
 answers with the graph runner's counters. Answers are stdout lines starting with ``REPLY``
 (anything else is a log line). Standard library and vLLM only (the Engine: torch and the checkout).
+
+The parent's end (``WorkerSide``) starts such a process with the environment vLLM needs, asks it,
+reads its answers among its log lines, and on closing checks that a graph side ran every decode
+step as a graph; a worker that dies is an error carrying its log, never a figure.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 REPLY = "@@vllm_peer "  # marks this worker's answers among other lines on stdout
+WORKER = os.path.abspath(__file__)
 
 
 def reply(message: dict) -> None:
@@ -133,6 +140,113 @@ def serve(spec: dict) -> None:
             continue
         seconds, tokens, forward = served.generate(spec["prompts"][:request["batch"]], request["new_tokens"])
         reply({"seconds": seconds, "tokens": tokens, **({} if forward is None else {"forward_seconds": forward})})
+
+
+# ---- the parent's end ------------------------------------------------------------------------
+
+def plugin_path(directory: str) -> str:
+    """A ``dist-info`` under ``directory`` declaring the plugin's entry point (as pyproject.toml
+    does): with it and a checkout on ``PYTHONPATH``, any vLLM python runs that checkout's plugin."""
+    dist = os.path.join(directory, "ascend_graph-0.1.0.dist-info")
+    os.makedirs(dist, exist_ok=True)
+    with open(os.path.join(dist, "METADATA"), "w", encoding="utf-8") as f:
+        f.write("Metadata-Version: 2.1\nName: ascend-graph\nVersion: 0.1.0\n")
+    with open(os.path.join(dist, "entry_points.txt"), "w", encoding="utf-8") as f:
+        f.write("[vllm.general_plugins]\nascend_graph = ascend_graph.vllm:register\n")
+    return directory
+
+
+def vllm_env(cache_root: str, threads: int, path: str | None = None) -> dict:
+    """A worker's environment: vLLM's engine core in process, no thread binding, logs on stderr
+    (stdout carries the answers), and on ``PYTHONPATH`` only ``path``."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               VLLM_CACHE_ROOT=cache_root, OMP_NUM_THREADS=str(threads), VLLM_LOGGING_STREAM="ext://sys.stderr")
+    if path is not None:
+        env["PYTHONPATH"] = path
+    return env
+
+
+def check_vllm_python(python: str) -> str:
+    """vLLM's version under ``python``; ``SystemExit`` saying why where it cannot run vLLM."""
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise SystemExit(f"--vllm-python {python!r}: no such executable")
+    done = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True,
+                          env=vllm_env(tempfile.gettempdir(), 1))
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SystemExit(f"--vllm-python {python!r} cannot import vllm: {tail}")
+    return done.stdout.strip().splitlines()[-1]
+
+
+def check_graph_steps(stats: dict) -> None:
+    """``RuntimeError`` where a graph side ran anything but prefills eagerly: never timed as a graph."""
+    eager = {k: v for k, v in stats["eager_steps"].items() if k != "prefill"}
+    if eager or not stats["graph_steps"]:
+        raise RuntimeError(f"a graph-mode side ran decode steps eagerly: {stats}")
+
+
+class WorkerSide:
+    """A ``vllm_worker.py`` subprocess of ``python`` on ``spec`` (a ``Side``): vLLM, with our graph
+    mode where ``spec`` has ``additional_config`` (the checkout at ``root`` and its plugin on the
+    path), or the Engine of ``root`` where ``spec["engine"]``; its log in ``workdir``."""
+
+    def __init__(self, python: str, spec: dict, workdir: str, name: str = "vllm", root: str | None = None,
+                 tag: str = "") -> None:
+        spec_path = os.path.join(workdir, f"spec_{name}.json")
+        with open(spec_path, "w", encoding="utf-8") as f:
+            json.dump(spec, f)
+        self.log_path = os.path.join(workdir, f"{name}_{spec['dtype']}{tag}.log")
+        self.log = open(self.log_path, "w", encoding="utf-8")
+        path = root if root is None or spec.get("engine") else os.pathsep.join(
+            [root, plugin_path(os.path.join(workdir, "plugin"))])
+        self.proc = subprocess.Popen([python, WORKER, spec_path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True,
+                                     env=vllm_env(os.path.join(workdir, f"{name}_cache"), spec["threads"], path))
+        self.graph = "additional_config" in spec or bool(spec.get("engine"))
+        self.about: dict | None = None
+        self.forward_seconds: float | None = None  # of the last generation (vLLM sides)
+
+    def ready(self) -> dict:
+        """Wait for the worker's model; what it reported (start-up seconds, threads, versions)."""
+        if self.about is None:
+            self.about = self._answer()
+        return self.about
+
+    def __call__(self, batch: int, new_tokens: int) -> tuple[float, list[list[int]]]:
+        answer = self._ask({"batch": batch, "new_tokens": new_tokens})
+        self.forward_seconds = answer.get("forward_seconds")
+        return answer["seconds"], answer["tokens"]
+
+    def _ask(self, request: dict) -> dict:
+        self.ready()
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def _answer(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY):])
+            self.log.write(line)
+        self.log.flush()
+        with open(self.log_path, encoding="utf-8") as f:
+            tail = f.read()[-4000:]
+        raise RuntimeError(f"the {os.path.basename(self.log_path)} worker stopped (exit {self.proc.wait()}); "
+                           f"its log ends:\n{tail}")
+
+    def close(self) -> None:
+        """End the worker; a graph side's counters go into ``about`` and must show no eager decode step."""
+        stats = None
+        try:
+            if self.graph and self.about is not None and self.proc.poll() is None:
+                stats = self.about["runner_stats"] = self._ask({"stats": True})["stats"]
+        finally:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+            self.log.close()
+        if stats is not None:
+            check_graph_steps(stats)
 
 
 if __name__ == "__main__":  # vLLM may spawn processes: the work must not run on import

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from benchmarks import vllm_peer
+from benchmarks import vllm_peer, vllm_worker
 from benchmarks.vllm_peer import decode_ms_per_step, interleaved_decode
 
 
@@ -138,7 +138,7 @@ SPEC = {"dtype": "float32", "threads": 1}
 
 def test_a_vllm_worker_that_dies_is_reported_with_its_log(tmp_path):
     python = fake_python(tmp_path, 'print("RuntimeError: Head dimension 80 is not supported by MLA"); sys.exit(3)')
-    side = vllm_peer.WorkerSide(python, SPEC, str(tmp_path))
+    side = vllm_worker.WorkerSide(python, SPEC, str(tmp_path))
     with pytest.raises(RuntimeError, match="(?s)exit 3.*Head dimension 80"):
         side.ready()
 
@@ -194,9 +194,9 @@ def test_the_vllm_graph_side_captures_every_batch_and_never_times_eager():
     assert vllm_peer.graph_config([8, 1, 32]) == {
         "torchair_graph_config": {"enabled": True, "graph_batch_sizes": [1, 8, 32]},
         "ascend_graph": {"fallback_on_compile_error": False}}
-    vllm_peer.check_graph_steps({"graph_steps": 10, "eager_steps": {"prefill": 3}})
+    vllm_worker.check_graph_steps({"graph_steps": 10, "eager_steps": {"prefill": 3}})
     for stats in ({"graph_steps": 10, "eager_steps": {"prefill": 3, "oversize": 1}},
                   {"graph_steps": 0, "eager_steps": {"prefill": 3}}):
         with pytest.raises(RuntimeError, match="eagerly"):
-            vllm_peer.check_graph_steps(stats)
+            vllm_worker.check_graph_steps(stats)
 
