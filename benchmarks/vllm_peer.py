@@ -570,8 +570,9 @@ def main(argv: list[str] | None = None) -> dict:
                 timed, about[f"{model}/{dtype}"] = measure(args, spec, work)
                 referee = Referee(path)
                 ceiling = about[f"{model}/{dtype}"].get("read_ceiling")
-                rows += [with_floor(with_referee(compare(model, dtype, b, timed[b]), referee, spec["prompts"], timed[b]),
-                                    ceiling, PROMPT_LEN + settings.new_tokens) for b in args.batches]
+                for b in args.batches:
+                    row = with_referee(compare(model, dtype, b, timed[b]), referee, spec["prompts"], timed[b])
+                    rows.append(with_floor(row, ceiling, PROMPT_LEN + settings.new_tokens))
                 referee.close()
             shutil.rmtree(path, ignore_errors=True)  # free its disk before the next model's
     out = result_json(args, settings, rows, about)
