@@ -187,7 +187,7 @@ def check_graph_steps(stats: dict) -> None:
 
 
 class WorkerSide:
-    """A ``vllm_worker.py`` subprocess of ``python`` on ``spec`` (a ``Side``): vLLM, with our graph
+    """A ``vllm_worker.py`` subprocess of ``python`` on ``spec`` (a ``vllm_peer.Side``): vLLM, with our graph
     mode where ``spec`` has ``additional_config`` (the checkout at ``root`` and its plugin on the
     path), or the Engine of ``root`` where ``spec["engine"]``; its log in ``workdir``."""
 
