@@ -217,7 +217,7 @@ def before_after_markdown(path: str) -> str:
 
 def vllm_peer_markdown(path: str) -> str:
     """A ``benchmarks.vllm_peer`` run: its table, the conditions and the command."""
-    from benchmarks.vllm_peer_rows import render, render_floors, render_split
+    from benchmarks.vllm_peer import render, render_floors, render_split
 
     d, rel = load(path), os.path.relpath(os.path.join(ROOT, path), ROOT)
     c, s, v = d["conditions"], d["settings"], d["versions"]["vllm_side"] or {}

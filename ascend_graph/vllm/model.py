@@ -50,7 +50,7 @@ class AscendGraphForCausalLM(nn.Module):
 
     checkpoint_architecture: str
     # Decode-only steps through ``GraphRunner.execute_decode`` (False: as ``SequenceStep``s, the
-    # form ``benchmarks.vllm_decode_inputs`` compares against).
+    # form before; docs/vllm.md says how to compare the two by hand).
     decode_as_tensors: bool = True
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
