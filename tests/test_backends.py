@@ -277,8 +277,10 @@ def test_torchair_contract_cached_graph_goes_through_cache_compile(fake_npu):
     from ascend_graph.compile.torchair import cache_compile
 
     cfg = GraphConfig(compile_cache_dir="/tmp/ag-torchair", torchair=TorchairOptions(use_cached_graph=True))
-    method = torch.nn.Linear(2, 2).forward
-    assert cache_compile(method, cfg) == "cached-model"
+    linear = torch.nn.Linear(2, 2)
+    x = torch.randn(3, 2)
+    torch.testing.assert_close(cache_compile(linear.forward, cfg)(x), linear(x))  # the compiled method
+    method = linear.forward
     ((func, kwargs),) = fake_npu.calls["cache_compile"]
     assert func == method
     assert kwargs["cache_dir"] == "/tmp/ag-torchair" and kwargs["ge_cache"] is False and kwargs["dynamic"] is True
