@@ -154,8 +154,8 @@ def machine(c: dict) -> str:
 def conditions_line(key: str, d: dict) -> str:
     """What one column was measured on, in one line."""
     c = d["conditions"]
-    line = (f"- **{label(key)}** (`benchmarks/results/{key}.json`): {machine(c)}; torch {c['torch']}, Python {c['python']}, "
-            f"{c['torch_threads']} torch thread{'s' * (c['torch_threads'] > 1)}, {c['when'][:10]}")
+    line = (f"- **{label(key)}** (`benchmarks/results/{key}.json`): {machine(c)}; torch {c['torch']}, "
+            f"Python {c['python']}, {c['torch_threads']} torch thread{'s' * (c['torch_threads'] > 1)}, {c['when'][:10]}")
     if d.get("machine_note"):
         line += f"; {d['machine_note']}"
     v = d.get("vllm_peer")
@@ -182,6 +182,11 @@ def _get(d: dict, *path, scale: float = 1.0, digits: int = 2) -> str:
         if d is None:
             return "—"
     return fmt(d * scale, digits)
+
+
+def section(title: str, text: str, body: list[str]) -> list[str]:
+    """A topic's section: its title, what it measures and the command, then its tables."""
+    return [f"## {title}", "", text, ""] + body + [""]
 
 
 def decode_section(ms: dict) -> list[str]:
@@ -232,11 +237,12 @@ def roofline_section(ms: dict) -> list[str]:
             lambda d, n=n: x(next((r["kernel_bytes_per_s"] / r["aten_bytes_per_s"]
                                    for r in (d.get("compute") or {}).get("few_rows", []) if r["rows"] == n), None)))
            for n in (1, 4, 16, 32)]
-    return (["## Roofline: the measured limits", "",
-             "`python -m benchmarks --parts bandwidth compute` (`benchmarks/roofline.py`, `peak.c`): one core's copy "
-             "and read-only bandwidth, the bf16 matmul rate of the dense MLP's shape timed with the copy probe, one "
-             "core's peak multiply-add rate, and few-row products streaming the same row-major bf16 weights.", ""]
-            + by_machine(ms, rows + few) + [""])
+    return section("Roofline: the measured limits",
+                   "`python -m benchmarks --parts bandwidth compute` (`benchmarks/roofline.py`, `peak.c`): one core's "
+                   "copy and read-only bandwidth, the bf16 matmul rate of the dense MLP's shape timed with the copy "
+                   "probe, one core's peak multiply-add rate, and few-row products streaming the same row-major bf16 "
+                   "weights.",
+                   by_machine(ms, rows + few))
 
 
 def attention_section(ms: dict) -> list[str]:
@@ -286,11 +292,12 @@ def moe_section(ms: dict) -> list[str]:
     rows += [(f"{t} token{'s' * (t > 1)}: graph, share of copy bandwidth",
               lambda d, t=t: (lambda r: fmt(r["graph"]["GB_per_s"] * 1e9 / r["copy_bytes_per_s"]) if r else "—")(
                   _row(d.get("moe"), "tokens", t))) for t in (1, 32)]
-    return (["## MoE layer", "",
-             "`python -m benchmarks --parts moe` (`benchmarks/moe.py`): one V2-Lite MoE layer's routed experts as the "
-             "model runs them (its MoE backend's decode), eager and compiled, with the copy probe in the same rounds; "
-             "bytes count each distinct chosen expert once. Results converted from the earlier `moe_forms` part keep "
-             "its two current forms (no per-round range).", ""] + by_machine(ms, rows) + [""])
+    return section("MoE layer",
+                   "`python -m benchmarks --parts moe` (`benchmarks/moe.py`): one V2-Lite MoE layer's routed experts "
+                   "as the model runs them (its MoE backend's decode), eager and compiled, with the copy probe in the "
+                   "same rounds; bytes count each distinct chosen expert once. Results converted from the earlier "
+                   "`moe_forms` part keep its two current forms (no per-round range).",
+                   by_machine(ms, rows))
 
 
 def startup_section(ms: dict) -> list[str]:
@@ -305,12 +312,13 @@ def startup_section(ms: dict) -> list[str]:
             ("the demo (sizes 1, 2, 4, 8): cold capture s (goal 30)", demo("demo", "cold")),
             ("the demo: warm capture s (goal 5)", demo("demo", "warm")),
             ("the demo, precompile on vs off: cold capture x faster", _precompile)]
-    return (["## Start-up", "",
-             "`python -m benchmarks --parts startup` (`benchmarks/startup.py`): fresh processes capturing every size, "
-             "cold with an empty `compile_cache_dir`, warm reusing it; portable artifacts "
-             "(`torch.compiler.save_cache_artifacts`, on CPU the generated source: the compiler runs again); "
-             "AOTInductor packages; the demo's own capture, medians of its cold/warm pairs, with "
-             "`inductor.precompile` on (default) and off.", ""] + by_machine(ms, rows) + [""])
+    return section("Start-up",
+                   "`python -m benchmarks --parts startup` (`benchmarks/startup.py`): fresh processes capturing every "
+                   "size, cold with an empty `compile_cache_dir`, warm reusing it; portable artifacts "
+                   "(`torch.compiler.save_cache_artifacts`, on CPU the generated source: the compiler runs again); "
+                   "AOTInductor packages; the demo's own capture, medians of its cold/warm pairs, with "
+                   "`inductor.precompile` on (default) and off.",
+                   by_machine(ms, rows))
 
 
 def _precompile(d: dict) -> str:
@@ -331,11 +339,12 @@ def memory_section(ms: dict) -> list[str]:
             ("graph, AOTInductor vs eager: x less peak RSS", lambda d: memory_less(d, "aot_peak_ratio")),
             ("KiB allocated in one graph step, 64 / 8192 cache blocks",
              lambda d: f"{alloc('graph', 64)(d)} / {alloc('graph', 8192)(d)}")]
-    return (["## Memory", "",
-             "`python -m benchmarks --parts memory` (`benchmarks/memory.py`): peak RSS (`VmHWM`, reset after the "
-             "model is built) of fresh processes serving the same requests (the V2-Lite slice, batches 1 and 8); the "
-             "bytes the CPU allocator hands out during one decode step must not grow with the cache's capacity.", ""]
-            + by_machine(ms, rows) + [""])
+    return section("Memory",
+                   "`python -m benchmarks --parts memory` (`benchmarks/memory.py`): peak RSS (`VmHWM`, reset after the "
+                   "model is built) of fresh processes serving the same requests (the V2-Lite slice, batches 1 and 8); "
+                   "the bytes the CPU allocator hands out during one decode step must not grow with the cache's "
+                   "capacity.",
+                   by_machine(ms, rows))
 
 
 def pd_section(ms: dict) -> list[str]:
@@ -350,11 +359,12 @@ def pd_section(ms: dict) -> list[str]:
                   lambda d, b=b: pd_faster(d, "pd_over_single_ttft", b)),
                  (f"gloo, batch {b}: PD vs one process, decode step x faster",
                   lambda d, b=b: pd_faster(d, "pd_over_single_decode", b))]
-    return (["## Prefill and decode in two processes", "",
-             "`python -m benchmarks --parts pd` (`benchmarks/pd.py`), over 127.0.0.1: the KV transfer into the decode "
-             "side's static caches against a local copy of the same bytes (every block checked bit-exact), then the "
-             "same requests served with prefill and decode apart against one process, taking turns, tokens checked "
-             "equal.", ""] + by_machine(ms, rows) + [""])
+    return section("Prefill and decode in two processes",
+                   "`python -m benchmarks --parts pd` (`benchmarks/pd.py`), over 127.0.0.1: the KV transfer into the "
+                   "decode side's static caches against a local copy of the same bytes (every block checked "
+                   "bit-exact), then the same requests served with prefill and decode apart against one process, "
+                   "taking turns, tokens checked equal.",
+                   by_machine(ms, rows))
 
 
 def gpu_section(ms: dict) -> list[str]:
