@@ -113,10 +113,10 @@ def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, ba
 def compare(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: bool, frozen_sizes=(),
            aot_sizes=()) -> dict:
     """The suite's decode part: graph vs eager vs transformers for one model case, and for the
-    V2-Lite slice the copy and read probes and the step's matmuls alone in the same rounds; ``frozen_sizes`` also get a graph
-    compiled with Inductor's freezing (``inductor.freezing_min_batch``), and ``aot_sizes`` one
-    from AOTInductor packages (``inductor.aot``), each its own runner over the same weights,
-    timed in the same rounds."""
+    V2-Lite slice the copy and read probes in the same rounds (the step's bytes over its time);
+    ``frozen_sizes`` also get a graph compiled with Inductor's freezing (``inductor.freezing_min_batch``),
+    and ``aot_sizes`` one from AOTInductor packages (``inductor.aot``), each its own runner over the
+    same weights, timed in the same rounds."""
     case = cases(quick)[case_name]
     model = build(case)
     hf = HFDecoder(case.config, case.dtype, case.context)
