@@ -155,7 +155,8 @@ def conditions_line(key: str, d: dict) -> str:
     """What one column was measured on, in one line."""
     c = d["conditions"]
     line = (f"- **{label(key)}** (`benchmarks/results/{key}.json`): {machine(c)}; torch {c['torch']}, "
-            f"Python {c['python']}, {c['torch_threads']} torch thread{'s' * (c['torch_threads'] > 1)}, {c['when'][:10]}")
+            f"Python {c['python']}, {c['torch_threads']} torch thread{'s' * (c['torch_threads'] > 1)}, "
+            f"{c['when'][:10]}")
     if d.get("machine_note"):
         line += f"; {d['machine_note']}"
     v = d.get("vllm_peer")
@@ -198,6 +199,10 @@ def decode_section(ms: dict) -> list[str]:
           for b in (1, 8, 32)]
     share = [(f"V2-Lite slice, batch {b}", lambda d, b=b: _share(_row(d.get("decode_v2"), "batch", b)))
              for b in (1, 8, 32, 64)]
+    opt_in = [(f"V2-Lite slice, batch {b}: frozen (`inductor.freezing_min_batch`)",
+               lambda d, b=b: _variant(d, "decode_v2", b, "graph_frozen_s")) for b in (8, 32)]
+    opt_in += [(f"small model, batch {b}: AOTInductor packages (`inductor.aot`)",
+                lambda d, b=b: _variant(d, "decode_small", b, "graph_aot_s")) for b in (1, 8, 64)]
     over = [("`execute` µs", lambda d: _get(d, "overhead", "execute_us", digits=0)),
             ("its compiled call µs", lambda d: _get(d, "overhead", "compiled_call_us", digits=0)),
             ("dynamo's guard check in it µs", lambda d: _get(d, "overhead", "guard_us", digits=0)),
@@ -214,7 +219,15 @@ def decode_section(ms: dict) -> list[str]:
             + ["", "Roofline share: the bytes the step must read (each weight once, each chosen expert once, the "
                "KV context) over its time, over the copy bandwidth timed in the same rounds:", ""]
             + by_machine(ms, share, "model, batch")
+            + ["", "How many times faster an opt-in variant's graph step ran than the default one (its own runner "
+               "over the same weights, the same rounds):", ""] + by_machine(ms, opt_in, "variant")
             + ["", "Where the small model's graph step (batch 8) spends its time:", ""] + by_machine(ms, over) + [""])
+
+
+def _variant(d: dict, part: str, batch: int, key: str) -> str:
+    """How many times faster an opt-in variant's step (``key``) ran than the default graph step."""
+    r = _row(d.get(part), "batch", batch)
+    return x(r["graph_s"] / r[key]) if key in r else "—"
 
 
 def _share(r: dict) -> str:
@@ -354,11 +367,11 @@ def pd_section(ms: dict) -> list[str]:
             ("gloo, one descriptor per block: share of local copy", tr("gloo", "blocks")),
             ("Mooncake, merged runs: share of local copy", tr("mooncake", "runs")),
             ("Mooncake, one descriptor per block: share of local copy", tr("mooncake", "blocks"))]
-    for b in (1, 4):
-        rows += [(f"gloo, batch {b}: PD vs one process, TTFT x faster",
-                  lambda d, b=b: pd_faster(d, "pd_over_single_ttft", b)),
-                 (f"gloo, batch {b}: PD vs one process, decode step x faster",
-                  lambda d, b=b: pd_faster(d, "pd_over_single_decode", b))]
+    for t, b in ((t, b) for t in ("Mooncake", "gloo") for b in (1, 4)):
+        rows += [(f"{t}, batch {b}: PD vs one process, TTFT x faster",
+                  lambda d, b=b, t=t: pd_faster(d, "pd_over_single_ttft", b, t.lower())),
+                 (f"{t}, batch {b}: PD vs one process, decode step x faster",
+                  lambda d, b=b, t=t: pd_faster(d, "pd_over_single_decode", b, t.lower()))]
     return section("Prefill and decode in two processes",
                    "`python -m benchmarks --parts pd` (`benchmarks/pd.py`), over 127.0.0.1: the KV transfer into the "
                    "decode side's static caches against a local copy of the same bytes (every block checked "
