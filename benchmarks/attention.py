@@ -36,7 +36,7 @@ from ascend_graph.config import GraphConfig
 from ascend_graph.engine.block_manager import BlockManager
 from ascend_graph.kv_cache import KVCache, MLACacheSpec, allocate_kv_caches
 from benchmarks.common import interleaved_medians, interleaved_samples, linear_fit, ratio_of_rounds
-from benchmarks.models import ModelCase, build, cases, decode_rows, filled_tables, make_runner
+from benchmarks.models import ModelCase, build, cases, decode_rows, filled_tables, make_runner, v2_lite_slice
 from benchmarks.roofline import CopyProbe
 
 STEP = "tuple (kv_c, k_pe)"  # the step's row name: the write and attention over the two cache tensors
@@ -44,20 +44,26 @@ STEP = "tuple (kv_c, k_pe)"  # the step's row name: the write and attention over
 
 @dataclasses.dataclass(frozen=True)
 class Dims:
-    """One MLA decode batch at V2-Lite's attention dimensions."""
+    """One MLA decode batch at V2-Lite's attention dimensions (``models.v2_lite_slice``)."""
     batch: int
     context: int
     dtype: str
-    heads: int = 16
-    qk_nope: int = 128
-    rope: int = 64
-    v_head: int = 128
-    kv_lora_rank: int = 512
     block_size: int = 16
+
+    @property
+    def mla(self):
+        """The model's attention dimensions (a ``DeepseekConfig``)."""
+        return v2_lite_slice()
 
     @property
     def blocks_needed(self) -> int:
         return self.batch * -(-self.context // self.block_size)
+
+    def as_dict(self) -> dict:
+        c = self.mla
+        return {"batch": self.batch, "context": self.context, "heads": c.num_attention_heads,
+                "qk_nope": c.qk_nope_head_dim, "rope": c.qk_rope_head_dim, "v_head": c.v_head_dim,
+                "kv_lora_rank": c.kv_lora_rank, "block_size": self.block_size, "dtype": self.dtype}
 
 
 def mla_step(q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale):
@@ -70,8 +76,8 @@ def mla_step(q_nope, q_pe, kv_c, k_pe, cache, meta, w_uk, w_uv, scale):
 def make_inputs(d: Dims, num_blocks: int) -> tuple:
     """A cache of ``num_blocks`` and a decode batch whose tables are spread over all of it (ids
     repeat across rows, as shared prefixes do, when the batch needs more blocks than it has)."""
-    dtype = getattr(torch, d.dtype)
-    (cache,) = allocate_kv_caches([MLACacheSpec(d.kv_lora_rank, d.rope, dtype)], num_blocks, d.block_size,
+    dtype, m = getattr(torch, d.dtype), d.mla
+    (cache,) = allocate_kv_caches([MLACacheSpec(m.kv_lora_rank, m.qk_rope_head_dim, dtype)], num_blocks, d.block_size,
                                   huge_pages=True)
     gen = torch.Generator().manual_seed(0)
     per_seq = -(-d.context // d.block_size)
@@ -80,10 +86,10 @@ def make_inputs(d: Dims, num_blocks: int) -> tuple:
     _, meta = build_attention_metadata(tables, [d.context - 1] * d.batch, [1] * d.batch, block_size=d.block_size,
                                        num_blocks=num_blocks, max_model_len=d.context)
     rnd = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)  # noqa: E731
-    b, h, c, r = d.batch, d.heads, d.kv_lora_rank, d.rope
-    return (rnd(b, h, d.qk_nope), rnd(b, h, r), rnd(b, 1, c), rnd(b, 1, r), cache, meta,
-            (rnd(h, c, d.qk_nope) / c ** 0.5).transpose(1, 2),  # W_UK as the model stores it: [H, Dn, C]
-            rnd(h, d.v_head, c) / c ** 0.5, (d.qk_nope + r) ** -0.5)
+    b, h, c, r, dn = d.batch, m.num_attention_heads, m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim
+    return (rnd(b, h, dn), rnd(b, h, r), rnd(b, 1, c), rnd(b, 1, r), cache, meta,
+            (rnd(h, c, dn) / c ** 0.5).transpose(1, 2),  # W_UK as the model stores it: [H, Dn, C]
+            rnd(h, m.v_head_dim, c) / c ** 0.5, (dn + r) ** -0.5)
 
 
 def compiled(fn: Callable) -> Callable:
@@ -120,7 +126,9 @@ def mla(batch: int = 32, context: int = 2048, num_blocks=(256, 32768), reps: int
     t = {k: statistics.median(v) for k, v in samples.items()}
     copy_bw = probe.bytes / t["copy"]
     item = getattr(torch, dtype).itemsize
-    nbytes = batch * context * (d.kv_lora_rank + d.rope) * item + 2 * d.heads * d.qk_nope * d.kv_lora_rank * item
+    m = d.mla
+    latent = m.kv_lora_rank + m.qk_rope_head_dim
+    nbytes = (batch * context * latent + 2 * m.num_attention_heads * m.qk_nope_head_dim * m.kv_lora_rank) * item
     rows = [{"step": STEP, "mode": mode, "num_blocks": n, "median_ms": t[f"{mode}/{n}"] * 1e3, "bytes": nbytes,
              "bytes_per_s": nbytes / t[f"{mode}/{n}"], "share_of_copy_bandwidth": nbytes / t[f"{mode}/{n}"] / copy_bw}
             for mode in ("eager", "compiled") for n in num_blocks]
@@ -128,13 +136,13 @@ def mla(batch: int = 32, context: int = 2048, num_blocks=(256, 32768), reps: int
     capacity = {f"{STEP}/{mode}": t[f"{mode}/{big}"] / t[f"{mode}/{small}"] for mode in ("eager", "compiled")}
     op = {}
     for dt in ops:
-        live = batch * context * (d.kv_lora_rank + d.rope) * getattr(torch, dt).itemsize
+        live = batch * context * latent * getattr(torch, dt).itemsize
         op[dt] = {"ms": t[f"op/{dt}"] * 1e3, "live_cache_bytes": live, "copy_bytes_per_s": copy_bw,
                   "bytes_per_s": live / t[f"op/{dt}"], "share_of_copy_bandwidth": live / t[f"op/{dt}"] / copy_bw}
     print(f"  MLA decode attention, batch {batch}, context {context}: compiled {t[f'compiled/{small}'] * 1e3:.2f} ms, "
           f"capacity ratio {capacity[f'{STEP}/compiled']:.2f}, graph vs eager "
           f"{ratio_of_rounds(samples, f'eager/{small}', f'compiled/{small}')['ratio']:.2f}x", flush=True)
-    return {"conditions": {"dims": dataclasses.asdict(d), "num_blocks": list(num_blocks), "reps": reps},
+    return {"conditions": {"dims": d.as_dict(), "num_blocks": list(num_blocks), "reps": reps},
             "rows": rows, "capacity_ratio": capacity, "copy_bytes_per_s": copy_bw, "op_alone": op,
             "graph_vs_eager": ratio_of_rounds(samples, f"eager/{small}", f"compiled/{small}")}
 
