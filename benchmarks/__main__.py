@@ -3,23 +3,23 @@
 Parts (``--parts``), in the order they run:
     bandwidth     one core's copy and read-only bandwidth (``roofline``)
     decode_small  the small model's decode step: graph vs eager vs transformers (``decode_step``)
-    overhead      where the small model's graph step spends its time; host metadata (``overhead``)
-    decode_v2     the V2-Lite slice's step, with its roofline and matmul floors (``decode_step``)
-    compute       step FLOPs, bf16 matmul rates, the core's peak (``compute``, ``peak``)
-    moe_forms     one MoE layer's routed-expert forms (``moe_forms``)
-    levers        Inductor levers on the V2-Lite step, each against the default (``levers``)
-    huge_pages    weights on 2 MiB pages against 4 KiB pages (``huge_pages``)
-    attention     decode attention alone: bandwidth, cache capacity, the op alone, batch 1, GQA (``attention``)
-    live_context  the decode step against max_model_len and against live context (``live_context``)
+    overhead      where the small model's graph step spends its time (``decode_step``)
+    decode_v2     the V2-Lite slice's step, with the bytes it must read (``decode_step``)
+    compute       bf16 matmul rates, step FLOPs, the core's peak (``roofline``)
+    moe           one MoE layer, graph vs eager (``moe``)
+    attention     decode attention alone: MLA at two cache capacities, the op alone, GQA (``attention``)
+    live_context  the decode step against max_model_len and against live context (``attention``)
     startup       cold vs warm compile cache, fresh processes; the demo's capture (``startup``)
     memory        peak RSS graph vs eager, per-step allocations (``memory``)
     pd            prefill/decode in two processes: KV transfer vs a local copy, TTFT and decode
-                  step vs one process (``pd_transfer``, ``pd_serving``; Mooncake where it imports, gloo)
+                  step vs one process (``pd``; Mooncake where it imports, gloo)
 
-    python -m benchmarks                          # all parts -> benchmarks/results/suite.json
-    python -m benchmarks --quick                  # fewer sizes and repetitions -> suite_quick.json
-    python -m benchmarks --merge --parts attention memory   # some parts, kept beside the others
+    python -m benchmarks                          # all parts -> benchmarks/results/<machine>.json
+    python -m benchmarks --quick --parts moe      # fewer sizes and repetitions, one part
+    python -m benchmarks --parts attention memory # some parts, kept beside the others in the file
 
+``<machine>`` is ``common.machine_key`` of this machine; a ``--quick`` run writes
+``<machine>-quick.json`` under the system's temporary directory unless ``--json`` says where.
 Then ``python -m benchmarks.report`` regenerates docs/performance.md from the results.
 """
 
@@ -35,29 +35,26 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
 
-from benchmarks import (attention, compute, decode_step, huge_pages, levers, live_context, memory,  # noqa: E402
-                        moe_forms, overhead, pd_serving, pd_transfer, report, roofline, startup, targets)
-from benchmarks.common import conditions, set_malloc_keeps_freed_memory, write_json  # noqa: E402
+from benchmarks import attention, decode_step, memory, moe, pd, report, roofline, startup  # noqa: E402
+from benchmarks.common import conditions, machine_key, results_path, set_malloc_keeps_freed_memory, write_json  # noqa: E402
 from benchmarks.models import cases  # noqa: E402
 
-PARTS = ("bandwidth", "decode_small", "overhead", "decode_v2", "compute", "moe_forms", "levers", "huge_pages",
-         "attention", "live_context", "startup", "memory", "pd")
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+PARTS = ("bandwidth", "decode_small", "overhead", "decode_v2", "compute", "moe", "attention", "live_context",
+         "startup", "memory", "pd")
 
 
 def plan(quick: bool) -> dict:
     """Sizes and repetitions of every part."""
     if quick:
         return {"small_sizes": (1, 8, 32), "v2_sizes": (1,), "hf_sizes": (1, 8), "small_rounds": (7, 3),
-                "v2_rounds": (3, 1), "attention_reps": 3, "attention_batch_1_context": 4096, "startup_sizes": (1,), "startup_demo_repeats": 1, "memory_model": "small",
-                "memory_sizes": (1, 8), "moe_tokens": (1, 32), "levers": ("default", levers.NO_PASS),
-                "lever_batches": (1,), "v2_frozen_sizes": (), "small_aot_sizes": (),
-                "live": {"names": ("small_float32",), "contexts": (64, 256, 1024), "rounds": 5}}
+                "v2_rounds": (3, 1), "attention_reps": 3, "startup_sizes": (1,), "startup_demo_repeats": 1,
+                "memory_model": "small", "memory_sizes": (1, 8), "moe_tokens": (1, 32), "v2_frozen_sizes": (),
+                "small_aot_sizes": (), "live": {"names": ("small_float32",), "contexts": (64, 256, 1024), "rounds": 5}}
     return {"small_sizes": (1, 2, 4, 8, 16, 32, 64), "v2_sizes": (1, 8, 32, 64), "hf_sizes": (1, 8, 32),
-            "small_rounds": (15, 5), "v2_rounds": (7, 1), "attention_reps": 7, "attention_batch_1_context": 16384,
-            "startup_sizes": (1, 2, 4, 8, 16, 32, 64), "startup_demo_repeats": 3, "memory_model": "v2_lite_slice", "memory_sizes": (1, 8),
-            "moe_tokens": (1, 8, 16, 32), "levers": None, "lever_batches": (1, 8),
-            "v2_frozen_sizes": (8, 32), "small_aot_sizes": (1, 8, 32, 64), "live": {"rounds": 9}}
+            "small_rounds": (15, 5), "v2_rounds": (7, 1), "attention_reps": 7, "startup_sizes": (1, 2, 4, 8, 16, 32, 64),
+            "startup_demo_repeats": 3, "memory_model": "v2_lite_slice", "memory_sizes": (1, 8),
+            "moe_tokens": (1, 8, 16, 32), "v2_frozen_sizes": (8, 32), "small_aot_sizes": (1, 8, 32, 64),
+            "live": {"rounds": 9}}
 
 
 def run_part(part: str, p: dict, quick: bool, out: dict) -> None:
@@ -72,24 +69,17 @@ def run_part(part: str, p: dict, quick: bool, out: dict) -> None:
         out["decode_v2"] = decode_step.compare("v2_lite_slice", p["v2_sizes"], p["hf_sizes"], p["v2_rounds"], quick,
                                               frozen_sizes=p["v2_frozen_sizes"])
     elif part == "overhead":
-        out["overhead"] = overhead.measure()
+        out["overhead"] = decode_step.overhead()
     elif part == "compute":
-        out["compute"] = compute.measure(batches=p["v2_sizes"], context=cases(quick)["v2_lite_slice"].context,
+        out["compute"] = roofline.compute(batches=p["v2_sizes"], context=cases(quick)["v2_lite_slice"].context,
                                          rounds=3 if quick else 7)
-    elif part == "moe_forms":
-        out["moe_forms"] = moe_forms.measure(tokens=p["moe_tokens"], rounds=3 if quick else 5)
-    elif part == "levers":
-        out["levers"] = levers.measure(batches=p["lever_batches"], rounds=3 if quick else 5, quick=quick,
-                                       names=p["levers"])
-    elif part == "huge_pages":
-        out["huge_pages"] = huge_pages.measure(rounds=3 if quick else 7, quick=quick)
+    elif part == "moe":
+        out["moe"] = moe.measure(tokens=p["moe_tokens"], rounds=3 if quick else 5)
     elif part == "attention":
-        out["attention"] = attention.measure(reps=p["attention_reps"], malloc_keeps_freed=out["malloc_keeps_freed_memory"])
-        out["attention"]["batch_1"] = attention.batch_one(context=p["attention_batch_1_context"],
-                                                          reps=p["attention_reps"])
-        out["attention"]["gqa"] = attention.gqa_decode(reps=p["attention_reps"])
+        out["attention"] = attention.mla(reps=p["attention_reps"])
+        out["attention"]["gqa"] = attention.gqa(reps=p["attention_reps"])
     elif part == "live_context":
-        out["live_context"] = live_context.measure(quick=quick, **p["live"])
+        out["live_context"] = attention.live_context(quick=quick, **p["live"])
     elif part == "startup":
         out["startup"] = startup.measure("small", p["startup_sizes"], quick, portable=not quick, aot=not quick)
         out["startup"]["demo"] = startup.measure_demo(repeats=p["startup_demo_repeats"])
@@ -98,8 +88,7 @@ def run_part(part: str, p: dict, quick: bool, out: dict) -> None:
     elif part == "pd":
         from ascend_graph.pd.select import mooncake_available
         transports = ["mooncake", "gloo"] if mooncake_available() else ["gloo"]
-        out["pd"] = {"transfer": pd_transfer.run(16 if quick else 64, 3 if quick else 5, transports),
-                     "serving": pd_serving.run(transports, (1, 4), 5 if quick else 15)}
+        out["pd"] = pd.run(transports, quick)
     elif part == "memory":
         out["memory"] = memory.measure(p["memory_model"], p["memory_sizes"], 3, quick, frozen=not quick, aot=not quick)
 
@@ -108,8 +97,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (a few minutes)")
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
-    ap.add_argument("--json", default=None, help="default: benchmarks/results/suite[_quick].json")
-    ap.add_argument("--merge", action="store_true", help="keep parts of an existing JSON not run now")
+    ap.add_argument("--json", default=None, help="default: benchmarks/results/<machine>.json")
+    ap.add_argument("--fresh", action="store_true", help="drop the parts of an existing JSON not run now")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: on a shared machine every OpenMP region of a 2-thread run "
                          "waits for a descheduled thread)")
@@ -119,12 +108,14 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the start-up and memory child processes
     keep = not args.default_malloc and set_malloc_keeps_freed_memory(True)
-    path = args.json or os.path.join(RESULTS, "suite_quick.json" if args.quick else "suite.json")
+    found = conditions()
+    path = args.json or results_path(found, args.quick)
     out = {}
-    if args.merge and os.path.exists(path):
+    if not args.fresh and os.path.exists(path):
         with open(path) as f:
             out = json.load(f)
-    out.update({"conditions": {**conditions(), "quick": args.quick}, "malloc_keeps_freed_memory": keep,
+    out.update({"conditions": {**found, "quick": args.quick}, "machine": machine_key(found),
+                "malloc_keeps_freed_memory": keep,
                 "command": " ".join(["python -m benchmarks", *(argv if argv is not None else sys.argv[1:])])})
     p, started = plan(args.quick), time.strftime("%Y-%m-%d %H:%M:%S")
     for part in args.parts:
@@ -133,9 +124,9 @@ def main(argv=None) -> dict:
         run_part(part, p, args.quick, out)
         out.setdefault("part_seconds", {})[part] = round(time.perf_counter() - start, 1)
         out.setdefault("part_run", {})[part] = started
-        out["targets"] = targets.targets(out)
         write_json(path, out)
-    report.write_all()
+    if not args.quick and not args.json:
+        report.write_all()
     return out
 
 

@@ -1,15 +1,20 @@
-"""Shared measuring tools of the benchmarks: interleaved timing, machine conditions, JSON."""
+"""Shared tools of the benchmarks: interleaved timing, ratios of the same rounds, machine
+conditions and key, JSON, markdown tables."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import statistics
+import tempfile
 import time
 from typing import Callable
 
 from ascend_graph.runtime import machine
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], rounds: int = 20,
@@ -34,6 +39,17 @@ def interleaved_samples(fns: dict[str, Callable[[], object]], rounds: int = 20,
                 fn()
             samples[name].append((time.perf_counter() - start) / calls_per_round)
     return samples
+
+
+def ratio_of_rounds(samples: dict[str, list[float]], slow: str, fast: str) -> dict:
+    """How many times faster ``fast`` ran than ``slow``: the ratio of their medians over the same
+    rounds, and the range of the per-round ratios (each round timed the two back to back)."""
+    a, b = samples[slow], samples[fast]
+    if len(a) != len(b):
+        raise ValueError(f"{slow} and {fast} were not timed in the same rounds ({len(a)} vs {len(b)} samples)")
+    rounds = [x / y for x, y in zip(a, b)]
+    return {"ratio": statistics.median(a) / statistics.median(b), "min": min(rounds), "max": max(rounds),
+            "rounds": len(rounds)}
 
 
 def linear_fit(xs: list[float], ys: list[float]) -> dict:
@@ -96,11 +112,78 @@ def conditions(device: str = "cpu") -> dict:
     return {**found, "when": time.strftime("%Y-%m-%d %H:%M:%S"), **({"device": gpu} if gpu else {})}
 
 
+def _amd_core(cpu_id: str, flags: list[str]) -> str | None:
+    """AMD's core generation from ``cpu_id`` ("AuthenticAMD family 25 model 17"), where Linux lists it."""
+    words = cpu_id.split()
+    if words[0] != "AuthenticAMD" or len(words) < 5:
+        return None
+    family, model = int(words[2]), int(words[4])
+    if family == 23:
+        return "zen2" if model >= 0x30 else "zen1"
+    if family == 25:
+        return "zen4" if "avx512f" in flags else "zen3"
+    return {26: "zen5"}.get(family)
+
+
+def machine_key(c: dict) -> str:
+    """A short name for the machine of ``conditions()`` ``c`` (``results/<key>.json``): the GPU's
+    name, or the CPU's with its core generation where ``cpu_id`` gives it, else its widest
+    vector instructions."""
+    if c.get("device", "cpu") != "cpu":
+        name, tail = c["device"], None
+    else:
+        flags = c.get("cpu_flags") or []
+        isa = next((f for f in ("avx512_bf16", "avx512f", "avx2") if f in flags), None)
+        name, tail = c.get("cpu", "cpu"), (c.get("cpu_id") and _amd_core(c["cpu_id"], flags)) or isa
+    words = re.sub(r"\(.*?\)|processor|cpu", " ", name, flags=re.I).lower()
+    return "-".join(re.sub(r"[^a-z0-9]+", " ", words).split()[:3] + ([tail] if tail else []))
+
+
+def dumps(data, depth: int = 2, _at: int = 0) -> str:
+    """``data`` as JSON with the dicts of the first ``depth`` levels one key a line, deeper values
+    on one line each (small files that diff part by part)."""
+    if not isinstance(data, dict) or _at >= depth or not data:
+        return json.dumps(data)
+    pad = " " * (_at + 1)
+    body = ",\n".join(f"{pad}{json.dumps(k)}: {dumps(v, depth, _at + 1)}" for k, v in data.items())
+    return "{\n" + body + "\n" + " " * _at + "}"
+
+
 def write_json(path: str | None, data: dict) -> None:
-    """Write ``data`` as indented JSON to ``path`` (no-op when ``path`` is None)."""
+    """Write ``data`` to ``path`` (``dumps``; no-op when ``path`` is None)."""
     if not path:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(data, f, indent=2)
+        f.write(dumps(data) + "\n")
     print(f"wrote {path}")
+
+
+def results_path(c: dict, quick: bool = False) -> str:
+    """This machine's results file (``conditions()`` ``c``): ``benchmarks/results/<machine>.json``,
+    a temporary file for a ``--quick`` run."""
+    name = f"{machine_key(c)}{'-quick' if quick else ''}.json"
+    return os.path.join(tempfile.gettempdir() if quick else RESULTS, name)
+
+
+def merge_part(part: str, data: dict, quick: bool = False) -> str:
+    """Put ``data`` under ``part`` in this machine's results file, keeping its other parts."""
+    path = results_path(conditions(), quick)
+    out = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            out = json.load(f)
+    out[part] = data
+    write_json(path, out)
+    return path
+
+
+def fmt(v, digits: int = 2) -> str:
+    """``v`` with ``digits`` decimals, "—" for None."""
+    return "—" if v is None else f"{v:.{digits}f}"
+
+
+def table(head: list[str], rows: list[list]) -> list[str]:
+    """A markdown table."""
+    return ([f"| {' | '.join(head)} |", "|" + " --- |" * len(head)]
+            + [f"| {' | '.join(str(c) for c in r)} |" for r in rows])

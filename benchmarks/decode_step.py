@@ -1,10 +1,12 @@
-"""Decode-step time, graph vs eager, per capture size, measured side by side in one run.
+"""Decode-step time, graph vs eager vs transformers, per capture size, side by side in one run.
 
 Both modes run through the same runner on the same caches (``execute(mode="graph"|"eager")``),
 interleaved, after the graphs were captured. Host preparation (metadata, padding, copies into
-the static buffers) is part of each step, as in serving.
+the static buffers) is part of each step, as in serving. transformers is
+``DeepseekV2ForCausalLM`` of the same configuration (``models.HFDecoder``).
 
-``compare`` is what the suite's ``decode_small`` and ``decode_v2`` parts run; the command line runs
+``compare`` is what the suite's ``decode_small`` and ``decode_v2`` parts run, ``overhead`` its
+``overhead`` part (where the small model's graph step spends its time); the command line runs
 ``measure`` alone (the CUDA checks, ``.ci/cuda_check``, use it with ``--device cuda``).
 
     TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.decode_step --model small --json out.json
@@ -26,8 +28,7 @@ import torch  # noqa: E402
 
 from ascend_graph.engine.block_manager import BlockManager  # noqa: E402
 from ascend_graph.config import GraphConfig, InductorOptions  # noqa: E402
-from benchmarks.common import conditions, interleaved_samples, write_json  # noqa: E402
-from benchmarks.compute import StepMatmuls  # noqa: E402
+from benchmarks.common import conditions, interleaved_medians, interleaved_samples, ratio_of_rounds, write_json  # noqa: E402
 from benchmarks.models import HFDecoder, ModelCase, build, cases, decode_batch, make_runner  # noqa: E402
 from benchmarks.roofline import CopyProbe, ReadProbe, step_bytes  # noqa: E402
 
@@ -72,15 +73,12 @@ def synchronized(fn, device: torch.device):
 
 def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, backend: str = "inductor",
             model: torch.nn.Module | None = None, extra: dict | None = None, roofline: bool = False,
-            matmul_floor: bool = False, device: str = "cpu") -> dict:
+            device: str = "cpu") -> dict:
     """Graph and eager step time of ``case`` at every batch size in ``sizes``.
 
     ``extra`` maps a name to ``f(batch) -> callable or None`` for more variants timed in the
     same rounds (the transformers baseline uses it). With ``roofline`` each row also gets the
-    bytes the step must read (``benchmarks.roofline.step_bytes``). With ``matmul_floor``, batches
-    of 2 rows or more also time the step's matmuls alone (``benchmarks.compute.StepMatmuls``) in
-    the forms the compiled step runs them (``matmuls``; ``matmuls_aten``: all in aten, where that
-    differs), and where a ``graph_frozen`` variant runs, the same on pre-packed weights.
+    bytes the step must read (``benchmarks.roofline.step_bytes``).
     ``device``: where a model built here runs (a CUDA device: each step is timed to its end).
     """
     model = build(case, device=device) if model is None else model
@@ -95,25 +93,12 @@ def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, ba
                "graph": lambda: runner.execute(entries, mode="graph")}
         fns.update({name: fn for name, make in (extra or {}).items() if (fn := make(n)) is not None})
         fns = {name: synchronized(fn, dev) for name, fn in fns.items()}
-        if matmul_floor and n >= 2:
-            floor = StepMatmuls(runner.model, fns["eager"])
-            compiled_forms = floor.as_compiled()  # rows_mm where the compiled step runs it
-            fns["matmuls"] = compiled_forms or floor
-            if compiled_forms is not None:
-                fns["matmuls_aten"] = floor  # the same products all in aten, as before rows_mm
-            if "graph_frozen" in fns and (packed := floor.packed()) is not None:
-                fns["matmuls_packed"] = packed  # what the frozen variant multiplies: pre-packed weights
         samples = interleaved_samples(fns, rounds=rounds, calls_per_round=calls, warmup=2)
         t = {k: statistics.median(v) for k, v in samples.items()}
         row = {"batch": n, **{f"{k}_s": v for k, v in t.items()}, "speedup": t["eager"] / t["graph"]}
-        if "matmuls_aten" in t:
-            from ascend_graph.compile.passes.decode_matmul import ROWS_MM_MAX
-            row["rows_mm_max_rows"] = ROWS_MM_MAX
-            row["matmuls_batched_in_kernel"] = floor.batched_in_kernel  # attention products in the kernel
         row.update({f"graph_vs_{k}": t[k] / t["graph"] for k in ALTERNATIVES if k in t})
-        # graph against eager and the alternatives in each round, the two timed back to back
-        row["round_ratios"] = {k: [a / g for a, g in zip(samples[k], samples["graph"])]
-                               for k in ("eager", *ALTERNATIVES) if k in samples}
+        # how many times faster graph ran than eager and the alternatives, from the same rounds
+        row["rounds"] = {k: ratio_of_rounds(samples, k, "graph") for k in ("eager", *ALTERNATIVES) if k in samples}
         if roofline:
             row["bytes"] = step_bytes(runner.model, n, case.context, lambda: runner.execute(entries, mode="eager"))
         rows.append(row)
@@ -128,10 +113,10 @@ def measure(case: ModelCase, sizes: tuple[int, ...], rounds: int, calls: int, ba
 def compare(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: bool, frozen_sizes=(),
            aot_sizes=()) -> dict:
     """The suite's decode part: graph vs eager vs transformers for one model case, and for the
-    V2-Lite slice the copy and read probes and the step's matmuls alone in the same rounds; ``frozen_sizes`` also get a graph
-    compiled with Inductor's freezing (``inductor.freezing_min_batch``), and ``aot_sizes`` one
-    from AOTInductor packages (``inductor.aot``), each its own runner over the same weights,
-    timed in the same rounds."""
+    V2-Lite slice the copy and read probes in the same rounds (the step's bytes over its time);
+    ``frozen_sizes`` also get a graph compiled with Inductor's freezing (``inductor.freezing_min_batch``),
+    and ``aot_sizes`` one from AOTInductor packages (``inductor.aot``), each its own runner over the
+    same weights, timed in the same rounds."""
     case = cases(quick)[case_name]
     model = build(case)
     hf = HFDecoder(case.config, case.dtype, case.context)
@@ -152,8 +137,7 @@ def compare(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: boo
         extra["copy"] = lambda n: probe
         read = ReadProbe()  # and one core's read ceiling, which bounds the batch-1 step
         extra["read"] = lambda n: read if n == 1 else None
-    res = measure(case, sizes, rounds[0], rounds[1], model=model, extra=extra, roofline=probe is not None,
-                              matmul_floor=probe is not None)
+    res = measure(case, sizes, rounds[0], rounds[1], model=model, extra=extra, roofline=probe is not None)
     if frozen is not None:
         res["frozen"] = {"inductor_freezing_min_batch": min(frozen_sizes),
                          "capture": frozen.runner.stats.to_dict()["capture"]}
@@ -164,6 +148,38 @@ def compare(case_name: str, sizes, hf_sizes, rounds: tuple[int, int], quick: boo
             row["copy_bytes_per_s"] = probe.bytes / row.pop("copy_s")
         if "read_s" in row:
             row["read_bytes_per_s"], row["read_how"] = read.bytes / row.pop("read_s"), read.how
+    return res
+
+
+def overhead(batch: int = 8, calls: int = 50) -> dict:
+    """Microseconds per step of the small model's graph step (``execute``), its bare compiled call
+    (``execute`` minus it is host preparation), dynamo's guard check in that call (profiled), and
+    the same step from an AOTInductor package (no guards), timed in the same rounds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    case = cases(True)["small"]
+    config = GraphConfig(enabled=True, backend="inductor", capture_sizes=(batch,), max_batch_size=batch)
+    runner = make_runner(build(case), config, (batch,), case.context)
+    runner.capture(show_progress=False)
+    entries = decode_batch(runner, BlockManager(runner.num_blocks, runner.block_size), batch, case.context)
+    graph, (ids, pos, meta) = runner._graphs[batch], runner._views(batch)
+
+    def call() -> torch.Tensor:
+        with torch.inference_mode():
+            return graph(ids, pos, runner.kv_caches, meta)
+    with tempfile.TemporaryDirectory(prefix="ag-overhead-aoti-") as packages:
+        aot = RunnerVariant(runner.model, case, (batch,), inductor=InductorOptions(aot=True),
+                            compile_cache_dir=packages)
+        t = interleaved_medians({"execute": lambda: runner.execute(entries, mode="graph"), "compiled call": call,
+                                 "aot": aot.step_fn(batch)}, rounds=10, calls_per_round=20)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            call()
+    guard = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key == "TorchDynamo Cache Lookup") / calls
+    res = {"batch": batch, "execute_us": t["execute"] * 1e6, "compiled_call_us": t["compiled call"] * 1e6,
+           "guard_us": guard, "layers": case.config.num_hidden_layers, "aot_execute_us": t["aot"] * 1e6}
+    print(f"  overhead batch {batch}: execute {res['execute_us']:.0f} us, compiled call {res['compiled_call_us']:.0f} us "
+          f"(guards {guard:.0f} us); from an AOTInductor package {res['aot_execute_us']:.0f} us", flush=True)
     return res
 
 

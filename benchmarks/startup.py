@@ -14,19 +14,14 @@ them still rebuilds every kernel and the C++ wrapper with the compiler.
 ``aot_cold`` / ``aot_warm``: the same with ``GraphConfig.inductor.aot`` (each size exported and
 compiled by AOTInductor into a package in the cache directory; warm, the packages are loaded).
 
-Every child reports each size's capture seconds and compile cache outcome (``RunnerStats``) and
-where its capture's time went, per size and phase (``compile_phases``). ``measure_demo`` runs the
-demo's own capture (``ascend-graph demo``: its model, sizes and cache geometry) cold and warm,
-``repeats`` times, against the goals ``DEMO_GOALS``:
+Every child reports each size's capture seconds and compile cache outcome (``RunnerStats``).
+``measure_demo`` runs the demo's own capture (``ascend-graph demo``: its model, sizes and cache
+geometry) cold and warm, ``repeats`` times, against the goals ``DEMO_GOALS``, by default and
+with ``--no-precompile`` (``inductor.precompile`` off: the kernels built one by one as the first
+call needs them):
 
-    TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.startup --demo --repeats 3
-
-``--old CHECKOUT`` with ``--demo`` runs the same pairs in another worktree of this repository
-too, turn about (old, new, old, new, ...), and reports both and the ratios new / old:
-
-    git worktree add /tmp/startup_old <commit>
-    TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.startup --demo --repeats 3 --old /tmp/startup_old \
-        --json benchmarks/results/startup_before_after.json
+    python -m benchmarks --parts startup
+    TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.startup --demo --repeats 3 [--no-precompile]
 """
 
 from __future__ import annotations
@@ -39,8 +34,6 @@ import sys
 import tempfile
 import statistics
 import time
-
-from benchmarks.compile_phases import PHASES
 
 # The demo's capture of its default sizes (1, 2, 4, 8), seconds: the issue's goals
 DEMO_GOALS = {"cold_capture_s": 30.0, "warm_capture_s": 5.0}
@@ -67,14 +60,13 @@ def count_cpp_compiles() -> dict:
 
 
 def child(args: argparse.Namespace) -> dict:
-    """Build the model, capture every size; report the phases' seconds."""
+    """Build the model, capture every size; report where the seconds went."""
     t0 = time.perf_counter()
     import torch
 
     cpp = count_cpp_compiles()
 
     from ascend_graph.compile.inductor import cache_dir_for_compile
-    from benchmarks.compile_phases import Phases, totals
 
     t_import = time.perf_counter()
     runner = demo_runner(args) if args.model == "demo" else suite_runner(args)
@@ -83,19 +75,15 @@ def child(args: argparse.Namespace) -> dict:
         with open(args.load_artifacts, "rb") as f, cache_dir_for_compile(args.cache_dir):
             torch.compiler.load_cache_artifacts(f.read())
     t_load = time.perf_counter()
-    phases = Phases()
-    phases.install()
     cpu0 = process_cpu_s()
     runner.capture(show_progress=False)
     t_capture = time.perf_counter()
     stats = runner.stats.to_dict()
-    by_size = phases.by_size()
     out = {"import_s": t_import - t0, "build_s": t_build - t_import, "load_artifacts_s": t_load - t_build,
            "capture_s": t_capture - t_load, "capture_cpu_s": round(process_cpu_s() - cpu0, 3),
            "total_s": t_capture - t0, "compiles": runner.stats.compiles,
            "cpp_compiler_runs": cpp["runs"], "cpp_compiler_s": cpp["seconds"],
-           "packages_loaded": runner.stats.packages_loaded, "per_size": stats["capture"],
-           "phases": totals(by_size), "phases_by_size": by_size}
+           "packages_loaded": runner.stats.packages_loaded, "per_size": stats["capture"]}
     if args.save_artifacts:
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None:
@@ -140,16 +128,14 @@ def demo_runner(args: argparse.Namespace):
     return make_engine(load_model(cli)[0], cli, graph=True).runner
 
 
-def run_child(model: str, sizes: str, cache_dir: str, quick: bool, checkout: str | None = None, **flags) -> dict:
-    """One fresh process (in ``checkout``, a worktree of this repository, else this one); its JSON line."""
+def run_child(model: str, sizes: str, cache_dir: str, quick: bool, **flags) -> dict:
+    """One fresh process; its JSON line."""
     cmd = [sys.executable, "-m", "benchmarks.startup", "--child", "--model", model, "--sizes", sizes,
            "--cache-dir", cache_dir] + (["--quick"] if quick else [])
     for k, v in flags.items():
         cmd += [f"--{k.replace('_', '-')}"] + ([] if v is True else [v])
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    if checkout is not None:
-        env["PYTHONPATH"] = os.path.abspath(checkout)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True, cwd=checkout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -169,9 +155,6 @@ def measure(model: str, sizes: tuple[int, ...], quick: bool, portable: bool = Tr
         if aot:
             res["aot_cold"] = run_child(model, s, os.path.join(tmp, "aot"), quick, aot=True)
             res["aot_warm"] = run_child(model, s, os.path.join(tmp, "aot"), quick, aot=True)
-    for run in res.values():  # the phases per size are kept for the demo (measure_demo)
-        if isinstance(run, dict):
-            run.pop("phases_by_size", None)
     print(f"  start-up {model}: capture cold {cold['capture_s']:.1f} s, warm {warm['capture_s']:.1f} s "
           f"({res['warm_speedup_capture']:.1f}x)", flush=True)
     return res
@@ -183,61 +166,41 @@ def spread(values: list[float]) -> dict:
             "n": len(values)}
 
 
-def demo_pair(sizes: str, checkout: str | None = None, graph_config: str | None = None) -> dict:
+def demo_pair(sizes: str, graph_config: str | None = None) -> dict:
     """One cold capture of the demo (an empty cache directory) and one warm (the directory the
     cold run filled), each a fresh process."""
     flags = {"graph_config": graph_config} if graph_config else {}
     with tempfile.TemporaryDirectory(prefix="ag-startup-demo-") as tmp:
         cache = os.path.join(tmp, "cache")
-        return {start: run_child("demo", sizes, cache, False, checkout, **flags) for start in ("cold", "warm")}
+        return {start: run_child("demo", sizes, cache, False, **flags) for start in ("cold", "warm")}
 
 
-# Where the demo's start-up lies in the startup part's JSON, and how that demo ran (a CLI flag);
-# "demo_precompiled" is in results from before precompile was the default.
-DEMO_VARIANTS = (("demo", ""), ("demo_no_precompile", " with --no-precompile"), ("demo_precompiled", " with --precompile"))
+# Where the demo's start-up lies in the startup part's JSON, and how that demo ran (a CLI flag)
+DEMO_VARIANTS = (("demo", ""), ("demo_no_precompile", " with --no-precompile"))
 NO_PRECOMPILE = '{"inductor": {"precompile": false}}'  # the demo's --graph-config for --no-precompile
 
 
 def measure_demo(repeats: int = 1, sizes: tuple[int, ...] = DEMO_SIZES, graph_config: str | None = None) -> dict:
     """The demo's capture cold (empty cache directory) and warm (the directory the cold run
-    filled), each in a fresh process, ``repeats`` times: per size and in total, with phases;
+    filled), each in a fresh process, ``repeats`` times: per size and in total;
     ``graph_config``: the demo's ``--graph-config`` (``NO_PRECOMPILE``: its ``--no-precompile``)."""
     runs = [demo_pair(",".join(map(str, sizes)), graph_config=graph_config) for _ in range(repeats)]
     return summarise_demo(runs, sizes)
 
 
 def summarise_demo(runs: list[dict], sizes: tuple[int, ...]) -> dict:
-    """Medians (and ranges) of ``demo_pair`` results: capture seconds, CPU seconds, per size, phases."""
+    """Medians (and ranges) of ``demo_pair`` results: capture seconds, CPU seconds, per size."""
     s, repeats = ",".join(map(str, sizes)), len(runs)
-    res = {"sizes": list(sizes), "repeats": repeats, "goals": DEMO_GOALS, "runs": runs,
+    res = {"sizes": list(sizes), "repeats": repeats, "goals": DEMO_GOALS,
            "compiles": {start: sorted({r[start]["compiles"] for r in runs}) for start in ("cold", "warm")}}
     for start in ("cold", "warm"):
         res[f"{start}_capture_s"] = spread([r[start]["capture_s"] for r in runs])
         res[f"{start}_capture_cpu_s"] = spread([r[start]["capture_cpu_s"] for r in runs])
         res[f"{start}_per_size_s"] = {str(n): spread([r[start]["per_size"][str(n)]["seconds"] for r in runs])
                                       for n in sizes}
-        res[f"{start}_phases"] = {p: {k: round(statistics.median(r[start]["phases"].get(p, {}).get(k, 0.0) for r in runs), 2)
-                                      for k in ("wall_s", "cpu_s")}
-                                  for p in PHASES if any(p in r[start]["phases"] for r in runs)}
     print(f"  start-up demo {s}: capture cold {res['cold_capture_s']['median']:.1f} s "
           f"(goal {DEMO_GOALS['cold_capture_s']:.0f}), warm {res['warm_capture_s']['median']:.1f} s "
           f"(goal {DEMO_GOALS['warm_capture_s']:.0f})", flush=True)
-    return res
-
-
-def demo_before_after(old: str, repeats: int, sizes: tuple[int, ...] = DEMO_SIZES) -> dict:
-    """The demo's cold and warm capture in the checkout ``old`` and in this one, taking turns
-    (old, new, old, new, ...): medians of each and the ratios new / old (below 1: faster)."""
-    s = ",".join(map(str, sizes))
-    pairs = {"old": [], "new": []}
-    for _ in range(repeats):
-        for side in pairs:
-            pairs[side].append(demo_pair(s, old if side == "old" else None))
-    res = {side: summarise_demo(runs, sizes) for side, runs in pairs.items()}
-    res["old_checkout"] = os.path.abspath(old)
-    res["ratio_new_over_old"] = {f"{start}_{k}": round(res["new"][f"{start}_{k}"]["median"]
-                                                       / res["old"][f"{start}_{k}"]["median"], 3)
-                                 for start in ("cold", "warm") for k in ("capture_s", "capture_cpu_s")}
     return res
 
 
@@ -255,15 +218,13 @@ def main() -> None:
     p.add_argument("--demo", action="store_true", help="the demo's capture cold and warm (measure_demo)")
     p.add_argument("--repeats", type=int, default=1, help="with --demo: cold and warm pairs")
     p.add_argument("--json", default=None, help="also write the result to this file")
-    p.add_argument("--old", default=None, help="with --demo: also a checkout to compare against, turn about")
     p.add_argument("--no-precompile", action="store_true", help="with --demo: the demo with --no-precompile")
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args)))
     elif args.demo:
         sizes = tuple(int(s) for s in args.sizes.split(",")) if args.sizes else DEMO_SIZES
-        res = (demo_before_after(args.old, args.repeats, sizes) if args.old
-               else measure_demo(args.repeats, sizes, NO_PRECOMPILE if args.no_precompile else None))
+        res = measure_demo(args.repeats, sizes, NO_PRECOMPILE if args.no_precompile else None)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=2)

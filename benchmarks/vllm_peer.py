@@ -47,12 +47,11 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from ascend_graph.models import DeepseekConfig  # noqa: E402
-from benchmarks.common import conditions, write_json  # noqa: E402
+from benchmarks.common import conditions, fmt, merge_part, table, write_json  # noqa: E402
 from benchmarks.models import hf_model, v2_lite_slice  # noqa: E402
 from benchmarks.vllm_worker import WorkerSide, check_vllm_python  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_JSON = os.path.join(ROOT, "benchmarks", "results", "vllm_peer.json")
 MODELS = {
     "tiny": lambda: DeepseekConfig.small(hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
                                          num_hidden_layers=2, kv_lora_rank=512, qk_rope_head_dim=64),
@@ -111,7 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also vLLM+graph at K times the KV cache bytes (0: not measured)")
     p.add_argument("--restarts", type=int, default=Settings.restarts, metavar="R",
                    help="start every side R times, the rounds split between the starts")
-    p.add_argument("--json", default=DEFAULT_JSON)
+    p.add_argument("--json", default=None, help="write the run here alone (default: under \"vllm_peer\" in "
+                   "benchmarks/results/<machine>.json, or a temporary file with --quick)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args((QUICK if "--quick" in argv else []) + argv)
     if min(args.batches) < 1 or args.new_tokens < 2 or args.rounds < 1 or args.threads < 1:
@@ -423,16 +423,6 @@ def with_floor(row: dict, ceiling: dict | None, context: int) -> dict:
 
 # ---- the tables (report.py renders results files through these) -----------------------------
 
-def fmt(v: float | None, digits: int = 2) -> str:
-    return "—" if v is None else f"{v:.{digits}f}"
-
-
-def table(head: list[str], rows: list[list]) -> list[str]:
-    """A markdown table."""
-    return ([f"| {' | '.join(head)} |", "|" + " --- |" * len(head)]
-            + [f"| {' | '.join(str(c) for c in r)} |" for r in rows])
-
-
 def value_range(values: list[float] | None) -> str:
     """``lo-hi`` of per-round ratios, or "" without them."""
     return f"{fmt(min(values))}-{fmt(max(values))}" if values else ""
@@ -578,7 +568,10 @@ def main(argv: list[str] | None = None) -> dict:
     out = result_json(args, settings, rows, about)
     blocks = (render(rows), render_split(rows), render_floors(rows), render_startup(out["sides"]))
     print("\n\n".join("\n".join(lines) for lines in blocks if lines))
-    write_json(args.json, out)
+    if args.json:
+        write_json(args.json, out)
+    else:
+        merge_part("vllm_peer", out, quick=args.quick)
     return out
 
 

@@ -10,6 +10,11 @@ row of context 0 (a padding row) reads nothing and gives zeros.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
+import tempfile
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -20,6 +25,10 @@ from ascend_graph import kernels
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="the CPU kernel does not build here")
 op = torch.ops.ascend_graph.decode_attention
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2.5e-2, rtol=2.5e-2)}
+# The kernels' C sources built for one instruction set: (flags, the CPU flags it needs to run)
+BUILDS = {"avx2": (["-mavx2", "-mfma"], {"avx2", "fma"}),
+          "avx512-bf16": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx2", "-mfma"],
+                          {"avx512f", "avx512_bf16"})}  # a CPU with avx512_bf16 has bw, vl and dq
 
 
 @st.composite
@@ -152,17 +161,46 @@ def test_bad_arguments_are_named_before_anything_runs():
         op(q, q_rope, torch.cat([k, k], -1)[..., ::2], r, v, tables, ctx, scale)
 
 
-@pytest.mark.parametrize("build", ["avx2", "avx512-bf16"])
+@functools.cache
+def _build_for(name: str) -> ctypes.CDLL:
+    """The kernels' C sources built with ``BUILDS[name]``'s flags and bound (``kernels.build``), once
+    per process; skip without a C compiler that takes the flags."""
+    cc = kernels.compiler()
+    if cc is None:
+        pytest.skip("needs a C compiler")
+    path = kernels.build._compile(cc, ["-O3", *BUILDS[name][0], "-shared", "-fPIC"],
+                                  os.path.join(tempfile.mkdtemp(prefix="ascend_graph-test-build-"), f"{name}.so"))
+    if path is None:
+        pytest.skip(f"the C compiler does not build for {name}")
+    return kernels.build._bind(ctypes.CDLL(path))
+
+
+def _run_entry(dll: ctypes.CDLL, q, q_rope, k_cache, rope_cache, v_cache, block_tables, context_lens, scale,
+               hk: int, g: int, threads: int) -> torch.Tensor:
+    """The build's ``decode_attention`` C entry on the op's arguments: ``hk`` kv heads of ``g`` query
+    heads each."""
+    q, q_rope = q.contiguous(), q_rope.contiguous() if q_rope is not None else None
+    tables, ctx = block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
+    out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype)
+    rope = rope_cache if rope_cache is not None else k_cache
+    strides = (ctypes.c_long * 9)(*(s for t in (k_cache, rope, v_cache) for s in t.stride()[:3]))
+    status = dll.decode_attention(
+        q.data_ptr(), q_rope.data_ptr() if q_rope is not None else None, k_cache.data_ptr(), rope.data_ptr(),
+        v_cache.data_ptr(), tables.data_ptr(), ctx.data_ptr(), out.data_ptr(), q.shape[0], hk, g, q.shape[2],
+        q_rope.shape[-1] if q_rope is not None else 0, out.shape[-1], strides, tables.shape[1], k_cache.shape[1],
+        float(scale), int(q.dtype == torch.bfloat16), threads)
+    assert status == 0
+    return out
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
 def test_each_instruction_set_build_computes_the_same_attention(build):
     """The AVX2 build (float32 FMAs) and the AVX512-BF16 build (vdpbf16ps pairs for bfloat16) as
     they run on a CPU with their instructions, whatever the native build here, against the oracle."""
-    from benchmarks.kernel_builds import attention_run
-    from test_kernel_builds import BUILDS, _build_for
-
     from ascend_graph.runtime import machine
 
-    if not BUILDS[build][2] <= set(machine()["cpu_flags"]):
-        pytest.skip(f"needs an x86 CPU with {', '.join(sorted(BUILDS[build][2]))}")
+    if not BUILDS[build][1] <= set(machine()["cpu_flags"]):
+        pytest.skip(f"needs an x86 CPU with {', '.join(sorted(BUILDS[build][1]))}")
     dll = _build_for(build)
     for dtype in (torch.float32, torch.bfloat16):
         for mla, hk, g, kw, rw, bs, lens in [(True, 1, 16, 512, 64, 16, [0, 1, 16, 17, 96]),
@@ -170,7 +208,7 @@ def test_each_instruction_set_build_computes_the_same_attention(build):
                                              (False, 1, 2, 8, 0, 1, [6, 3])]:
             case = dict(mla=mla, bs=bs, width=6, lens=lens, hk=hk, g=g, kw=kw, rw=rw, dtype=dtype, seed=5, threads=2)
             args = make(case)
-            out = attention_run(dll, *args, hk, g, 2)
+            out = _run_entry(dll, *args, hk, g, 2)
             assert not out.isnan().any()
             torch.testing.assert_close(out.double(), oracle(*args), **TOL[dtype])
 
