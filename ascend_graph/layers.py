@@ -35,7 +35,7 @@ class ChunkedLinear(nn.Module):
     values seen as ``[N, C, K/C]`` (``weight.flatten(1)`` is the checkpoint tensor) over storage
     ``[C, N, K/C]`` contiguous, so each chunk is a contiguous ``[N, K/C]`` matrix that a one-row
     product streams with its piece of the input row held in L1 (why: ``runtime.LONG_REDUCTION``,
-    measured by ``python -m benchmarks.peak``). The re-laid-out weight replaces the parameter, so
+    ``python -m benchmarks --parts compute``). The re-laid-out weight replaces the parameter, so
     the module holds one copy; re-laying out briefly needs a second copy of this one weight.
 
     ``state_dict()`` always holds ``weight`` as the checkpoint's ``[N, K]`` (after processing, a

@@ -76,7 +76,7 @@ def progress(done: int, total: int, label: str, width: int = 24) -> None:
 
 
 # A one-row matmul on CPU streams its weight at the memory's rate only while its input row stays
-# in L1 beside the weight stream (``python -m benchmarks.peak``; docs/cpu-kernels.md).
+# in L1 beside the weight stream (``python -m benchmarks --parts compute``; docs/cpu-kernels.md).
 # Inductor also accumulates CPU reductions over more than 4096 elements through its
 # cascade-summation helper (torch/_inductor/codegen/cpp.py, need_use_acc_helper), whose
 # accumulator lives in memory. ``DecodeMatmulPass`` splits such reductions; models store such
@@ -137,7 +137,7 @@ def on_huge_pages(t: Tensor) -> Tensor:
 def weights_on_huge_pages(model: torch.nn.Module, min_bytes: int = HUGE_PAGE) -> int:
     """Move every CPU parameter, and every derived weight form (a non-persistent buffer, such as
     MLA's ``W_UK`` / ``W_UV``), of ``min_bytes`` or more onto transparent huge pages; the bytes
-    moved. A decode step streams the weights (``python -m benchmarks --parts huge_pages``).
+    moved. A decode step streams the weights.
     Call it before building a runner: the parameters are new tensors (same values), which
     graphs compiled before would see as a change. A parameter shared by several modules (tied
     embeddings) is moved once and stays shared. Needs Linux with transparent huge pages set

@@ -3,9 +3,14 @@ rounds, and the committed results render into docs/performance.md and the README
 
 from __future__ import annotations
 
+import importlib
+import os
+import pathlib
+import re
 import statistics
 
 import pytest
+import torch
 
 from benchmarks import report
 from benchmarks.common import ratio_of_rounds
@@ -32,3 +37,26 @@ def test_the_committed_results_render_one_column_per_machine_within_300_lines():
     block = report.readme_block(ms)
     assert len(block.splitlines()) <= 12 and "docs/performance.md" in block
     assert "/work/" not in doc and "/root/" not in doc  # no machine's paths
+    with open(report.DOC) as f:
+        assert f.read() == doc, "docs/performance.md is stale: run python -m benchmarks.report --readme README.md"
+    with open(os.path.join(report.ROOT, "README.md")) as f:
+        assert block in f.read(), "the README's perf block is stale: run python -m benchmarks.report --readme README.md"
+
+
+def test_every_ascend_graph_op_the_code_names_is_defined():
+    """An op removed while a benchmark or example still calls it fails here, not when the suite
+    reaches it."""
+    for module in ("ascend_graph.kernels.ops", "ascend_graph.attention.live", "ascend_graph.moe.experts",
+                   "ascend_graph.kv_cache", "ascend_graph.kernels.triton_attention"):  # the modules defining ops
+        importlib.import_module(module)
+    named = {name for folder in ("ascend_graph", "benchmarks", "examples")
+             for path in pathlib.Path(report.ROOT, folder).rglob("*.py")
+             for name in re.findall(r"torch\.ops\.ascend_graph\.(\w+)", path.read_text(encoding="utf-8"))}
+    assert {"rows_mm", "decode_attention", "write_slots"} <= named
+    assert sorted(n for n in named if not hasattr(torch.ops.ascend_graph, n)) == []
+
+
+@pytest.mark.parametrize("module", sorted(p.stem for p in pathlib.Path(report.ROOT, "benchmarks").glob("*.py")
+                                          if p.stem != "__init__"))
+def test_every_benchmark_module_imports(module):
+    importlib.import_module(f"benchmarks.{module}")

@@ -11,9 +11,6 @@ row of context 0 (a padding row) reads nothing and gives zeros.
 from __future__ import annotations
 
 import ctypes
-import functools
-import os
-import tempfile
 
 import pytest
 import torch
@@ -21,14 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ascend_graph import kernels
+from test_kernel_build import BUILDS, build_for
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="the CPU kernel does not build here")
 op = torch.ops.ascend_graph.decode_attention
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2.5e-2, rtol=2.5e-2)}
-# The kernels' C sources built for one instruction set: (flags, the CPU flags it needs to run)
-BUILDS = {"avx2": (["-mavx2", "-mfma"], {"avx2", "fma"}),
-          "avx512-bf16": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx2", "-mfma"],
-                          {"avx512f", "avx512_bf16"})}  # a CPU with avx512_bf16 has bw, vl and dq
 
 
 @st.composite
@@ -161,20 +155,6 @@ def test_bad_arguments_are_named_before_anything_runs():
         op(q, q_rope, torch.cat([k, k], -1)[..., ::2], r, v, tables, ctx, scale)
 
 
-@functools.cache
-def _build_for(name: str) -> ctypes.CDLL:
-    """The kernels' C sources built with ``BUILDS[name]``'s flags and bound (``kernels.build``), once
-    per process; skip without a C compiler that takes the flags."""
-    cc = kernels.compiler()
-    if cc is None:
-        pytest.skip("needs a C compiler")
-    path = kernels.build._compile(cc, ["-O3", *BUILDS[name][0], "-shared", "-fPIC"],
-                                  os.path.join(tempfile.mkdtemp(prefix="ascend_graph-test-build-"), f"{name}.so"))
-    if path is None:
-        pytest.skip(f"the C compiler does not build for {name}")
-    return kernels.build._bind(ctypes.CDLL(path))
-
-
 def _run_entry(dll: ctypes.CDLL, q, q_rope, k_cache, rope_cache, v_cache, block_tables, context_lens, scale,
                hk: int, g: int, threads: int) -> torch.Tensor:
     """The build's ``decode_attention`` C entry on the op's arguments: ``hk`` kv heads of ``g`` query
@@ -199,9 +179,9 @@ def test_each_instruction_set_build_computes_the_same_attention(build):
     they run on a CPU with their instructions, whatever the native build here, against the oracle."""
     from ascend_graph.runtime import machine
 
-    if not BUILDS[build][1] <= set(machine()["cpu_flags"]):
-        pytest.skip(f"needs an x86 CPU with {', '.join(sorted(BUILDS[build][1]))}")
-    dll = _build_for(build)
+    if not BUILDS[build][2] <= set(machine()["cpu_flags"]):
+        pytest.skip(f"needs an x86 CPU with {', '.join(sorted(BUILDS[build][2]))}")
+    dll = build_for(build)
     for dtype in (torch.float32, torch.bfloat16):
         for mla, hk, g, kw, rw, bs, lens in [(True, 1, 16, 512, 64, 16, [0, 1, 16, 17, 96]),
                                              (True, 1, 3, 40, 8, 4, [7, 24]), (False, 2, 5, 64, 0, 16, [33, 1, 0]),

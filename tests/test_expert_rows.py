@@ -3,7 +3,7 @@ it computes each row times its expert's weight (oracle: a float64 matmul of the 
 values, rounded once), the MoE uses it in eager and compiled mode alike, bad input is refused
 before anything is written. Its other entries: ``rows_mm`` (one weight) and ``rows_bmm`` (a batch
 of ``[K, N]`` matrices). Decode attention: ``test_decode_attention``; the builds and their cache:
-``test_kernel_builds``."""
+``test_kernel_build``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from ascend_graph import kernels
 
-from test_moe_forms import _moe
+from test_moe_backends import _moe
 
 needs_kernel = pytest.mark.skipif(not kernels.available(),
                                   reason="expert_rows_mm needs a C compiler and a CPU with AVX512-BF16 or AVX2 and FMA")

@@ -10,8 +10,7 @@ on the exported program), not a call of the custom op through AOTInductor's prox
 Also as there, a step of 2 or more rows calls the project's CPU kernel for its few-row matmuls
 (``ascend_graph::rows_mm``, ``ascend_graph::expert_rows_mm``, ``ascend_graph/kernels/``) where
 it runs: the loading process builds it at first use with the system C compiler, and the key
-below includes whether it runs, so a package is never loaded where it cannot (figures:
-docs/cpu-kernels.md).
+below includes whether it runs, so a package is never loaded where it cannot (docs/cpu-kernels.md).
 
 The package holds code only. The weights stay the model's own tensors: at load they are handed
 to the package as user-managed constants, so nothing is copied and an in-place weight update is

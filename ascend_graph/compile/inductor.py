@@ -21,14 +21,14 @@ from .passes.decode_matmul import SINGLE_ROW_MATMUL_AS_REDUCTION, DecodeMatmulPa
 from .passes.inline_writes import INLINE_CACHE_WRITES, inline_cache_writes
 
 # ``GraphConfig.inductor.cpp_wrapper=None`` resolves to these (CPU: the wrapper cuts host time
-# per step; ``benchmarks``, levers part). CUDA graphs replay the whole step, so the wrapper's host
+# per step). CUDA graphs replay the whole step, so the wrapper's host
 # cost is off the per-step path there.
 DEFAULT_CPP_WRAPPER = {"cpu": True, "cuda": False, "npu": False}
 # Where Inductor takes the CPU's vector instruction sets from its flags (cpuinfo, which also asks
 # the OS) instead of proving each by a test build (``cpp.vec_isa_ok``). The test builds compile
 # ATen's vector headers three times into every new cache directory, the largest share of a cold
 # capture after the step's own code, and each start loads them in a fresh Python process
-# (``benchmarks/startup.py``'s phases). The ISA chosen, and so the code, is the same wherever those
+# (``benchmarks/startup.py``). The ISA chosen, and so the code, is the same wherever those
 # builds would pass; the AVX-512 bf16 and VNNI extensions are still test-built (small programs).
 # ``TORCHINDUCTOR_VEC_ISA_OK``, when set, wins.
 TRUST_CPU_VECTOR_FLAGS = {"cpu": True, "cuda": False, "npu": False}
@@ -36,8 +36,7 @@ TRUST_CPU_VECTOR_FLAGS = {"cpu": True, "cuda": False, "npu": False}
 # wrapper's calls at -O1 (torch's level for code that only calls), the kernels at -O3 on their
 # own precompiled header, instead of one -O3 unit that parses the kernels' headers again for
 # every capture size. The C++ compiler is most of a cold capture; this cuts its time per size,
-# and the step time stayed within noise (``benchmarks/startup.py``; ``benchmarks/levers.py``'s
-# "C++ wrapper built with its kernels").
+# and the step time stayed within noise (``benchmarks/startup.py``).
 SEPARATE_WRAPPER_BUILD = {"cpu": True, "cuda": False, "npu": False}
 
 

@@ -177,8 +177,8 @@ def _link(cc: str, cxx: str, flags: list[str], out: str, log: str) -> bool:
 
 
 def _compile(cc: str, flags: list[str], path: str, sources: tuple[str, ...] = SOURCES) -> str | None:
-    """The C ``sources`` alone (no ops: the entry points for ctypes, as tests and
-    ``benchmarks.kernel_builds`` bind them) built with ``flags`` into ``path``
+    """The C ``sources`` alone (no ops: the entry points for ctypes, as the tests
+    bind them) built with ``flags`` into ``path``
     (``_write_atomically``); None where they do not compile. The compiler's command and output
     go to ``_log_path(path)``."""
     log = _log_path(path)
@@ -253,7 +253,7 @@ _ENTRIES = (
 def _bind(dll: ctypes.CDLL, required: bool = True) -> ctypes.CDLL:
     """``dll`` (a build of the sources) with its entry points' argument types set (``_ENTRIES``).
     An entry point the build lacks is an AttributeError, unless ``required`` is False (a build of
-    an older revision's sources, ``benchmarks.kernel_builds``): then it is left unbound, and
+    sources that lack one): then it is left unbound, and
     calling it is the AttributeError."""
     for name, argtypes in _ENTRIES:
         try:

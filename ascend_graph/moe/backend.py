@@ -19,7 +19,7 @@ from .. import kernels
 from .experts import RoutedExperts
 
 # Sorting the (token, expert) pairs pays where an expert's weights do not stay in the core's
-# private caches between two uses anyway (``benchmarks``, moe_forms part).
+# private caches between two uses anyway (docs/cpu-kernels.md).
 SORT_PAIRS_MIN_EXPERT_BYTES = 1 << 20
 
 

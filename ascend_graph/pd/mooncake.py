@@ -5,9 +5,9 @@ metadata server) and register every cache tensor once. The source's ``send`` mov
 the destination's ``receive`` reads each batch of the plan (``batch_transfer_async_read``) and
 waits for it on a helper thread, so that a hung peer fails at the caller's deadline.
 
-What the engine does on faults (measured, docs/pd.md): a batch whose peer address lies outside
+What the engine does on faults (measured by hand, docs/pd.md): a batch whose peer address lies outside
 the peer's registered memory fails (status -1) at once, a killed peer soon after, a hung
-(stopped) peer only at the engine's transfer timeout (``MC_TRANSFER_TIMEOUT``; figures in docs/pd.md).
+(stopped) peer only at the engine's transfer timeout (``MC_TRANSFER_TIMEOUT``).
 Its status call blocks until then, and after a failure the engine may still write data that
 arrives late into the destination blocks; only destroying the engine ends that. So any failure
 after a batch was submitted breaks the transport: it raises ``TransferError(in_flight=True)``,

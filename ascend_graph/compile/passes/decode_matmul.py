@@ -48,7 +48,7 @@ class DecodeMatmulPass(CustomGraphPass):
       transposed) or ``rows_bmm`` (each ``w[b]`` a row-major ``[K, N]``).
     Every rewrite sums in float32 and rounds each output once, as aten's product does. The
     choices and their measurements: docs/cpu-kernels.md ("The compiled step's matmuls"). The
-    keyword arguments turning a rewrite off exist for measuring it (``benchmarks``, levers part).
+    keyword arguments turning a rewrite off exist for measuring it by hand.
     """
 
     def __init__(self, split_long_reductions: bool = True, batch_one_bmm_as_mm: bool = True,

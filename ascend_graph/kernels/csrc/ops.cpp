@@ -3,7 +3,7 @@
 // Each checks its arguments (a ValueError naming the op, the argument and what was expected,
 // raised before anything runs), allocates its output and calls the C entry point linked beside
 // it. Written in C++ so that a compiled step's call costs the kernel and the dispatcher, not an
-// interpreter (benchmarks/op_call_cost.py).
+// interpreter.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
