@@ -98,33 +98,39 @@ def recording_backend(graphs: list, inner: str = "inductor"):
 
 
 def collective_checks(rank: int, world_size: int, ports: list[int], deadline_s: float) -> dict:
-    """TP=2: each collective compiled fullgraph and run eagerly over ``STEPS`` steps; then DP=2 with
-    EP, initialised from torchrun's environment variables: the groups, ``agree``, ``all_or_none``
-    with a failure on rank 1, and an agreement that rank 1 never joins (rank 0 must give up within
-    ``deadline_s``)."""
+    """Every multi-process check, on one pair of ranks. TP=2: each collective compiled fullgraph
+    and run eagerly over ``STEPS`` steps, then the tensor-parallel Llama; then DP=2 with EP,
+    initialised from torchrun's environment variables: the groups, ``agree``, ``all_or_none`` with
+    a failure on rank 1, and last (it leaves the group out of step) an agreement that rank 1
+    never joins (rank 0 must give up within ``deadline_s``)."""
     state = init_parallel(ParallelConfig(tensor_parallel_size=2), rank=rank, world_size=world_size,
-                          init_method=f"tcp://127.0.0.1:{ports[0]}", timeout_s=120)
+                          init_method=f"tcp://127.0.0.1:{ports[0]}", timeout_s=240)
     out: dict = {"tp_groups": _groups(state)}
-    graphs: list = []
-    compiled = torch.compile(collective_step, backend=recording_backend(graphs), fullgraph=True)
-    out["steps"] = []
-    for step in range(STEPS):
-        x = rank_input(step, rank)
-        eager, graph = collective_step(x, state.tp), compiled(x, state.tp)
-        out["steps"].append({"eager": [t.tolist() for t in eager], "graph": [t.tolist() for t in graph]})
-    out["compiles"] = len(graphs)
-    out["targets"] = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    out.update(_compiled_collectives(rank, state))
+    out["llama"] = tensor_parallel_llama(state)
     destroy_parallel()
     # the second time as torchrun would start it: everything from the environment
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[1]), RANK=str(rank),
                       WORLD_SIZE=str(world_size))
-    state = init_parallel(ParallelConfig(data_parallel_size=2, enable_expert_parallel=True), timeout_s=120)
+    state = init_parallel(ParallelConfig(data_parallel_size=2, enable_expert_parallel=True), timeout_s=240)
     out["dp_groups"] = _groups(state)
     out["max"] = agree([rank, 10 - rank], "max", state)
     out["min"] = agree([rank, 10 - rank], "min", state)
     out["failure"] = _guarded_failure(rank, state, deadline_s)
     out["absent"] = _absent_rank(rank, state, deadline_s)
     return out
+
+
+def _compiled_collectives(rank: int, state) -> dict:
+    graphs: list = []
+    compiled = torch.compile(collective_step, backend=recording_backend(graphs), fullgraph=True)
+    steps = []
+    for step in range(STEPS):
+        x = rank_input(step, rank)
+        eager, graph = collective_step(x, state.tp), compiled(x, state.tp)
+        steps.append({"eager": [t.tolist() for t in eager], "graph": [t.tolist() for t in graph]})
+    targets = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    return {"steps": steps, "compiles": len(graphs), "targets": targets}
 
 
 def _groups(state) -> dict:
@@ -154,3 +160,50 @@ def _absent_rank(rank: int, state, deadline_s: float) -> dict:
     except AgreementTimeout as e:
         return {"raised": "AgreementTimeout", "message": str(e), "seconds": time.monotonic() - start}
     return {"raised": None, "seconds": time.monotonic() - start}
+
+
+# ---- tensor-parallel Llama ----
+
+PROMPTS = ([1, 5, 9, 3], [7, 2, 8])
+DECODE_STEPS = 4
+
+
+def greedy_decode(runners) -> tuple[list[list[int]], list[list]]:
+    """Prefill ``PROMPTS`` one by one, then ``DECODE_STEPS`` steps decoding both rows, through every
+    runner on the same entries (each on its own caches); the first runner's greedy tokens drive.
+    Returns the decode steps' tokens and, per runner, its decode steps' logits (lists)."""
+    from runner_helpers import Schedule
+
+    sched = Schedule()
+    for s, prompt in enumerate(PROMPTS):
+        entry = sched.add(s, list(prompt), new_tokens=100)
+        outs = [r.execute([entry]) for r in runners]
+        sched.advance([s], [entry], outs[0])
+    tokens, logits = [], [[] for _ in runners]
+    for _ in range(DECODE_STEPS):
+        entries = sched.decode_entries()
+        outs = [r.execute(entries) for r in runners]
+        for log, out in zip(logits, outs):
+            log.append(out.tolist())
+        tokens.append(outs[0].argmax(-1).tolist())
+        sched.advance(list(range(len(PROMPTS))), entries, outs[0])
+    return tokens, logits
+
+
+def tensor_parallel_llama(state) -> dict:
+    """This rank's TP share of the seeded tiny Llama, cut from its full weights, decoded greedily by
+    a graph runner (Inductor, capture size 2) and an eager runner side by side."""
+    from runner_helpers import make_runner, small_model
+
+    from ascend_graph.config import GraphConfig
+    from ascend_graph.models.llama import LlamaForCausalLM
+
+    full = small_model("llama")
+    model = LlamaForCausalLM(full.config, tp=state.tp).eval()
+    model.load_state_dict({name: model.tp_shard(name, t) for name, t in full.state_dict().items()})
+    graph_config = GraphConfig(enabled=True, backend="inductor", capture_sizes=(2,), max_batch_size=2)
+    graph, eager = make_runner(model, graph_config), make_runner(model, GraphConfig(enabled=False))
+    tokens, (graph_logits, eager_logits) = greedy_decode([graph, eager])
+    return {"tokens": tokens, "graph_logits": graph_logits, "eager_logits": eager_logits,
+            "kv_heads": [spec.num_kv_heads for spec in model.kv_cache_specs()],
+            "stats": {k: graph.stats.to_dict()[k] for k in ("compiles", "recompiles", "graph_steps")}}

@@ -1,8 +1,10 @@
 """The distributed package: process groups, traceable collectives and host-side agreement.
 
 Two ranks are spawned once for the module (gloo on 127.0.0.1, float32) and run every
-multi-process check in one go (``distributed_ranks.collective_checks``); the tests below read
-their results against a single-process oracle. The rest runs in this process, where nothing is
+multi-process check in one go (``distributed_ranks.collective_checks``): the collectives, a
+tensor-parallel tiny Llama under the graph runner, agreement and failures. The tests below read
+their results against single-process oracles (one process computing from every rank's inputs,
+an unsharded model's eager runner). The rest runs in this process, where nothing is
 initialised and the package is the single-process case.
 """
 
@@ -11,10 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed_ranks import (STEPS, collective_checks, collective_step, free_ports, rank_input,
+from distributed_ranks import (STEPS, collective_checks, collective_step, free_ports, greedy_decode, rank_input,
                                recording_backend, run_ranks)
-from ascend_graph.distributed import (ParallelConfig, RankFailure, agree, all_or_none, get_parallel_state,
-                                      group_ranks, init_parallel)
+from runner_helpers import make_runner, small_model
+
+from ascend_graph.config import GraphConfig
+from ascend_graph.distributed import (Group, ParallelConfig, RankFailure, agree, all_or_none,
+                                      get_parallel_state, group_ranks, init_parallel)
+from ascend_graph.models.llama import LlamaConfig, LlamaForCausalLM
+from ascend_graph.models.llama_loader import checkpoint_names, load_llama_weights
 
 pytestmark = pytest.mark.xdist_group("distributed")
 
@@ -27,7 +34,7 @@ COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
     """Each rank's results of ``collective_checks``."""
-    return run_ranks(collective_checks, WORLD, 240.0, free_ports(2), DEADLINE_S)
+    return run_ranks(collective_checks, WORLD, 400.0, free_ports(2), DEADLINE_S)
 
 
 def one_process_oracle(step: int) -> list[list[torch.Tensor]]:
@@ -88,6 +95,28 @@ def test_a_rank_that_never_arrives_ends_the_wait_at_the_deadline(ranks) -> None:
     absent = ranks[0]["absent"]
     assert absent["raised"] == "AgreementTimeout", absent
     assert DEADLINE_S - 0.5 < absent["seconds"] < DEADLINE_S + GRACE_S
+
+
+def test_tensor_parallel_llama_decodes_the_one_process_tokens(ranks) -> None:
+    model = small_model("llama")
+    tokens, (logits,) = greedy_decode([make_runner(model, GraphConfig(enabled=False))])
+    for result in (r["llama"] for r in ranks):
+        assert result["tokens"] == tokens
+        torch.testing.assert_close(torch.tensor(result["graph_logits"]), torch.tensor(logits),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_parallel_llama_graph_equals_its_own_eager_runner(ranks) -> None:
+    for result in (r["llama"] for r in ranks):
+        torch.testing.assert_close(torch.tensor(result["graph_logits"]), torch.tensor(result["eager_logits"]),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_parallel_llama_compiles_once_and_caches_its_own_kv_heads(ranks) -> None:
+    heads = small_model("llama").config.num_key_value_heads
+    for result in (r["llama"] for r in ranks):
+        assert result["stats"] == {"compiles": 1, "recompiles": 0, "graph_steps": 4}
+        assert set(result["kv_heads"]) == {heads // WORLD}
 
 
 # ---- one process: nothing initialised ----
@@ -151,3 +180,29 @@ def test_bad_init_arguments_fail_before_any_group_exists(kwargs, name, monkeypat
     with pytest.raises(ValueError, match=name):
         init_parallel(ParallelConfig(tensor_parallel_size=2), **kwargs)
     assert not torch.distributed.is_initialized() and get_parallel_state().world_size == 1
+
+
+def test_a_tensor_parallel_llama_that_does_not_split_names_the_config_key() -> None:
+    three = Group(None, (0, 1, 2), 0)  # shapes only: no process group is needed to build
+    with pytest.raises(ValueError, match="num_attention_heads=4"):
+        LlamaForCausalLM(LlamaConfig(), tp=three)
+    with pytest.raises(ValueError, match="num_key_value_heads=2"):
+        LlamaForCausalLM(LlamaConfig(num_attention_heads=6), tp=three)
+
+
+def test_the_llama_loader_gives_a_tensor_parallel_rank_its_share_of_each_tensor() -> None:
+    full = small_model("llama", layers=1)
+    rank1 = LlamaForCausalLM(full.config, tp=Group(None, (0, 1), 1))
+    names = {own: checkpoint for checkpoint, own in checkpoint_names(full).items()}
+    load_llama_weights(rank1, ((names[name], t) for name, t in full.state_dict().items()))
+    got, want = rank1.state_dict(), full.state_dict()
+    for name in ("q_proj", "k_proj", "v_proj"):
+        w = want[f"layers.0.self_attn.{name}.weight"]
+        assert torch.equal(got[f"layers.0.self_attn.{name}.weight"], w[w.shape[0] // 2:])
+    for name in ("gate_proj", "up_proj"):
+        w = want[f"layers.0.mlp.{name}.weight"]
+        assert torch.equal(got[f"layers.0.mlp.{name}.weight"], w[w.shape[0] // 2:])
+    for name in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"):
+        assert torch.equal(got[name], want[name][:, want[name].shape[1] // 2:])
+    for name in ("embed_tokens.weight", "lm_head.weight", "norm.weight", "layers.0.input_layernorm.weight"):
+        assert torch.equal(got[name], want[name])
