@@ -168,13 +168,13 @@ PROMPTS = ([1, 5, 9, 3], [7, 2, 8])
 DECODE_STEPS = 4
 
 
-def greedy_decode(runners) -> tuple[list[list[int]], list[list]]:
+def greedy_decode(runners, sched=None) -> tuple[list[list[int]], list[list]]:
     """Prefill ``PROMPTS`` one by one, then ``DECODE_STEPS`` steps decoding both rows, through every
     runner on the same entries (each on its own caches); the first runner's greedy tokens drive.
     Returns the decode steps' tokens and, per runner, its decode steps' logits (lists)."""
     from runner_helpers import Schedule
 
-    sched = Schedule()
+    sched = Schedule() if sched is None else sched
     for s, prompt in enumerate(PROMPTS):
         entry = sched.add(s, list(prompt), new_tokens=100)
         outs = [r.execute([entry]) for r in runners]
@@ -193,7 +193,7 @@ def greedy_decode(runners) -> tuple[list[list[int]], list[list]]:
 def tensor_parallel_llama(state) -> dict:
     """This rank's TP share of the seeded tiny Llama, cut from its full weights, decoded greedily by
     a graph runner (Inductor, capture size 2) and an eager runner side by side."""
-    from runner_helpers import make_runner, small_model
+    from runner_helpers import Schedule, make_runner, small_model
 
     from ascend_graph.config import GraphConfig
     from ascend_graph.models.llama import LlamaForCausalLM
@@ -203,7 +203,12 @@ def tensor_parallel_llama(state) -> dict:
     model.load_state_dict({name: model.tp_shard(name, t) for name, t in full.state_dict().items()})
     graph_config = GraphConfig(enabled=True, backend="inductor", capture_sizes=(2,), max_batch_size=2)
     graph, eager = make_runner(model, graph_config), make_runner(model, GraphConfig(enabled=False))
-    tokens, (graph_logits, eager_logits) = greedy_decode([graph, eager])
-    return {"tokens": tokens, "graph_logits": graph_logits, "eager_logits": eager_logits,
+    sched = Schedule()
+    tokens, (graph_logits, eager_logits) = greedy_decode([graph, eager], sched)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        graph.execute(sched.decode_entries(), mode="graph")  # one more graph step, on every rank
+    ops = [e.name for e in prof.events() if e.name.startswith(("c10d::", "_c10d_functional::"))]
+    return {"tokens": tokens, "graph_logits": graph_logits, "eager_logits": eager_logits, "graph_step_ops": ops,
             "kv_heads": [spec.num_kv_heads for spec in model.kv_cache_specs()],
-            "stats": {k: graph.stats.to_dict()[k] for k in ("compiles", "recompiles", "graph_steps")}}
+            "stats": {k: graph.stats.to_dict()[k]
+                      for k in ("compiles", "recompiles", "compile_failures", "graph_steps")}}

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed_ranks import (STEPS, collective_checks, collective_step, free_ports, greedy_decode, rank_input,
-                               recording_backend, run_ranks)
+from distributed_ranks import (DECODE_STEPS, STEPS, collective_checks, collective_step, free_ports,
+                               greedy_decode, rank_input, recording_backend, run_ranks)
 from runner_helpers import make_runner, small_model
 
 from ascend_graph.config import GraphConfig
@@ -115,8 +115,18 @@ def test_tensor_parallel_llama_graph_equals_its_own_eager_runner(ranks) -> None:
 def test_tensor_parallel_llama_compiles_once_and_caches_its_own_kv_heads(ranks) -> None:
     heads = small_model("llama").config.num_key_value_heads
     for result in (r["llama"] for r in ranks):
-        assert result["stats"] == {"compiles": 1, "recompiles": 0, "graph_steps": 4}
+        assert result["stats"] == {"compiles": 1, "recompiles": 0, "compile_failures": 0,
+                                   "graph_steps": DECODE_STEPS + 1}
         assert set(result["kv_heads"]) == {heads // WORLD}
+
+
+def test_tensor_parallel_llama_graph_step_runs_its_all_reduces(ranks) -> None:
+    """Two per layer (o_proj, down_proj) in one compiled step, as the profiler sees c10d's
+    allreduce (which Inductor's wrappers, C++ or Python, end in)."""
+    layers = small_model("llama").config.num_hidden_layers
+    for result in (r["llama"] for r in ranks):
+        ops = result["graph_step_ops"]
+        assert ops.count("c10d::allreduce_") == 2 * layers, ops
 
 
 # ---- one process: nothing initialised ----
