@@ -10,6 +10,11 @@ The state is held for the process, because ``torch.distributed`` holds its group
 too (its default group, its group registry): one private holder mirrors them, nothing else here
 is mutable. Every wait has a deadline: ``timeout_s`` is given to ``init_process_group`` and to
 every ``new_group``, so a rank that never arrives makes the others raise instead of hanging.
+
+Listeners are torch's (torch 2.13, measured): a ``tcp://`` rendezvous's TCPStore listens on every
+interface of rank 0, whatever host ``init_method`` names (``file://`` has no listener, for ranks
+on one host); gloo's sockets bind the interface ``GLOO_SOCKET_IFNAME`` names (``lo``: 127.0.0.1),
+else the host name's.
 """
 
 from __future__ import annotations
