@@ -18,8 +18,9 @@ from distributed_ranks import (DECODE_STEPS, STEPS, collective_checks, collectiv
 from runner_helpers import make_runner, small_model
 
 from ascend_graph.config import GraphConfig
-from ascend_graph.distributed import (Group, ParallelConfig, RankFailure, agree, all_or_none,
-                                      get_parallel_state, group_ranks, init_parallel)
+from ascend_graph.distributed import (Group, ParallelConfig, ParallelState, RankFailure, agree, all_or_none,
+                                      destroy_parallel, get_parallel_state, group_ranks, init_parallel)
+from ascend_graph.distributed import state as state_module
 from ascend_graph.models.llama import LlamaConfig, LlamaForCausalLM
 from ascend_graph.models.llama_loader import checkpoint_names, load_llama_weights
 
@@ -216,3 +217,25 @@ def test_the_llama_loader_gives_a_tensor_parallel_rank_its_share_of_each_tensor(
         assert torch.equal(got[name], want[name][:, want[name].shape[1] // 2:])
     for name in ("embed_tokens.weight", "lm_head.weight", "norm.weight", "layers.0.input_layernorm.weight"):
         assert torch.equal(got[name], want[name])
+
+
+def test_one_rank_init_forms_no_groups_and_destroy_returns_to_one_process(tmp_path) -> None:
+    state = init_parallel(ParallelConfig(), rank=0, world_size=1, init_method=f"file://{tmp_path / 'rdzv'}",
+                          timeout_s=10)
+    try:
+        assert torch.distributed.is_initialized() and get_parallel_state() is state
+        groups = [getattr(state, g) for g in ("world", "tp", "dp", "ep", "host")]
+        assert state.world_size == 1 and all(g.pg is None for g in groups)
+        assert agree([5], "min") == [5]
+    finally:
+        destroy_parallel()
+    assert not torch.distributed.is_initialized() and get_parallel_state() == ParallelState()
+
+
+def test_a_failure_while_forming_groups_leaves_nothing_initialised(tmp_path, monkeypatch) -> None:
+    def broken(*args, **kwargs):
+        raise RuntimeError("group forming failed")
+    monkeypatch.setattr(state_module, "_member_group", broken)
+    with pytest.raises(RuntimeError, match="group forming failed"):
+        init_parallel(ParallelConfig(), rank=0, world_size=1, init_method=f"file://{tmp_path / 'rdzv'}")
+    assert not torch.distributed.is_initialized() and get_parallel_state().world_size == 1

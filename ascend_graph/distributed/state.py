@@ -114,16 +114,24 @@ def init_parallel(config: ParallelConfig, *, rank: Optional[int] = None, world_s
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=init_method, rank=rank,
                             world_size=world_size, timeout=timeout)
-    partitions = group_ranks(config)
-    state = ParallelState(
+    try:
+        _Holder.state = _form_groups(config, rank, device, timeout_s, backend)
+    except BaseException:
+        dist.destroy_process_group()  # no half-formed state: init_parallel may be called again
+        raise
+    return _Holder.state
+
+
+def _form_groups(config: ParallelConfig, rank: int, device: torch.device, timeout_s: float,
+                 backend: str) -> ParallelState:
+    partitions, timeout = group_ranks(config), timedelta(seconds=timeout_s)
+    return ParallelState(
         config=config, rank=rank, device=device, timeout_s=timeout_s,
-        world=Group(dist.group.WORLD if world_size > 1 else None, partitions["host"][0], rank),
+        world=Group(dist.group.WORLD if config.world_size > 1 else None, partitions["host"][0], rank),
         tp=_member_group(partitions["tp"], rank, backend, timeout),
         dp=_member_group(partitions["dp"], rank, backend, timeout),
         ep=_member_group(partitions["ep"], rank, backend, timeout),
         host=_member_group(partitions["host"], rank, "gloo", timeout))
-    _Holder.state = state
-    return state
 
 
 def destroy_parallel() -> None:
