@@ -20,9 +20,15 @@ from torch import Tensor, nn
 
 from ..attention import AttentionMetadata, PagedBackend, select_attention_backend
 from ..attention.base import AttentionShape
+from ..distributed import Group, all_reduce
 from ..kv_cache import KVCache, KVCacheSpec
 from ..layers import ChosenBackend, RMSNorm
 from .selection import ChoosesBackends
+from .tensor_parallel import local_size, split_dim, tp_slice
+
+# how a tensor-parallel rank splits each linear's checkpoint weight: by output rows (0, column
+# parallel) or by input columns (1, row parallel, its output all-reduced over the TP group)
+TP_SPLIT = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0, "o_proj": 1, "down_proj": 1}
 
 
 @dataclass(frozen=True)
@@ -105,20 +111,23 @@ def rotate_neox(x: Tensor, positions: Tensor, theta: float) -> Tensor:
 
 
 class LlamaAttention(ChosenBackend, nn.Module):
-    """GQA self-attention: writes k/v into the tuple cache, then paged decode / prefill."""
+    """GQA self-attention: writes k/v into the tuple cache, then paged decode / prefill. Under
+    tensor parallelism this rank's heads and kv heads only (``tp``), ``o_proj`` all-reduced."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: Group = Group.single()) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.cfg, self.tp = cfg, tp
+        self.num_heads = local_size(cfg.num_attention_heads, tp, "num_attention_heads")
+        self.num_kv_heads = local_size(cfg.num_key_value_heads, tp, "num_key_value_heads")
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.use_backend()
 
     def _choose_backend(self, name: str | None) -> PagedBackend:
         weight, cfg = self.q_proj.weight, self.cfg
-        shape = AttentionShape(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        shape = AttentionShape(self.num_heads, self.num_kv_heads, cfg.head_dim)
         return select_attention_backend("paged", weight.device, weight.dtype, name, shape)
 
     def forward(self, x: Tensor, positions: Tensor, cache: KVCache, meta: AttentionMetadata) -> Tensor:
@@ -134,31 +143,34 @@ class LlamaAttention(ChosenBackend, nn.Module):
             outs.append(self.backend.decode(q[:n_dec], cache, meta.decode, scale))
         if meta.prefill is not None:
             outs.append(self.backend.prefill(q[n_dec:], cache, meta.prefill, scale))
-        return self.o_proj(torch.cat(outs).reshape(t, -1))
+        return all_reduce(self.o_proj(torch.cat(outs).reshape(t, -1)), self.tp)  # [T, E]
 
 
 class LlamaMLP(nn.Module):
-    """SiLU-gated feed-forward."""
+    """SiLU-gated feed-forward; under tensor parallelism this rank's ``1/tp`` of the intermediate
+    features, ``down_proj`` all-reduced."""
 
-    def __init__(self, hidden: int, inter: int) -> None:
+    def __init__(self, hidden: int, inter: int, tp: Group = Group.single()) -> None:
         super().__init__()
+        self.tp = tp
+        inter = local_size(inter, tp, "intermediate_size")
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), self.tp)
 
 
 class LlamaLayer(nn.Module):
     """Pre-norm decoder layer."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: Group = Group.single()) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch.float32)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch.float32)
-        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, tp)
 
     def forward(self, x: Tensor, positions: Tensor, cache: KVCache, meta: AttentionMetadata) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, cache, meta)
@@ -166,13 +178,17 @@ class LlamaLayer(nn.Module):
 
 
 class LlamaForCausalLM(ChoosesBackends, nn.Module):
-    """Small Llama-style causal LM following the runner's step contract."""
+    """Small Llama-style causal LM following the runner's step contract.
 
-    def __init__(self, cfg: LlamaConfig = LlamaConfig()) -> None:
+    With ``tp`` (a tensor-parallel group of ``distributed``, e.g. ``get_parallel_state().tp``) the
+    model is this rank's share: its heads, kv heads and intermediate features (``TP_SPLIT``),
+    embedding, norms and head replicated; ``tp_shard`` cuts a full checkpoint tensor to it."""
+
+    def __init__(self, cfg: LlamaConfig = LlamaConfig(), tp: Group = Group.single()) -> None:
         super().__init__()
-        self.config = cfg
+        self.config, self.tp = cfg, tp
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch.float32)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -186,11 +202,14 @@ class LlamaForCausalLM(ChoosesBackends, nn.Module):
     def attention_layers(self):
         return (layer.self_attn for layer in self.layers)
 
+    def tp_shard(self, name: str, tensor: Tensor) -> Tensor:
+        """This rank's share (a view) of the full checkpoint tensor of state-dict entry ``name``."""
+        return tp_slice(tensor, split_dim(name, TP_SPLIT), self.tp, name)
+
     def kv_cache_specs(self) -> list[KVCacheSpec]:
-        """One ``KVCacheSpec`` per layer, in the model's dtype."""
+        """One ``KVCacheSpec`` per layer, in the model's dtype, of this rank's kv heads."""
         dtype = self.embed_tokens.weight.dtype
-        return [KVCacheSpec(self.config.num_key_value_heads, self.config.head_dim, dtype)
-                for _ in self.layers]
+        return [KVCacheSpec(layer.self_attn.num_kv_heads, self.config.head_dim, dtype) for layer in self.layers]
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: tuple[KVCache, ...],
                 attn_metadata: AttentionMetadata) -> Tensor:

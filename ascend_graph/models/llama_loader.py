@@ -39,7 +39,8 @@ def _skipped(name: str, model: LlamaForCausalLM) -> bool:
 
 
 def load_llama_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, Tensor]]) -> None:
-    """Copy ``(checkpoint name, tensor)`` pairs into ``model`` (cast to its dtype).
+    """Copy ``(checkpoint name, tensor)`` pairs into ``model`` (cast to its dtype); a
+    tensor-parallel model (``tp``) takes its share of each full tensor (``model.tp_shard``).
 
     ``CheckpointError`` naming the tensor that is misshapen, unexpected (another layer count or
     architecture, a bias) or missing once the stream ends.
@@ -53,6 +54,7 @@ def load_llama_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, Ten
             unexpected.append(name)
             continue
         target = state[names[name]]
+        tensor = model.tp_shard(names[name], tensor)  # a tensor-parallel rank keeps its share
         if tuple(tensor.shape) != tuple(target.shape):
             raise CheckpointError(f"tensor {name} has shape {list(tensor.shape)}, the model expects "
                                   f"{list(target.shape)}")

@@ -1,0 +1,42 @@
+"""Tensor-parallel shares of a model's weights: which slice of a checkpoint tensor a rank keeps.
+
+A column-parallel linear (q/k/v, gate/up) keeps a run of output rows of the checkpoint's
+``[N, K]`` weight (dim 0); a row-parallel linear (o_proj, down_proj) keeps a run of input
+columns (dim 1), and its output is a partial sum that an ``all_reduce`` over the TP group
+completes. Every rank reads the full checkpoint tensor and keeps a view of its share, as vLLM's
+loaders do; embedding, norms and head are replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+from torch import Tensor
+
+from ..distributed import Group
+
+
+def local_size(total: int, group: Group, what: str) -> int:
+    """This rank's share of ``total`` (heads, features); ``ValueError`` naming ``what`` if the
+    group's ranks cannot share it evenly."""
+    if total % group.size:
+        raise ValueError(f"{what}={total} does not split across tensor_parallel_size={group.size} ranks")
+    return total // group.size
+
+
+def tp_slice(tensor: Tensor, dim: Optional[int], group: Group, what: str) -> Tensor:
+    """This rank's share of a checkpoint tensor along ``dim`` (a view); ``dim`` None: the whole
+    tensor (replicated)."""
+    if dim is None or group.size == 1:
+        return tensor
+    n = local_size(tensor.shape[dim], group, what)
+    return tensor.narrow(dim, group.rank * n, n)
+
+
+def split_dim(name: str, rules: Mapping[str, int]) -> Optional[int]:
+    """The dim along which tensor ``name`` is split: that of the first rule whose module name is
+    one of its dotted parts followed by ``weight`` (None: replicated)."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-1] == "weight":
+        return rules.get(parts[-2])
+    return None
