@@ -28,7 +28,7 @@ pytestmark = pytest.mark.xdist_group("distributed")
 
 WORLD = 2
 DEADLINE_S = 3.0
-GRACE_S = 2.0  # beyond a deadline, for the failure to be reported
+GRACE_S = 15.0  # beyond a deadline, for the failure to be reported (a loaded 2-core host)
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
 
 
