@@ -64,12 +64,18 @@ def test_every_backend_compiled_matches_eager_and_the_oracle(tokens, dtype):
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_each_backend_runs_the_same_form_eager_and_compiled(tokens, monkeypatch):
+def _routed(tokens: int) -> tuple:
+    """A MoE layer, ``tokens`` rows and the gate's choice for them."""
     moe = _moe()
     x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         weights, experts = moe.gate(x)
+    return moe, x, weights, experts
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_each_backend_runs_the_same_form_eager_and_compiled(tokens, monkeypatch):
+    moe, x, weights, experts = _routed(tokens)
     for name in _runnable(torch.float32):
         backend = select_moe_backend(torch.device("cpu"), torch.float32, name)
         picked = []
@@ -84,10 +90,7 @@ def test_each_backend_runs_the_same_form_eager_and_compiled(tokens, monkeypatch)
 
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_gathered_backend_sorts_pairs_only_for_large_experts(tokens, monkeypatch):
-    moe = _moe()
-    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        weights, experts = moe.gate(x)
+    moe, x, weights, experts = _routed(tokens)
     picked = []
     for name in ("gathered", "gathered_by_expert"):
         monkeypatch.setattr(moe.experts, name, (lambda n: lambda *a: picked.append(n))(name))
