@@ -205,11 +205,13 @@ def tensor_parallel_llama(state) -> dict:
 
 
 def small_deepseek(version: str):
-    """The seeded two-layer (one dense, one MoE) tiny DeepSeek ``"v2"`` or ``"v3"``, float32."""
+    """The seeded tiny DeepSeek ``"v2"`` (a dense layer, then a MoE layer) or ``"v3"`` (one MoE
+    layer: V2 covers the dense MLP; a layer less to compile), float32."""
     from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
 
-    config = (DeepseekConfig.small if version == "v2" else DeepseekConfig.small_v3)(num_hidden_layers=2)
-    return DeepseekForCausalLM(config).eval()
+    if version == "v2":
+        return DeepseekForCausalLM(DeepseekConfig.small(num_hidden_layers=2)).eval()
+    return DeepseekForCausalLM(DeepseekConfig.small_v3(num_hidden_layers=1, first_k_dense_replace=0)).eval()
 
 
 def tensor_parallel_deepseek(state, version: str) -> dict:
@@ -221,7 +223,7 @@ def tensor_parallel_deepseek(state, version: str) -> dict:
     model = DeepseekForCausalLM(full.config, init_weights=False, tp=state.tp).eval()
     model.load_state_dict({name: model.tp_shard(name, t) for name, t in full.state_dict().items()})
     shapes = {"heads": model.model.layers[0].self_attn.num_heads,
-              "expert_gate_up": list(model.model.layers[1].mlp.experts.gate_up_proj.shape),
+              "expert_gate_up": list(model.model.layers[-1].mlp.experts.gate_up_proj.shape),
               "latent_cache": [[spec.kv_lora_rank, spec.qk_rope_head_dim] for spec in model.kv_cache_specs()]}
     return {**_graph_and_eager_decode(model), "shapes": shapes}
 
