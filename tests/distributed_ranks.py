@@ -99,7 +99,7 @@ def recording_backend(graphs: list, inner: str = "inductor"):
 
 def collective_checks(rank: int, world_size: int, ports: list[int], deadline_s: float) -> dict:
     """Every multi-process check, on one pair of ranks. TP=2: each collective compiled fullgraph
-    and run eagerly over ``STEPS`` steps, then the tensor-parallel Llama; then DP=2 with EP,
+    and run eagerly over ``STEPS`` steps, then the tensor-parallel Llama, DeepSeek V2 and V3; then DP=2 with EP,
     initialised from torchrun's environment variables: the groups, ``agree``, ``all_or_none`` with
     a failure on rank 1, and last (it leaves the group out of step) an agreement that rank 1
     never joins (rank 0 must give up within ``deadline_s``)."""
@@ -108,6 +108,7 @@ def collective_checks(rank: int, world_size: int, ports: list[int], deadline_s: 
     out: dict = {"tp_groups": _groups(state)}
     out.update(_compiled_collectives(rank, state))
     out["llama"] = tensor_parallel_llama(state)
+    out["deepseek"] = {version: tensor_parallel_deepseek(state, version) for version in ("v2", "v3")}
     destroy_parallel()
     # the second time as torchrun would start it: everything from the environment
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[1]), RANK=str(rank),
@@ -193,14 +194,47 @@ def greedy_decode(runners, sched=None) -> tuple[list[list[int]], list[list]]:
 def tensor_parallel_llama(state) -> dict:
     """This rank's TP share of the seeded tiny Llama, cut from its full weights, decoded greedily by
     a graph runner (Inductor, capture size 2) and an eager runner side by side."""
-    from runner_helpers import Schedule, make_runner, small_model
+    from runner_helpers import small_model
 
-    from ascend_graph.config import GraphConfig
     from ascend_graph.models.llama import LlamaForCausalLM
 
     full = small_model("llama")
     model = LlamaForCausalLM(full.config, tp=state.tp).eval()
     model.load_state_dict({name: model.tp_shard(name, t) for name, t in full.state_dict().items()})
+    return {**_graph_and_eager_decode(model), "kv_heads": [spec.num_kv_heads for spec in model.kv_cache_specs()]}
+
+
+def small_deepseek(version: str):
+    """The seeded tiny DeepSeek ``"v2"`` (a dense layer, then a MoE layer) or ``"v3"`` (one MoE
+    layer: V2 covers the dense MLP; a layer less to compile), float32."""
+    from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
+
+    if version == "v2":
+        return DeepseekForCausalLM(DeepseekConfig.small(num_hidden_layers=2)).eval()
+    return DeepseekForCausalLM(DeepseekConfig.small_v3(num_hidden_layers=1, first_k_dense_replace=0)).eval()
+
+
+def tensor_parallel_deepseek(state, version: str) -> dict:
+    """This rank's TP share of the tiny DeepSeek ``version``, cut from its full weights, decoded
+    like the Llama; with the shapes of its share."""
+    from ascend_graph.models import DeepseekForCausalLM
+
+    full = small_deepseek(version)
+    model = DeepseekForCausalLM(full.config, init_weights=False, tp=state.tp).eval()
+    model.load_state_dict({name: model.tp_shard(name, t) for name, t in full.state_dict().items()})
+    shapes = {"heads": model.model.layers[0].self_attn.num_heads,
+              "expert_gate_up": list(model.model.layers[-1].mlp.experts.gate_up_proj.shape),
+              "latent_cache": [[spec.kv_lora_rank, spec.qk_rope_head_dim] for spec in model.kv_cache_specs()]}
+    return {**_graph_and_eager_decode(model), "shapes": shapes}
+
+
+def _graph_and_eager_decode(model) -> dict:
+    """``model`` decoded greedily by a graph runner (Inductor, capture size 2) and an eager runner
+    side by side, then one more graph step under the profiler (its collectives)."""
+    from runner_helpers import Schedule, make_runner
+
+    from ascend_graph.config import GraphConfig
+
     graph_config = GraphConfig(enabled=True, backend="inductor", capture_sizes=(2,), max_batch_size=2)
     graph, eager = make_runner(model, graph_config), make_runner(model, GraphConfig(enabled=False))
     sched = Schedule()
@@ -209,6 +243,5 @@ def tensor_parallel_llama(state) -> dict:
         graph.execute(sched.decode_entries(), mode="graph")  # one more graph step, on every rank
     ops = [e.name for e in prof.events() if e.name.startswith(("c10d::", "_c10d_functional::"))]
     return {"tokens": tokens, "graph_logits": graph_logits, "eager_logits": eager_logits, "graph_step_ops": ops,
-            "kv_heads": [spec.num_kv_heads for spec in model.kv_cache_specs()],
             "stats": {k: graph.stats.to_dict()[k]
                       for k in ("compiles", "recompiles", "compile_failures", "graph_steps")}}

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from ascend_graph.distributed import Group
 from ascend_graph.layers import ChunkedLinear
 from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM, load_deepseek
 from ascend_graph.models.loader import CheckpointError
@@ -100,6 +101,21 @@ def test_fp8_block_scaled_weights_are_dequantized_at_load(tmp_path, small_model)
         bound = 2.0 ** -4 * w.abs() + 2.0 ** -9 * scale.max()  # e4m3: 3 mantissa bits, subnormals
         assert ((loaded[name] - w).abs() <= bound).all(), name
         assert not torch.equal(loaded[name], w), "quantisation should not be lossless here"
+
+
+def test_a_tensor_parallel_rank_takes_its_share_of_dequantized_fp8_weights(tmp_path, small_model):
+    tensors = hf_named_tensors(small_model)
+    quantized = {"model.layers.0.mlp.gate_proj.weight": 0, "model.layers.0.mlp.down_proj.weight": 1,
+                 "model.layers.1.mlp.experts.3.up_proj.weight": 0}  # the dim each rank's share is cut along
+    for name in quantized:
+        tensors[name], tensors[name + "_scale_inv"] = quantize_fp8_blockwise(tensors[name])
+    config = dict(SMALL_JSON, quantization_config=dict(quant_method="fp8", weight_block_size=[128, 128]))
+    write_checkpoint(tmp_path, tensors, config)
+    loaded = hf_named_tensors(load_deepseek(tmp_path, tp=Group(None, (0, 1), 1)))
+    for name, dim in quantized.items():
+        full = dequantize_by_blocks(tensors[name], tensors[name + "_scale_inv"])
+        n = full.shape[dim] // 2
+        assert torch.equal(loaded[name], full.narrow(dim, n, n)), name
 
 
 @pytest.mark.parametrize("mutate, message", [

@@ -13,14 +13,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from checkpoints import SMALL_JSON, hf_named_tensors, write_checkpoint
 from distributed_ranks import (DECODE_STEPS, STEPS, collective_checks, collective_step, free_ports,
-                               greedy_decode, rank_input, recording_backend, run_ranks)
+                               greedy_decode, rank_input, recording_backend, run_ranks, small_deepseek)
 from runner_helpers import make_runner, small_model
 
 from ascend_graph.config import GraphConfig
 from ascend_graph.distributed import (Group, ParallelConfig, ParallelState, RankFailure, agree, all_or_none,
                                       destroy_parallel, get_parallel_state, group_ranks, init_parallel)
 from ascend_graph.distributed import state as state_module
+from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM, load_deepseek
+from ascend_graph.models.deepseek import kv_b_parts
 from ascend_graph.models.llama import LlamaConfig, LlamaForCausalLM
 from ascend_graph.models.llama_loader import checkpoint_names, load_llama_weights
 
@@ -126,6 +129,47 @@ def test_tensor_parallel_llama_graph_step_runs_its_all_reduces(ranks) -> None:
     allreduce (which Inductor's wrappers, C++ or Python, end in)."""
     layers = small_model("llama").config.num_hidden_layers
     for result in (r["llama"] for r in ranks):
+        ops = result["graph_step_ops"]
+        assert ops.count("c10d::allreduce_") == 2 * layers, ops
+
+
+VERSIONS = ("v2", "v3")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_tensor_parallel_deepseek_decodes_the_one_process_tokens(ranks, version) -> None:
+    tokens, (logits,) = greedy_decode([make_runner(small_deepseek(version), GraphConfig(enabled=False))])
+    for result in (r["deepseek"][version] for r in ranks):
+        assert result["tokens"] == tokens
+        torch.testing.assert_close(torch.tensor(result["graph_logits"]), torch.tensor(logits),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_tensor_parallel_deepseek_graph_equals_its_own_eager_runner(ranks, version) -> None:
+    for result in (r["deepseek"][version] for r in ranks):
+        torch.testing.assert_close(torch.tensor(result["graph_logits"]), torch.tensor(result["eager_logits"]),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_tensor_parallel_deepseek_compiles_once_and_keeps_the_whole_latent_cache(ranks, version) -> None:
+    config = small_deepseek(version).config
+    for result in (r["deepseek"][version] for r in ranks):
+        assert result["stats"] == {"compiles": 1, "recompiles": 0, "compile_failures": 0,
+                                   "graph_steps": DECODE_STEPS + 1}
+        shapes = result["shapes"]
+        assert shapes["heads"] == config.num_attention_heads // WORLD
+        assert shapes["expert_gate_up"] == [config.n_routed_experts, 2 * config.moe_intermediate_size // WORLD,
+                                            config.hidden_size]  # every expert, a share of each
+        assert shapes["latent_cache"] == [[config.kv_lora_rank, config.qk_rope_head_dim]] * config.num_hidden_layers
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_tensor_parallel_deepseek_graph_step_runs_two_all_reduces_per_layer(ranks, version) -> None:
+    """o_proj, then the dense MLP or the MoE (routed + shared experts summed first): one each."""
+    layers = small_deepseek(version).config.num_hidden_layers
+    for result in (r["deepseek"][version] for r in ranks):
         ops = result["graph_step_ops"]
         assert ops.count("c10d::allreduce_") == 2 * layers, ops
 
@@ -239,3 +283,58 @@ def test_a_failure_while_forming_groups_leaves_nothing_initialised(tmp_path, mon
     with pytest.raises(RuntimeError, match="group forming failed"):
         init_parallel(ParallelConfig(), rank=0, world_size=1, init_method=f"file://{tmp_path / 'rdzv'}")
     assert not torch.distributed.is_initialized() and get_parallel_state().world_size == 1
+
+
+def _share(w: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+    n = w.shape[dim] // WORLD
+    return w.narrow(dim, rank * n, n)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per_expert", "stacked_experts"])
+def test_the_deepseek_loader_gives_a_tensor_parallel_rank_its_share_of_each_tensor(tmp_path, stacked) -> None:
+    full = DeepseekForCausalLM(DeepseekConfig.from_dict(SMALL_JSON), seed=7)
+    want = full.state_dict()
+    tensors = hf_named_tensors(full)
+    if stacked:
+        tensors = {k: v for k, v in tensors.items() if ".experts." not in k}
+        tensors.update({k: v.clone() for k, v in want.items() if ".experts." in k})
+    write_checkpoint(tmp_path, tensors, shards=2)
+    layer = "model.layers.{}."
+    for rank in range(WORLD):
+        model = load_deepseek(tmp_path, tp=Group(None, (0, 1), rank))
+        got = model.state_dict()
+        rows = [layer.format(0) + "self_attn.q_b_proj.weight", layer.format(0) + "self_attn.kv_b_proj.weight",
+                layer.format(0) + "mlp.gate_proj.weight", layer.format(0) + "mlp.up_proj.weight",
+                layer.format(1) + "mlp.shared_experts.gate_proj.weight",
+                layer.format(1) + "mlp.shared_experts.up_proj.weight"]
+        cols = [layer.format(0) + "self_attn.o_proj.weight", layer.format(0) + "mlp.down_proj.weight",
+                layer.format(1) + "mlp.shared_experts.down_proj.weight"]
+        for name in rows:
+            assert torch.equal(got[name], _share(want[name], 0, rank)), name
+        for name in cols:
+            assert torch.equal(got[name], _share(want[name], 1, rank)), name
+        experts = layer.format(1) + "mlp.experts."
+        gate, up = want[experts + "gate_up_proj"].chunk(2, dim=1)
+        assert torch.equal(got[experts + "gate_up_proj"], torch.cat([_share(gate, 1, rank), _share(up, 1, rank)], 1))
+        assert torch.equal(got[experts + "down_proj"], _share(want[experts + "down_proj"], 2, rank))
+        replicated = [n for n in want if any(part in n for part in (
+            "q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm", "embed_tokens", "lm_head",
+            "mlp.gate.", "layernorm", "model.norm"))]
+        assert len(replicated) > 10
+        for name in replicated:
+            assert torch.equal(got[name], want[name]), name
+        attn, c = model.model.layers[0].self_attn, full.config
+        w_uk_t, w_uv = kv_b_parts(_share(want[layer.format(0) + "self_attn.kv_b_proj.weight"], 0, rank),
+                                  c.num_attention_heads // WORLD, c.qk_nope_head_dim, c.v_head_dim)
+        assert torch.equal(attn.w_uk_t, w_uk_t) and torch.equal(attn.w_uv, w_uv)  # this rank's heads'
+
+
+@pytest.mark.parametrize("overrides, name", [
+    ({}, "num_attention_heads=4"),
+    ({"num_attention_heads": 6}, "intermediate_size=128"),
+    ({"num_attention_heads": 6, "intermediate_size": 96}, "moe_intermediate_size=32"),
+])
+def test_a_tensor_parallel_deepseek_that_does_not_split_names_the_config_key(overrides, name) -> None:
+    three = Group(None, (0, 1, 2), 0)  # shapes only: no process group is needed to build
+    with pytest.raises(ValueError, match=name):
+        DeepseekForCausalLM(DeepseekConfig.small(**overrides), init_weights=False, tp=three)

@@ -23,32 +23,59 @@ call it; call it again after changing weights in place or replacing them) and ar
   weight is re-laid out chunk-major in place of itself (one copy; its state dict still shows the
   checkpoint's ``[N, K]``).
 The model never chooses graph or eager: the runner compiles ``forward`` or not.
+
+Tensor parallel (``tp``, a group of ``distributed``), as vLLM shards DeepSeek: ``q_a_proj``,
+``kv_a_proj_with_mqa`` and their norms replicated; ``q_proj`` / ``q_b_proj`` and ``kv_b_proj``
+split by head (so ``w_uk_t`` / ``w_uv`` are this rank's heads'); ``o_proj`` by input columns, then
+all-reduced; the latent cache whole on every rank (one latent head); dense MLP and MoE as
+``moe.layer`` says; embedding, router and head replicated (``TP_SPLIT``, ``tp_shard``).
 """
 
 from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from ..attention import AttentionMetadata, MLABackend, select_attention_backend
 from ..attention.base import AttentionShape
+from ..distributed import Group, all_reduce
 from ..kv_cache import MLACache, MLACacheSpec
 from .deepseek_config import DeepseekConfig
 from ..layers import ChosenBackend, RMSNorm, linear
 from ..moe import MLP, MoE
 from .selection import ChoosesBackends
 from .rope import RotaryEmbedding, softmax_scale
+from .tensor_parallel import local_size, shard_index, split_dim
 
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
+
+# how a tensor-parallel rank splits each linear's checkpoint weight: by output rows (0: per head,
+# per intermediate feature) or by input columns (1, its output all-reduced); routed experts'
+# stacked tensors are split along I (``_EXPERT_SPLIT``); anything else is replicated
+TP_SPLIT = {"q_proj": 0, "q_b_proj": 0, "kv_b_proj": 0, "o_proj": 1, "gate_proj": 0, "up_proj": 0,
+            "down_proj": 1}
+_EXPERT_SPLIT = {"experts.gate_up_proj": 1, "experts.down_proj": 2}  # [X, 2I, E] (two halves), [X, E, I]
+
+
+def _tp_split(name: str) -> tuple[Optional[int], int]:
+    """``(dim, parts)``: the dim along which checkpoint tensor ``name`` is split (None:
+    replicated) and into how many separately split parts (2: a stacked gate/up)."""
+    for leaf, dim in _EXPERT_SPLIT.items():
+        if name.endswith(leaf):
+            return dim, 2 if leaf.endswith("gate_up_proj") else 1
+    return split_dim(name, TP_SPLIT), 1
 
 
 class MLAttention(ChosenBackend, nn.Module):
     """Multi-head latent attention of one layer: writes the new tokens' latent and rope key into
     the layer's cache, then runs absorbed MLA for decode rows and plain MLA for prefills."""
 
-    def __init__(self, config: DeepseekConfig, dtype: torch.dtype, device=None) -> None:
+    def __init__(self, config: DeepseekConfig, dtype: torch.dtype, device=None, tp: Group = Group.single()) -> None:
         super().__init__()
-        e, h, bias = config.hidden_size, config.num_attention_heads, config.attention_bias
+        e, bias, self.tp = config.hidden_size, config.attention_bias, tp
+        h = local_size(config.num_attention_heads, tp, "num_attention_heads")  # this rank's heads
         self.num_heads, self.kv_lora_rank = h, config.kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_head_dim, self.rope_interleave = config.v_head_dim, config.rope_interleave
@@ -113,7 +140,7 @@ class MLAttention(ChosenBackend, nn.Module):
             outs.append(self.backend.prefill(q_nope[n_dec:], q_pe[n_dec:], cache, meta.prefill, w_uk, w_uv,
                                              self.scale))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, H, Dv]
-        return self.o_proj(out.flatten(1))
+        return all_reduce(self.o_proj(out.flatten(1)), self.tp)  # [T, E]
 
 
 def kv_b_parts(weight: Tensor, h: int, dn: int, dv: int) -> tuple[Tensor, Tensor]:
@@ -141,11 +168,12 @@ def _rebuild_after_load(module: MLAttention, incompatible_keys) -> None:
 class DecoderLayer(nn.Module):
     """Pre-norm block: latent attention, then a dense MLP or a mixture of experts."""
 
-    def __init__(self, config: DeepseekConfig, layer: int, dtype: torch.dtype, device=None) -> None:
+    def __init__(self, config: DeepseekConfig, layer: int, dtype: torch.dtype, device=None,
+                 tp: Group = Group.single()) -> None:
         super().__init__()
-        self.self_attn = MLAttention(config, dtype, device)
-        self.mlp: nn.Module = (MoE(config, dtype, device) if config.is_moe_layer(layer)
-                               else MLP(config.hidden_size, config.intermediate_size, dtype, device))
+        self.self_attn = MLAttention(config, dtype, device, tp)
+        self.mlp: nn.Module = (MoE(config, dtype, device, tp=tp) if config.is_moe_layer(layer)
+                               else MLP(config.hidden_size, config.intermediate_size, dtype, device, tp))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -160,11 +188,11 @@ class DecoderLayer(nn.Module):
 class DeepseekModel(nn.Module):
     """Embedding, decoder layers and the final norm (``model.*`` in the checkpoint)."""
 
-    def __init__(self, config: DeepseekConfig, dtype: torch.dtype, device=None) -> None:
+    def __init__(self, config: DeepseekConfig, dtype: torch.dtype, device=None, tp: Group = Group.single()) -> None:
         super().__init__()
         self.embed_tokens = nn.utils.skip_init(nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype,
                                                device=torch.get_default_device() if device is None else device)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.rotary_emb = RotaryEmbedding(config, device)
 
@@ -189,13 +217,18 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
     in ``dtype`` on ``device`` in the checkpoint's form; with ``init_weights`` they are
     seeded-random (``init_random_weights_``), otherwise left for a loader to fill, which then calls
     ``process_weights_after_loading()`` (the model does not run before it).
+
+    With ``tp`` (e.g. ``get_parallel_state().tp``) the model is this rank's share (module
+    docstring); ``tp_shard`` cuts a full checkpoint tensor to it. Seeded random weights of a share
+    are not the unsharded model's share: cut those from the full model's tensors.
     """
 
     def __init__(self, config: DeepseekConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None, init_weights: bool = True, seed: int = 0) -> None:
+                 device: torch.device | str | None = None, init_weights: bool = True, seed: int = 0,
+                 tp: Group = Group.single()) -> None:
         super().__init__()
-        self.config = config
-        self.model = DeepseekModel(config, dtype, device)
+        self.config, self.tp = config, tp
+        self.model = DeepseekModel(config, dtype, device, tp)
         self.lm_head = linear(config.hidden_size, config.vocab_size, dtype, device,
                               chunked=not config.tie_word_embeddings)
         if config.tie_word_embeddings:
@@ -224,6 +257,24 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
         Each layer writes its new ``kv_c``/``k_pe`` into ``kv_caches[layer]`` in place.
         """
         return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def tp_shard(self, name: str, tensor: Tensor) -> Tensor:
+        """This rank's share of the full checkpoint tensor ``name`` (``tp_read``): a view, but for
+        a routed experts' ``gate_up_proj`` and a zeroed ``o_proj.bias``."""
+        return tensor if self.tp.size == 1 else self.tp_read(name, tensor.shape, tensor.__getitem__)
+
+    def tp_read(self, name: str, shape: Sequence[int], read: Callable[[tuple], Tensor]) -> Tensor:
+        """This rank's share of checkpoint tensor ``name`` (a state-dict name, or a per-expert
+        ``...experts.X.{gate,up,down}_proj.weight``) of full ``shape``, from ``read(index)`` of the
+        pieces it needs (a safetensors slice reads no more). A routed experts' ``gate_up_proj``
+        is cut half by half (gate rows, then up rows); ``o_proj.bias`` is replicated but added
+        once: zeros beyond rank 0, as vLLM's row-parallel linear adds it on rank 0 only."""
+        dim, parts = _tp_split(name)
+        pieces = [read(index) for index in shard_index(shape, dim, self.tp, name, parts)]
+        share = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+        if name.endswith("self_attn.o_proj.bias") and self.tp.rank > 0:
+            return torch.zeros_like(share)
+        return share
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """``hidden [T, E]`` (from ``forward``) -> float32 logits ``[T, V]``."""

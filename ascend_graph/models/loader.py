@@ -14,6 +14,10 @@ filled, ``model.process_weights_after_loading()`` builds the derived forms.
 
 Everything is planned and checked (names, shapes, dtypes) from the file headers before any data
 is read, so a bad checkpoint fails fast with an error naming the tensor.
+
+A tensor-parallel model (``tp``) takes its share of each checkpoint tensor
+(``DeepseekForCausalLM.tp_read``): shapes are checked as shares, and only the share's rows or
+columns are read from the file (safetensors slices); FP8 weights are read whole, dequantized, then cut.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from ..distributed import Group
 from ..runtime import weights_on_huge_pages
 from .deepseek import DeepseekForCausalLM
 from .deepseek_config import DeepseekConfig
@@ -132,6 +137,7 @@ def _plan(model: DeepseekForCausalLM, files: dict[str, str]) -> _Plan:
             continue
         shape, dtype = headers[name]
         expected = tuple(_piece(state[target.name], target).shape)
+        shape = tuple(model.tp_read(name, shape, torch.empty(shape, device="meta").__getitem__).shape)
         if shape != expected:
             raise CheckpointError(f"tensor {name} has shape {list(shape)}, the model expects {list(expected)}")
         entries[name] = (target, _scale_name(name, dtype, files, headers, config))
@@ -237,9 +243,12 @@ def _fill(model: DeepseekForCausalLM, files: dict[str, str], plan: _Plan) -> Non
         with safe_open(file, framework="pt") as f:
             for name in names:
                 target, scale = plan.entries[name]
-                tensor = f.get_tensor(name)
                 if scale is not None:
-                    tensor = dequantize_fp8(tensor, _read(files[scale], scale, f, file), block)
+                    tensor = dequantize_fp8(f.get_tensor(name), _read(files[scale], scale, f, file), block)
+                    tensor = model.tp_shard(name, tensor)
+                else:
+                    sl = f.get_slice(name)
+                    tensor = model.tp_read(name, sl.get_shape(), sl.__getitem__)  # this rank's share only
                 _piece(state[target.name], target).copy_(tensor)
 
 
@@ -270,12 +279,14 @@ def checkpoint_tensors(model: DeepseekForCausalLM) -> dict[str, Tensor]:
 
 
 def load_deepseek(path: str | os.PathLike, dtype: Optional[torch.dtype] = None,
-                  device: torch.device | str = "cpu", huge_pages: bool = True) -> DeepseekForCausalLM:
+                  device: torch.device | str = "cpu", huge_pages: bool = True,
+                  tp: Group = Group.single()) -> DeepseekForCausalLM:
     """Build a ``DeepseekForCausalLM`` from the checkpoint directory ``path``.
 
     ``dtype`` defaults to the checkpoint's ``dtype``/``torch_dtype`` (bfloat16 for FP8 or unknown).
     ``huge_pages``: on CPU, weights and derived forms of 2 MiB or more go onto transparent huge
     pages (``ascend_graph.runtime.weights_on_huge_pages``; decode streams them faster).
+    ``tp``: a tensor-parallel group (``get_parallel_state().tp``); the model is this rank's share.
     Raises ``CheckpointError`` naming the tensor on missing, unexpected or misshapen tensors.
     """
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
@@ -283,7 +294,7 @@ def load_deepseek(path: str | os.PathLike, dtype: Optional[torch.dtype] = None,
     config = DeepseekConfig.from_dict(raw)
     dtype = dtype or _DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype")), torch.bfloat16)
     files = checkpoint_files(path)
-    model = DeepseekForCausalLM(config, dtype=dtype, device=device, init_weights=False)
+    model = DeepseekForCausalLM(config, dtype=dtype, device=device, init_weights=False, tp=tp)
     _fill(model, files, _plan(model, files))
     model.process_weights_after_loading()
     if huge_pages:

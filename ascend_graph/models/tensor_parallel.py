@@ -9,7 +9,7 @@ loaders do; embedding, norms and head are replicated.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from torch import Tensor
 
@@ -31,6 +31,19 @@ def tp_slice(tensor: Tensor, dim: Optional[int], group: Group, what: str) -> Ten
         return tensor
     n = local_size(tensor.shape[dim], group, what)
     return tensor.narrow(dim, group.rank * n, n)
+
+
+def shard_index(shape: Sequence[int], dim: Optional[int], group: Group, what: str,
+                parts: int = 1) -> list[tuple[slice, ...]]:
+    """Index tuples of this rank's share of a tensor of ``shape`` split along ``dim``: one, or with
+    ``parts`` > 1 (a stacked gate/up) one per equal part, each part split on its own; read and
+    concatenated along ``dim`` they are the share (``dim`` None: the whole tensor)."""
+    if dim is None or group.size == 1:
+        return [(slice(None),)]
+    part = shape[dim] // parts
+    n = local_size(part, group, what)
+    lead = (slice(None),) * dim
+    return [lead + (slice(p * part + group.rank * n, p * part + (group.rank + 1) * n),) for p in range(parts)]
 
 
 def split_dim(name: str, rules: Mapping[str, int]) -> Optional[int]:

@@ -19,7 +19,7 @@ holds them. Every form computes the same sum; which one a step runs is the MoE b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -55,11 +55,14 @@ def _weighted_sum_unsorted(out: Tensor, order: Tensor, weights: Tensor) -> Tenso
 
 
 class RoutedExperts(nn.Module):
-    """X SiLU-gated expert MLPs, stacked: ``gate_up_proj [X, 2I, E]``, ``down_proj [X, E, I]``."""
+    """X SiLU-gated expert MLPs, stacked: ``gate_up_proj [X, 2I, E]``, ``down_proj [X, E, I]``;
+    ``intermediate_size``: a tensor-parallel rank's share of I (default: the config's)."""
 
-    def __init__(self, config: DeepseekConfig, dtype: torch.dtype, device=None) -> None:
+    def __init__(self, config: DeepseekConfig, dtype: torch.dtype, device=None,
+                 intermediate_size: Optional[int] = None) -> None:
         super().__init__()
-        x, e, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        x, e = config.n_routed_experts, config.hidden_size
+        i = config.moe_intermediate_size if intermediate_size is None else intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(x, 2 * i, e, dtype=dtype, device=device))
         self.down_proj = nn.Parameter(torch.empty(x, e, i, dtype=dtype, device=device))
 

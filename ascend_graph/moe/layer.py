@@ -1,6 +1,11 @@
 """DeepSeek's feed-forward blocks: the dense SiLU-gated MLP and the mixture of experts.
 
-Shape legend: T tokens, E hidden size, I intermediate size.
+Under tensor parallelism (``tp``, as vLLM shards DeepSeek) each rank keeps ``1/tp`` of every
+intermediate size: gate/up by output rows, down by input columns, so each block's output is a
+partial sum. A dense MLP all-reduces it; a MoE sums its routed and shared experts' partial sums
+and all-reduces once. The router is replicated: every rank routes every token alike.
+
+Shape legend: T tokens, E hidden size, I intermediate size (this rank's share under TP).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..distributed import Group, all_reduce
 from ..layers import ChosenBackend, linear
 from .backend import MoEBackend, select_moe_backend
 from .experts import RoutedExperts
@@ -21,31 +27,48 @@ if TYPE_CHECKING:  # the models package builds these layers from its config
 
 
 class MLP(nn.Module):
-    """SiLU-gated MLP: ``down(silu(gate(x)) * up(x))`` (dense layers and shared experts)."""
+    """SiLU-gated MLP: ``down(silu(gate(x)) * up(x))`` (dense layers and shared experts); under
+    ``tp`` this rank's share of the intermediate features (``what`` names their config key),
+    all-reduced when ``reduce`` (a MoE's shared experts leave it to the MoE)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device=None) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device=None,
+                 tp: Group = Group.single(), reduce: bool = True, what: str = "intermediate_size") -> None:
         super().__init__()
+        self.tp, self.reduce = tp, reduce
+        intermediate_size = _share(intermediate_size, tp, what)
         self.gate_proj = linear(hidden_size, intermediate_size, dtype, device)
         self.up_proj = linear(hidden_size, intermediate_size, dtype, device)
         self.down_proj = linear(intermediate_size, hidden_size, dtype, device)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [T, E], partial under TP
+        return all_reduce(out, self.tp) if self.reduce else out
+
+
+def _share(total: int, tp: Group, what: str) -> int:
+    """This rank's share of an intermediate size (``ValueError`` naming ``what`` if uneven)."""
+    from ..models.tensor_parallel import local_size  # the models package imports this one
+    return local_size(total, tp, what)
 
 
 class MoE(ChosenBackend, nn.Module):
     """Routed experts plus the always-on shared experts; ``backend`` computes the routed sum
-    (``moe.backend``; None: chosen for ``dtype`` on ``device``)."""
+    (``moe.backend``; None: chosen for ``dtype`` on ``device``). Under ``tp`` every rank holds
+    every routed expert with its share of the intermediate size, and the sum of routed and shared
+    experts is all-reduced once."""
 
     def __init__(self, config: DeepseekConfig, dtype: torch.dtype, device=None,
-                 backend: Optional[MoEBackend] = None) -> None:
+                 backend: Optional[MoEBackend] = None, tp: Group = Group.single()) -> None:
         super().__init__()
+        self.tp = tp
         self.gate = Router(config, device)
-        self.experts = RoutedExperts(config, dtype, device)
+        self.experts = RoutedExperts(config, dtype, device,
+                                     _share(config.moe_intermediate_size, tp, "moe_intermediate_size"))
         self.shared_experts = None
         if config.n_shared_experts:
             self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
-                                      dtype, device)
+                                      dtype, device, tp, reduce=False,
+                                      what="moe_intermediate_size * n_shared_experts")
         self.backend: MoEBackend = backend or self.use_backend()
 
     # A backend whose own weight layout the experts were packed into (``vllm.moe``): the only one
@@ -65,4 +88,5 @@ class MoE(ChosenBackend, nn.Module):
         """``x [T, E]`` -> ``[T, E]``; ``prefill``: the step has prefill tokens (it runs eager)."""
         weights, experts = self.gate(x)
         routed = (self.backend.prefill if prefill else self.backend.decode)(self.experts, x, weights, experts)
-        return routed if self.shared_experts is None else routed + self.shared_experts(x)
+        out = routed if self.shared_experts is None else routed + self.shared_experts(x)  # [T, E]
+        return all_reduce(out, self.tp)
