@@ -51,6 +51,14 @@ class Group:
         return cls(None, (global_rank,), 0)
 
 
+def local_size(total: int, group: Group, what: str) -> int:
+    """This rank's share of ``total`` (heads, features); ``ValueError`` naming ``what`` if the
+    group's ranks cannot share it evenly."""
+    if total % group.size:
+        raise ValueError(f"{what}={total} does not split across tensor_parallel_size={group.size} ranks")
+    return total // group.size
+
+
 @dataclass(frozen=True)
 class ParallelState:
     """This process's rank and groups; ``ParallelState()`` is the single-process state."""

@@ -13,15 +13,7 @@ from typing import Mapping, Optional, Sequence
 
 from torch import Tensor
 
-from ..distributed import Group
-
-
-def local_size(total: int, group: Group, what: str) -> int:
-    """This rank's share of ``total`` (heads, features); ``ValueError`` naming ``what`` if the
-    group's ranks cannot share it evenly."""
-    if total % group.size:
-        raise ValueError(f"{what}={total} does not split across tensor_parallel_size={group.size} ranks")
-    return total // group.size
+from ..distributed import Group, local_size
 
 
 def tp_slice(tensor: Tensor, dim: Optional[int], group: Group, what: str) -> Tensor:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..distributed import Group, all_reduce
+from ..distributed import Group, all_reduce, local_size
 from ..layers import ChosenBackend, linear
 from .backend import MoEBackend, select_moe_backend
 from .experts import RoutedExperts
@@ -35,7 +35,7 @@ class MLP(nn.Module):
                  tp: Group = Group.single(), reduce: bool = True, what: str = "intermediate_size") -> None:
         super().__init__()
         self.tp, self.reduce = tp, reduce
-        intermediate_size = _share(intermediate_size, tp, what)
+        intermediate_size = local_size(intermediate_size, tp, what)
         self.gate_proj = linear(hidden_size, intermediate_size, dtype, device)
         self.up_proj = linear(hidden_size, intermediate_size, dtype, device)
         self.down_proj = linear(intermediate_size, hidden_size, dtype, device)
@@ -43,12 +43,6 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [T, E], partial under TP
         return all_reduce(out, self.tp) if self.reduce else out
-
-
-def _share(total: int, tp: Group, what: str) -> int:
-    """This rank's share of an intermediate size (``ValueError`` naming ``what`` if uneven)."""
-    from ..models.tensor_parallel import local_size  # the models package imports this one
-    return local_size(total, tp, what)
 
 
 class MoE(ChosenBackend, nn.Module):
@@ -63,7 +57,7 @@ class MoE(ChosenBackend, nn.Module):
         self.tp = tp
         self.gate = Router(config, device)
         self.experts = RoutedExperts(config, dtype, device,
-                                     _share(config.moe_intermediate_size, tp, "moe_intermediate_size"))
+                                     local_size(config.moe_intermediate_size, tp, "moe_intermediate_size"))
         self.shared_experts = None
         if config.n_shared_experts:
             self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
