@@ -21,8 +21,8 @@ def tp_slice(tensor: Tensor, dim: Optional[int], group: Group, what: str) -> Ten
     tensor (replicated)."""
     if dim is None or group.size == 1:
         return tensor
-    n = local_size(tensor.shape[dim], group, what)
-    return tensor.narrow(dim, group.rank * n, n)
+    (index,) = shard_index(tensor.shape, dim, group, what)
+    return tensor[index]
 
 
 def shard_index(shape: Sequence[int], dim: Optional[int], group: Group, what: str,
