@@ -13,6 +13,7 @@ V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -28,15 +29,17 @@ from ..attention import (AttentionMetadata, build_attention_metadata, choose_blo
 from ..attention.metadata import metadata_to, with_host_lens
 from ..compile.recipe import mark_step_inputs_static
 from ..config import GraphConfig
+from ..distributed import dp_step, get_parallel_state
 from ..kv_cache import allocate_kv_caches
 from ..runtime import StaticAddresses, compile_cache_counts, compile_cache_outcome, memory_in_use, progress
 from .decode_inputs import check_decode_inputs, decode_steps
 from .freezing import freezing
+from .lockstep import agreeing_compile, check_same_settings, drop_sizes_missing_elsewhere, execute_dp
 from .groups import CompileGroup, compile_groups, compile_recipe_for, resolve_compile_options
 from .parity import ParitySampler, sampled_parity_check
 from .static_inputs import StaticInputs
 from .step import (DecodeStep, GraphCompileError, GraphCompileWarning, PreparedStep, RecompileError, RunnerStats,
-                   SequenceStep, step_for_size)
+                   SequenceStep, step_for_size, unpermute)
 
 log = logging.getLogger(__name__)
 
@@ -80,16 +83,22 @@ class GraphRunner:
         self._addresses = StaticAddresses()
         self._addresses.track(self._cache_tensors_by_name())
         self._addresses.track(self.static.by_name())
+        # the ranks' common decisions (``lockstep``); ``_dp_plan``: the step the DP ranks agreed on
+        self.parallel, self._dp_plan = get_parallel_state(), None
+        check_same_settings(self)
 
     # -- public API -----------------------------------------------------------------------
 
     def execute(self, seqs: Sequence[SequenceStep], *, mode: str = "auto") -> Tensor:
         """Run one step; returns ``[n, V]`` float32 logits of each sequence's last new token.
 
-        ``mode`` is ``"auto"`` (graph when the batch allows it), ``"graph"`` or ``"eager"``.
+        ``mode`` is ``"auto"`` (graph when the batch allows it), ``"graph"`` or ``"eager"``. Under
+        data parallel every rank calls it each step (``lockstep``); ``seqs`` empty: an idle rank.
         """
         if mode not in ("auto", "graph", "eager"):
             raise ValueError(f"mode must be 'auto', 'graph' or 'eager', got {mode!r}")
+        if self.parallel.dp.size > 1:
+            return execute_dp(self, seqs, mode)
         step = self.prepare(seqs)
         size, reason = self._graph_size(step.meta.num_decode_tokens, step.meta.is_decode_only, mode)
         if size is None:
@@ -127,7 +136,7 @@ class GraphRunner:
                                         num_blocks=self.num_blocks, block_size=self.block_size)
         n = len(ids)
         size, _ = self._graph_size(n, True, "auto")
-        if size is None or self.config.parity_interval:
+        if size is None or self.config.parity_interval or self.parallel.dp.size > 1:
             return self.execute(decode_steps(ids, lens, block_tables, self.block_size))
         self.stats.graph_steps += 1
         self._addresses.check()
@@ -138,10 +147,12 @@ class GraphRunner:
     def run_prepared(self, step: "PreparedStep", mode: str) -> Tensor:
         """Run a prepared step as ``"graph"`` or ``"eager"``, uncounted (parity uses this)."""
         self._addresses.check()
+        plan = self._dp_plan
         if mode == "eager":
-            return self._run_eager(step)
-        size, reason = self._graph_size(step.meta.num_decode_tokens, step.meta.is_decode_only, "graph")
-        return self._run_graph(step, size)
+            with dp_step(plan.tokens) if plan else contextlib.nullcontext():
+                return self._run_eager(step)
+        return self._run_graph(step, plan.size if plan else self._graph_size(step.meta.num_decode_tokens,
+                                                                            step.meta.is_decode_only, "graph")[0])
 
     def capture(self, show_progress: bool = True) -> None:
         """Compile and warm up every capture size, largest first; record time and memory."""
@@ -151,10 +162,13 @@ class GraphRunner:
         backend = None if self._uses_torchair_graph_cache() else self._counting_backend(self._resolve_backend())
         self._recapture_base = self.recipe.recapture_baseline()
         sizes = sorted(self.capture_sizes, reverse=True)
+        if backend is not None and self.parallel.world_size > 1:
+            backend = agreeing_compile(backend, self.parallel, "a decode graph")
         for i, size in enumerate(sizes):
             if show_progress:
                 progress(i, len(sizes), f"capturing graph for batch size {size}")
             self._capture_size(size, backend)
+        drop_sizes_missing_elsewhere(self)
         if show_progress:
             progress(len(sizes), len(sizes), "captured")
         self._warm = True
@@ -212,13 +226,6 @@ class GraphRunner:
             raise ValueError(f"mode='graph' is impossible for this batch: {reason}")
         return None, reason
 
-    def _unpermute(self, logits: Tensor, order: list[int]) -> Tensor:
-        if all(i == row for row, i in enumerate(order)):
-            return logits  # already in the caller's order (decode-only batches always are)
-        out = torch.empty_like(logits)
-        out[torch.tensor(order, device=logits.device)] = logits
-        return out
-
     # -- eager ----------------------------------------------------------------------------
 
     def _run_eager(self, step: PreparedStep) -> Tensor:
@@ -228,7 +235,7 @@ class GraphRunner:
             hidden = self.model(step.input_ids.to(dev), step.positions.to(dev), self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[step.last.to(dev)])
         self._count_attention_fallbacks()
-        return self._unpermute(logits, step.order)
+        return unpermute(logits, step.order)
 
     def _count_attention_fallbacks(self) -> None:
         """``stats.attention_fallbacks``: per reason, the most calls any one layer's backend sent there."""
@@ -243,12 +250,13 @@ class GraphRunner:
         live = {"input_ids": step.input_ids, "positions": step.positions, "slot_mapping": step.meta.slot_mapping,
                 "block_tables": step.meta.decode.block_tables, "context_lens": step.meta.decode.context_lens}
         self.static.fill(live, n, size)
-        return self._unpermute(self._call_graph(size, n, step.meta.decode.context_lens_host), step.order)
+        return unpermute(self._call_graph(size, n, step.meta.decode.context_lens_host), step.order)
 
     def _call_graph(self, size: int, n: int, host_lens: Optional[tuple[int, ...]]) -> Tensor:
         """The graph of capture size ``size`` over the static inputs; the first ``n`` rows' logits."""
         ids_v, pos_v, meta_v = self._views(size)
         meta_v = with_host_lens(meta_v, host_lens, size)
+        self.stats.graph_sizes_run[size] += 1
         try:
             with torch.inference_mode():
                 logits = self._graphs[size](ids_v, pos_v, self.kv_caches, meta_v)
@@ -295,7 +303,8 @@ class GraphRunner:
         if group in self._shared:  # compiled with another size of its group: that compile's outcome
             cache = self._shared[group][1]
         else:
-            cache = (("hit" if self.stats.packages_loaded > loaded0 else "miss") if self._loads_files()
+            from_files = self.config.inductor.aot or self.compile_options.precompile  # packages, precompiled steps
+            cache = (("hit" if self.stats.packages_loaded > loaded0 else "miss") if from_files
                      else compile_cache_outcome(cache0))
             if group.dynamic:
                 self._shared[group] = (compiled, cache)
@@ -340,10 +349,6 @@ class GraphRunner:
             from ..compile.torchair import cache_compile
             return cache_compile(method, self.config, dynamic=self.recipe.dynamic)
         return torch.compile(method, backend=backend, fullgraph=True, dynamic=self.recipe.dynamic)
-
-    def _loads_files(self) -> bool:
-        """Whether capture loads compiled steps from files (AOTInductor packages, precompiled steps)."""
-        return self.config.inductor.aot or self.compile_options.precompile
 
     def _split_group(self, group: CompileGroup) -> None:
         """Give each size of a failed compile group that has no graph yet its own static compile."""

@@ -179,7 +179,9 @@ def compare_prepared(runner: "GraphRunner", step: "PreparedStep", *, atol: Optio
     flips = []
     if bad or not all(blocks_ok[live_rows]):
         owners = _block_owners(step, written, runner.block_size)
-        explained = _flips_for(runner, step, bad, owners, blocks_ok, routers, near, before, written, close) if owners else {}
+        # a rerun on one rank alone would desync the collectives of ranks in lockstep (``lockstep``)
+        alone = owners and runner.parallel.world_size == 1
+        explained = _flips_for(runner, step, bad, owners, blocks_ok, routers, near, before, written, close) if alone else {}
         flips = [explained[i] for i in sorted(explained)]
         if any(t not in explained for t in bad) or any(not blocks_ok[r] and owners.get(r) not in explained
                                                        for r in live_rows):

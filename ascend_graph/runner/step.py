@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+import torch
 from torch import Tensor, nn
 
 from ..attention import AttentionMetadata
@@ -44,6 +45,8 @@ class RunnerStats:
     """Counters of a runner: what ran as a graph, what ran eagerly and why, compiles, capture."""
 
     graph_steps: int = 0
+    graph_sizes_run: Counter = field(default_factory=Counter)  # capture size -> graph steps run at it
+    idle_steps: int = 0  # data parallel: steps this rank ran on padding alone (its replica had no sequences)
     eager_steps: Counter = field(default_factory=Counter)
     compiles: int = 0
     recompiles: int = 0
@@ -66,7 +69,9 @@ class RunnerStats:
     def to_dict(self) -> dict:
         """A JSON-safe copy."""
         return {
-            "graph_steps": self.graph_steps, "eager_steps": dict(self.eager_steps),
+            "graph_steps": self.graph_steps, "idle_steps": self.idle_steps,
+            "graph_sizes_run": {str(k): v for k, v in sorted(self.graph_sizes_run.items())},
+            "eager_steps": dict(self.eager_steps),
             "eager_steps_total": sum(self.eager_steps.values()), "compiles": self.compiles,
             "recompiles": self.recompiles, "compile_failures": self.compile_failures,
             "compile_errors": {str(k): v for k, v in self.compile_errors.items()},
@@ -114,3 +119,12 @@ def step_for_size(step: DecodeStep, size: int | str) -> Callable:
     code = DecodeStep.forward.__code__.replace(co_name=f"decode_step_{str(size).replace('-', '_')}")
     fn = types.FunctionType(code, DecodeStep.forward.__globals__, code.co_name)
     return types.MethodType(fn, step)
+
+
+def unpermute(logits: Tensor, order: list[int]) -> Tensor:
+    """``logits`` of the rows in batch order back in the caller's (``PreparedStep.order``)."""
+    if all(i == row for row, i in enumerate(order)):
+        return logits  # already in the caller's order (decode-only batches always are)
+    out = torch.empty_like(logits)
+    out[torch.tensor(order, device=logits.device)] = logits
+    return out
