@@ -178,6 +178,31 @@ def test_sentinel_pairs_add_nothing_and_nan_padding_stays_out(name, big, monkeyp
         torch.testing.assert_close(got[:4].double(), want[:4], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["expert_rows_mm", "grouped_mm"])
+def test_the_sorted_form_hands_no_expert_a_sentinel_row(kernel, monkeypatch) -> None:
+    """The row ends each grouped matmul gets: each local expert's real pairs, and the last end
+    before the sentinel pairs' rows."""
+    from ascend_graph import kernels
+    from ascend_graph.moe import experts as experts_module
+
+    if kernel and not kernels.available():
+        pytest.skip("the native kernels do not run here")
+    ends: list = []
+    if kernel:
+        real = torch.ops.ascend_graph.expert_rows_mm
+        monkeypatch.setattr(torch.ops.ascend_graph, "expert_rows_mm",
+                            lambda x, w, e: (ends.append(e.tolist()), real(x, w, e))[1])
+    else:
+        real = experts_module.grouped_mm
+        monkeypatch.setattr(experts_module, "grouped_mm", lambda x, w, e: (ends.append(e.tolist()), real(x, w, e))[1])
+    experts = RoutedExperts(DeepseekConfig.small(n_routed_experts=8), torch.float32, experts=range(4, 8))
+    for p in experts.parameters():
+        p.data.normal_(0, 0.1)
+    ids = torch.tensor([[0, 3], [4, 1], [2, 2], [4, 4], [4, 4], [3, 4]])  # 4: the sentinel
+    experts.sorted_by_expert(torch.randn(6, experts.gate_up_proj.shape[2]), torch.rand(6, 2), ids, kernel, skip=True)
+    assert ends == [[1, 2, 4, 6]] * 2  # experts 0..3 get 1, 1, 2, 2 rows; the 6 sentinel rows none
+
+
 def test_an_expert_count_that_does_not_split_names_n_routed_experts() -> None:
     three = Group(None, (0, 1, 2), 0)  # shapes only: no process group is needed to build
     with pytest.raises(ValueError, match="n_routed_experts=8 does not split across the 3 expert-parallel"):
