@@ -164,7 +164,7 @@ class MoE(ChosenBackend, nn.Module):
 
     def _dispatch(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         """Every DP rank's rows and valid flags: ``[DP*T, E]``, ``[DP*T]`` (an all-reduce of zeros
-        but for each rank's own slice)."""
+        but for each rank's own slice: an all_gather would not compile in Inductor's C++ wrapper)."""
         if self.dp.size == 1:
             return x, valid
         both = all_reduce(self._own_slice(torch.cat([x, valid.to(x.dtype)[:, None]], dim=1)), self.dp)
