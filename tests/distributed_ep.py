@@ -18,8 +18,10 @@ from ascend_graph.moe.backend import MoEBackend
 VERSIONS = ("v2", "v3")
 DP_PROMPTS = (([1, 5, 9, 3], [7, 2, 8], [4, 4, 6, 1, 2]), ([9, 8, 7, 6, 5, 3],))  # per DP rank: 3 rows, 1 row
 DP_CAPTURE = 4  # both ranks' graph steps pad to it: 1 and 3 padding rows
-# each decode step's mode; "capacity:" steps run with every row routed to rank 0's experts
-DP_MODES = ("graph", "graph", "eager", "capacity:graph", "capacity:eager")
+# each decode step's mode; "capacity:" steps run with every row routed to rank 0's experts;
+# "mixed": rank 0 prefills MIXED_PROMPT while rank 1 decodes (eager on both, as a prefill makes it)
+DP_MODES = ("graph", "graph", "eager", "capacity:graph", "capacity:eager", "mixed")
+MIXED_PROMPT = [3, 1, 4, 1, 5]
 
 
 def ep_checks(rank: int, world_size: int, ports: list[int]) -> dict:
@@ -106,19 +108,29 @@ def force_to_first_half(model) -> None:
             bias[bias.shape[0] // 2:] = -1e4
 
 
-def dp_decode(execute: Callable, prompts, modes, model, padded: Optional[Callable] = None) -> list:
-    """Prefill ``prompts`` in one step, then one decode step per mode (greedy, every row), through
-    ``execute(entries, mode)``; each eager step inside ``padded(tokens)`` when given (the rows
-    every DP rank pads to). Returns each decode step's logits, and the schedule."""
+def dp_decode(execute: Callable, rank: int, modes, model, padded: Optional[Callable] = None) -> list:
+    """Prefill DP rank ``rank``'s prompts in one step, then one decode step per mode (greedy,
+    every row), through ``execute(entries, mode)``; each eager step inside ``padded(tokens)`` when
+    given (the rows every DP rank pads to). Returns each decode step's logits, and the schedule."""
     from runner_helpers import Schedule
 
-    padded = padded or (lambda tokens: contextlib.nullcontext())
+    padded, prompts = padded or (lambda tokens: contextlib.nullcontext()), DP_PROMPTS[rank]
     sched = Schedule()
     entries = [sched.add(s, list(p), new_tokens=100) for s, p in enumerate(prompts)]
     with padded(max(sum(map(len, rank)) for rank in DP_PROMPTS)):
         sched.advance(list(range(len(prompts))), entries, execute(entries, "eager"))
     logits, forced = [], False
     for mode in modes:
+        if mode == "mixed":
+            if rank == 0:
+                entries, ids = [sched.add(len(prompts), MIXED_PROMPT, new_tokens=100)], [len(prompts)]
+            else:
+                entries, ids = sched.decode_entries(), list(range(len(prompts)))
+            with padded(max(len(MIXED_PROMPT), len(DP_PROMPTS[1]))):
+                out = execute(entries, "eager")
+            logits.append(out.tolist())
+            sched.advance(ids, entries, out)
+            continue
         if mode.startswith("capacity:"):
             mode = mode.split(":")[1]
             if not forced:
@@ -134,7 +146,7 @@ def dp_decode(execute: Callable, prompts, modes, model, padded: Optional[Callabl
 
 def modes_for(version: str) -> tuple[str, ...]:
     """V3 (a correction bias to steer with) also runs the capacity edge."""
-    return DP_MODES if version == "v3" else DP_MODES[:3]
+    return DP_MODES if version == "v3" else tuple(m for m in DP_MODES if not m.startswith("capacity:"))
 
 
 def _dp_ep(state, version: str) -> dict:
@@ -149,8 +161,7 @@ def _dp_ep(state, version: str) -> dict:
         if isinstance(block, MoE):
             block.experts.register_buffer("rows_seen", torch.zeros(block.experts.num_experts, dtype=torch.int64))
             block.backend = CountingMoE(block.backend)
-    prompts = DP_PROMPTS[state.dp.rank]
-    logits, sched = dp_decode(lambda entries, mode: runner.execute(entries, mode=mode), prompts,
+    logits, sched = dp_decode(lambda entries, mode: runner.execute(entries, mode=mode), state.dp.rank,
                               modes_for(version), model, dp_step)
     seen = [block.experts.rows_seen.tolist() for block in model.modules() if isinstance(block, MoE)]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

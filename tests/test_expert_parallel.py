@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from checkpoints import SMALL_JSON, hf_named_tensors, write_checkpoint
-from distributed_ep import DP_CAPTURE, DP_PROMPTS, TP_GRAPH_VERSIONS, VERSIONS, dp_decode, ep_checks, modes_for
+from distributed_ep import (DP_CAPTURE, DP_PROMPTS, MIXED_PROMPT, TP_GRAPH_VERSIONS, VERSIONS, dp_decode,
+                            ep_checks, modes_for)
 from distributed_ranks import free_ports, greedy_decode, run_ranks, small_deepseek
 from runner_helpers import make_runner
 
@@ -84,22 +85,25 @@ def dp_oracle(version: str, rank: int) -> tuple[list, list]:
     chosen: list = []
     moe = [m for m in model.modules() if isinstance(m, MoE)]
     hooks = [m.gate.register_forward_hook(lambda mod, args, out: chosen.append(out[1])) for m in moe]
-    logits, _ = dp_decode(lambda entries, mode: runner.execute(entries), DP_PROMPTS[rank], modes_for(version), model)
+    logits, _ = dp_decode(lambda entries, mode: runner.execute(entries), rank, modes_for(version), model)
     for h in hooks:
         h.remove()
-    capacity_steps = sum(m.startswith("capacity:") for m in modes_for(version))
-    return logits, chosen[len(chosen) - capacity_steps * len(moe):]
+    modes = modes_for(version)
+    forced = [i for i, m in enumerate(modes) if m.startswith("capacity:")]
+    forced_steps = len(modes) - forced[0] if forced else 0  # the bias stays from the first one on
+    return logits, chosen[len(chosen) - forced_steps * len(moe):]
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_data_and_expert_parallel_ranks_each_equal_the_unsharded_model_on_their_rows(ranks, version) -> None:
-    """Eager steps (inside ``dp_step``) and graph steps (capture size 4) alike; for V3 also the
-    capacity edge: every row of both ranks routed to rank 0's experts."""
+    """Eager steps (inside ``dp_step``) and graph steps (capture size 4) alike, and a step where
+    rank 0 prefills while rank 1 decodes; for V3 also the capacity edge: every row of both ranks
+    routed to rank 0's experts."""
     for rank, result in enumerate(r["dp"][version] for r in ranks):
         want, chosen = dp_oracle(version, rank)
         assert len(result["logits"]) == len(want) == len(modes_for(version))
         for step, (got, expected) in enumerate(zip(result["logits"], want)):
-            assert len(got) == len(DP_PROMPTS[rank])
+            assert len(got) == (1 if modes_for(version)[step] == "mixed" and rank == 0 else len(DP_PROMPTS[rank]))
             torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-5,
                                        msg=f"rank {rank} step {step} ({modes_for(version)[step]})")
         half = small_deepseek(version).config.n_routed_experts // WORLD
@@ -111,10 +115,12 @@ def test_data_and_expert_parallel_ranks_each_equal_the_unsharded_model_on_their_
 def test_padding_rows_reach_no_expert(ranks, version) -> None:
     """The experts of both ranks together computed K pairs per real row of both ranks and step,
     none for the padding rows (the graph steps pad 3 and 1 rows to 4, the eager ones to 3, the
-    prefill to the longer rank's tokens)."""
+    prefills to the longer rank's tokens)."""
     k = small_deepseek(version).config.num_experts_per_tok
     modes = modes_for(version)
-    real = sum(sum(map(len, p)) for p in DP_PROMPTS) + len(modes) * sum(map(len, DP_PROMPTS))
+    decodes = sum(m != "mixed" for m in modes)
+    real = (sum(sum(map(len, p)) for p in DP_PROMPTS) + decodes * sum(map(len, DP_PROMPTS))
+            + len(MIXED_PROMPT) + len(DP_PROMPTS[1]))  # the mixed step: rank 0's prefill, rank 1's rows
     padding = sum(DP_CAPTURE - len(p) for p in DP_PROMPTS) * sum(m.endswith("graph") for m in modes)
     assert padding > 0
     seen = [sum(layer) for r in ranks for layer in r["dp"][version]["rows_seen"]]
