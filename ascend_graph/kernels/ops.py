@@ -13,8 +13,9 @@ what was expected, before anything runs. CPU only; call them where ``build.avail
   probabilities times the latent cache rows.
 - ``expert_rows_mm(x [P, K], w [X, N, K], ends [X]) -> [P, N]``: rows sorted by expert, each
   times its expert's weight transposed, ``ends`` (int32 or int64) the end of each expert's rows
-  (``ends[-1] = P``), as ``torch._grouped_mm(x, w.transpose(1, 2), offs=ends)``; bfloat16 or
-  float32. Eager and compiled steps run it for the MoE (``RoutedExperts.sorted_by_expert``), the
+  (``ends[-1] <= P``), as ``torch._grouped_mm(x, w.transpose(1, 2), offs=ends)``; bfloat16 or
+  float32. Rows past ``ends[-1]`` belong to no expert and come out zero (``torch._grouped_mm``
+  leaves them unwritten): an expert-parallel rank sorts the pairs that are not its own there. Eager and compiled steps run it for the MoE (``RoutedExperts.sorted_by_expert``), the
   compiled MLA decode step also with one "expert" per sequence or head.
 - ``decode_attention(q, q_rope, k_cache, rope_cache, v_cache, block_tables, context_lens, scale)``:
   ``kernels/attention.py``.

@@ -29,10 +29,16 @@ Tensor parallel (``tp``, a group of ``distributed``), as vLLM shards DeepSeek: `
 split by head (so ``w_uk_t`` / ``w_uv`` are this rank's heads'); ``o_proj`` by input columns, then
 all-reduced; the latent cache whole on every rank (one latent head); dense MLP and MoE as
 ``moe.layer`` says; embedding, router and head replicated (``TP_SPLIT``, ``tp_shard``).
+
+Data parallel (``dp``) replicates the whole model: attention runs each rank's own rows. Expert
+parallel (``ep``, every rank) gives each rank a range of the routed experts, whole
+(``moe.layer``); the model tells the MoE which rows are padding (a decode row of context length
+0, as ``DECODE_PADDING`` pads a captured batch), so that no expert computes them.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -45,6 +51,7 @@ from ..kv_cache import MLACache, MLACacheSpec
 from .deepseek_config import DeepseekConfig
 from ..layers import ChosenBackend, RMSNorm, linear
 from ..moe import MLP, MoE
+from ..moe.layer import expert_range
 from .selection import ChoosesBackends
 from .rope import RotaryEmbedding, softmax_scale
 from .tensor_parallel import local_size, shard_index, split_dim
@@ -57,6 +64,9 @@ _LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, n
 TP_SPLIT = {"q_proj": 0, "q_b_proj": 0, "kv_b_proj": 0, "o_proj": 1, "gate_proj": 0, "up_proj": 0,
             "down_proj": 1}
 _EXPERT_SPLIT = {"experts.gate_up_proj": 1, "experts.down_proj": 2}  # [X, 2I, E] (two halves), [X, E, I]
+# routed experts' tensors, stacked or per expert (group 1: the expert's index); under expert
+# parallel a rank keeps whole experts of its range instead
+_ROUTED = re.compile(r"\.mlp\.experts\.(?:(\d+)\.(?:gate|up|down)_proj\.weight|gate_up_proj|down_proj)$")
 
 
 def _tp_split(name: str) -> tuple[Optional[int], int]:
@@ -169,30 +179,35 @@ class DecoderLayer(nn.Module):
     """Pre-norm block: latent attention, then a dense MLP or a mixture of experts."""
 
     def __init__(self, config: DeepseekConfig, layer: int, dtype: torch.dtype, device=None,
-                 tp: Group = Group.single()) -> None:
+                 tp: Group = Group.single(), dp: Group = Group.single(), ep: Group = Group.single()) -> None:
         super().__init__()
         self.self_attn = MLAttention(config, dtype, device, tp)
-        self.mlp: nn.Module = (MoE(config, dtype, device, tp=tp) if config.is_moe_layer(layer)
+        self.mlp: nn.Module = (MoE(config, dtype, device, tp=tp, dp=dp, ep=ep) if config.is_moe_layer(layer)
                                else MLP(config.hidden_size, config.intermediate_size, dtype, device, tp))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: MLACache, meta: AttentionMetadata) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: MLACache, meta: AttentionMetadata,
+                valid: Optional[Tensor] = None) -> Tensor:
+        """``valid [T]`` bool: which rows are not padding (None: all), for the MoE."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
         h = self.post_attention_layernorm(x)
-        if isinstance(self.mlp, MoE):
-            return x + self.mlp(h, prefill=meta.prefill is not None)  # a step with a prefill runs eager
+        if isinstance(self.mlp, MoE):  # a step with a prefill runs eager
+            return x + self.mlp(h, prefill=meta.prefill is not None, valid=valid)
         return x + self.mlp(h)
 
 
 class DeepseekModel(nn.Module):
     """Embedding, decoder layers and the final norm (``model.*`` in the checkpoint)."""
 
-    def __init__(self, config: DeepseekConfig, dtype: torch.dtype, device=None, tp: Group = Group.single()) -> None:
+    def __init__(self, config: DeepseekConfig, dtype: torch.dtype, device=None, tp: Group = Group.single(),
+                 dp: Group = Group.single(), ep: Group = Group.single()) -> None:
         super().__init__()
+        self.ep = ep
         self.embed_tokens = nn.utils.skip_init(nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype,
                                                device=torch.get_default_device() if device is None else device)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device, tp) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device, tp, dp, ep)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.rotary_emb = RotaryEmbedding(config, device)
 
@@ -202,9 +217,21 @@ class DeepseekModel(nn.Module):
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model has {len(self.layers)}")
         x = self.embed_tokens(input_ids)  # [T, E]
         cos, sin = self.rotary_emb(positions)  # [T, R/2] each, shared by all layers
+        valid = valid_rows(attn_metadata, x.shape[0]) if self.ep.size > 1 else None  # EP: padding skips experts
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, cache, attn_metadata)
+            x = layer(x, cos, sin, cache, attn_metadata, valid)
         return self.norm(x)
+
+
+def valid_rows(meta: AttentionMetadata, tokens: int) -> Tensor:
+    """``[T]`` bool: False for a padding row (a decode row of context length 0, ``DECODE_PADDING``);
+    prefill tokens are always real."""
+    if meta.decode is None:
+        return torch.ones(tokens, dtype=torch.bool, device=meta.slot_mapping.device)
+    decode = meta.decode.context_lens > 0  # [B]
+    if meta.prefill is None:
+        return decode
+    return torch.cat([decode, decode.new_ones(tokens - decode.shape[0])])
 
 
 class DeepseekForCausalLM(ChoosesBackends, nn.Module):
@@ -218,17 +245,20 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
     seeded-random (``init_random_weights_``), otherwise left for a loader to fill, which then calls
     ``process_weights_after_loading()`` (the model does not run before it).
 
-    With ``tp`` (e.g. ``get_parallel_state().tp``) the model is this rank's share (module
-    docstring); ``tp_shard`` cuts a full checkpoint tensor to it. Seeded random weights of a share
-    are not the unsharded model's share: cut those from the full model's tensors.
+    With ``tp``, ``dp``, ``ep`` (``get_parallel_state()``'s groups) the model is this rank's share
+    (module docstring; ``parallel_layout()``); ``tp_shard`` cuts a full checkpoint tensor to it.
+    Seeded random weights of a share are not the unsharded model's share: cut those from the full
+    model's tensors.
     """
 
     def __init__(self, config: DeepseekConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, init_weights: bool = True, seed: int = 0,
-                 tp: Group = Group.single()) -> None:
+                 tp: Group = Group.single(), dp: Group = Group.single(), ep: Group = Group.single()) -> None:
         super().__init__()
-        self.config, self.tp = config, tp
-        self.model = DeepseekModel(config, dtype, device, tp)
+        self.config, self.tp, self.dp, self.ep = config, tp, dp, ep
+        # the routed experts this rank holds (checked before anything is built)
+        self.expert_range = expert_range(config.n_routed_experts or 0, ep)
+        self.model = DeepseekModel(config, dtype, device, tp, dp, ep)
         self.lm_head = linear(config.hidden_size, config.vocab_size, dtype, device,
                               chunked=not config.tie_word_embeddings)
         if config.tie_word_embeddings:
@@ -243,6 +273,16 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
 
     def attention_layers(self):
         return (layer.self_attn for layer in self.model.layers)
+
+    def parallel_layout(self) -> dict:
+        """This rank's place: the TP, DP and EP sizes and ranks, and its routed experts ``[start, stop)``."""
+        out = {f"{name}_{what}": getattr(getattr(self, name), what) for name in ("tp", "dp", "ep")
+               for what in ("size", "rank")}
+        return out | {"experts": [self.expert_range.start, self.expert_range.stop]}
+
+    def extra_repr(self) -> str:
+        r = self.expert_range
+        return f"tp={self.tp.size}, dp={self.dp.size}, ep={self.ep.size}, experts=[{r.start}, {r.stop})"
 
     def kv_cache_specs(self) -> list[MLACacheSpec]:
         """One ``MLACacheSpec`` per layer, in the model's dtype."""
@@ -261,14 +301,22 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
     def tp_shard(self, name: str, tensor: Tensor) -> Tensor:
         """This rank's share of the full checkpoint tensor ``name`` (``tp_read``): a view, but for
         a routed experts' ``gate_up_proj`` and a zeroed ``o_proj.bias``."""
-        return tensor if self.tp.size == 1 else self.tp_read(name, tensor.shape, tensor.__getitem__)
+        if self.tp.size == 1 and self.ep.size == 1:
+            return tensor
+        return self.tp_read(name, tensor.shape, tensor.__getitem__)
 
     def tp_read(self, name: str, shape: Sequence[int], read: Callable[[tuple], Tensor]) -> Tensor:
         """This rank's share of checkpoint tensor ``name`` (a state-dict name, or a per-expert
         ``...experts.X.{gate,up,down}_proj.weight``) of full ``shape``, from ``read(index)`` of the
         pieces it needs (a safetensors slice reads no more). A routed experts' ``gate_up_proj``
         is cut half by half (gate rows, then up rows); ``o_proj.bias`` is replicated but added
-        once: zeros beyond rank 0, as vLLM's row-parallel linear adds it on rank 0 only."""
+        once: zeros beyond rank 0, as vLLM's row-parallel linear adds it on rank 0 only. Under
+        expert parallel a routed expert is whole: a stacked tensor's rows of ``expert_range``,
+        a per-expert tensor (of this rank's range: the loader reads no other) as it is."""
+        routed = _ROUTED.search(name) if self.ep.size > 1 else None
+        if routed:
+            r = self.expert_range
+            return read((slice(None),) if routed.group(1) else (slice(r.start, r.stop),))
         dim, parts = _tp_split(name)
         pieces = [read(index) for index in shard_index(shape, dim, self.tp, name, parts)]
         share = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)

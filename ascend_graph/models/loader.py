@@ -18,6 +18,8 @@ is read, so a bad checkpoint fails fast with an error naming the tensor.
 A tensor-parallel model (``tp``) takes its share of each checkpoint tensor
 (``DeepseekForCausalLM.tp_read``): shapes are checked as shares, and only the share's rows or
 columns are read from the file (safetensors slices); FP8 weights are read whole, dequantized, then cut.
+Under expert parallel (``ep``) a rank reads only the routed experts of its range: per-expert
+tensors of other experts are neither read nor expected, stacked ones are read by their rows.
 """
 
 from __future__ import annotations
@@ -77,8 +79,12 @@ def checkpoint_files(path: str | os.PathLike) -> dict[str, str]:
     raise FileNotFoundError(f"{path} holds neither model.safetensors nor model.safetensors.index.json")
 
 
-def _target(name: str, config: DeepseekConfig) -> Optional[_Target]:
-    """The model tensor ``name`` fills, or None for a tensor that is skipped on purpose."""
+def _target(name: str, config: DeepseekConfig, experts: Optional[range] = None) -> Optional[_Target]:
+    """The model tensor ``name`` fills, or None for a tensor that is skipped on purpose (also a
+    routed expert outside ``experts``, this rank's range: default all)."""
+    if name.endswith("_scale_inv"):  # an FP8 weight's scale goes where its weight goes
+        weight = name[:-len("_scale_inv")]
+        return None if _target(weight, config, experts) is None else _Target(name)
     layer = _LAYER.match(name)
     if layer and int(layer.group(1)) >= config.num_hidden_layers:
         return None  # multi-token-prediction layer
@@ -87,8 +93,11 @@ def _target(name: str, config: DeepseekConfig) -> Optional[_Target]:
     expert = _EXPERT.match(name)
     if expert:
         prefix, index, part = expert.groups()
+        experts = range(config.n_routed_experts or 0) if experts is None else experts
+        if int(index) not in experts:
+            return None  # another expert-parallel rank's
         stacked = "down_proj" if part == "down" else "gate_up_proj"
-        return _Target(f"{prefix}.{stacked}", int(index), part)
+        return _Target(f"{prefix}.{stacked}", int(index) - experts.start, part)
     return _Target(name)
 
 
@@ -109,7 +118,7 @@ def _expected_names(model: DeepseekForCausalLM) -> dict[str, list[str]]:
             continue
         if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
             prefix, parts = name.rsplit(".", 1)[0], ("down",) if name.endswith("down_proj") else ("gate", "up")
-            out[name] = [f"{prefix}.{x}.{p}_proj.weight" for x in range(tensor.shape[0]) for p in parts]
+            out[name] = [f"{prefix}.{x}.{p}_proj.weight" for x in model.expert_range for p in parts]
         else:
             out[name] = [name]
     return out
@@ -129,7 +138,7 @@ def _plan(model: DeepseekForCausalLM, files: dict[str, str]) -> _Plan:
     for name in sorted(files):
         if name.endswith("_scale_inv"):
             continue  # consumed with its weight
-        target = _target(name, config)
+        target = _target(name, config, model.expert_range)
         if target is None:
             continue
         if target.name not in state:
@@ -142,7 +151,7 @@ def _plan(model: DeepseekForCausalLM, files: dict[str, str]) -> _Plan:
             raise CheckpointError(f"tensor {name} has shape {list(shape)}, the model expects {list(expected)}")
         entries[name] = (target, _scale_name(name, dtype, files, headers, config))
         filled.add(name)
-    _check_scales(files, entries, config)
+    _check_scales(files, entries, config, model.expert_range)
     _check_complete(model, filled, unexpected)
     return _Plan(entries)
 
@@ -196,10 +205,10 @@ def _block(config: DeepseekConfig) -> tuple[int, int]:
     return q.weight_block_size if q is not None else (128, 128)
 
 
-def _check_scales(files, entries, config: DeepseekConfig) -> None:
+def _check_scales(files, entries, config: DeepseekConfig, experts: range) -> None:
     used = {scale for _, scale in entries.values() if scale}
     for name in files:
-        if name.endswith("_scale_inv") and name not in used and _target(name, config) is not None:
+        if name.endswith("_scale_inv") and name not in used and _target(name, config, experts) is not None:
             raise CheckpointError(f"unexpected tensor {name}: no FP8 weight {name[:-len('_scale_inv')]} uses it")
 
 
@@ -280,13 +289,15 @@ def checkpoint_tensors(model: DeepseekForCausalLM) -> dict[str, Tensor]:
 
 def load_deepseek(path: str | os.PathLike, dtype: Optional[torch.dtype] = None,
                   device: torch.device | str = "cpu", huge_pages: bool = True,
-                  tp: Group = Group.single()) -> DeepseekForCausalLM:
+                  tp: Group = Group.single(), dp: Group = Group.single(),
+                  ep: Group = Group.single()) -> DeepseekForCausalLM:
     """Build a ``DeepseekForCausalLM`` from the checkpoint directory ``path``.
 
     ``dtype`` defaults to the checkpoint's ``dtype``/``torch_dtype`` (bfloat16 for FP8 or unknown).
     ``huge_pages``: on CPU, weights and derived forms of 2 MiB or more go onto transparent huge
     pages (``ascend_graph.runtime.weights_on_huge_pages``; decode streams them faster).
-    ``tp``: a tensor-parallel group (``get_parallel_state().tp``); the model is this rank's share.
+    ``tp``, ``dp``, ``ep``: the groups of ``get_parallel_state()``; the model is this rank's share
+    (an expert-parallel rank reads only its experts).
     Raises ``CheckpointError`` naming the tensor on missing, unexpected or misshapen tensors.
     """
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
@@ -294,7 +305,7 @@ def load_deepseek(path: str | os.PathLike, dtype: Optional[torch.dtype] = None,
     config = DeepseekConfig.from_dict(raw)
     dtype = dtype or _DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype")), torch.bfloat16)
     files = checkpoint_files(path)
-    model = DeepseekForCausalLM(config, dtype=dtype, device=device, init_weights=False, tp=tp)
+    model = DeepseekForCausalLM(config, dtype=dtype, device=device, init_weights=False, tp=tp, dp=dp, ep=ep)
     _fill(model, files, _plan(model, files))
     model.process_weights_after_loading()
     if huge_pages:

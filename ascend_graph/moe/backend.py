@@ -39,6 +39,15 @@ class MoEBackend:
     def prefill(self, experts: RoutedExperts, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         return experts.grouped(x, weights, ids)
 
+    def decode_local(self, experts: RoutedExperts, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        """``decode`` on an expert-parallel rank: ``ids`` are local, ``experts.num_experts`` (the
+        sentinel) marks a pair that no expert here computes and that adds nothing."""
+        raise NotImplementedError(f"moe backend {self.name!r} does not run under expert parallel")
+
+    def prefill_local(self, experts: RoutedExperts, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        """``prefill`` on an expert-parallel rank (``decode_local``'s ids)."""
+        return experts.grouped(x, weights, ids, skip=True)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 
@@ -54,6 +63,9 @@ class KernelMoE(MoEBackend):
 
     def decode(self, experts, x, weights, ids):
         return experts.sorted_by_expert(x, weights, ids, kernel=True)
+
+    def decode_local(self, experts, x, weights, ids):
+        return experts.sorted_by_expert(x, weights, ids, kernel=True, skip=True)
 
 
 class GroupedMMMoE(MoEBackend):
@@ -75,6 +87,9 @@ class GroupedMMMoE(MoEBackend):
     def decode(self, experts, x, weights, ids):
         return experts.sorted_by_expert(x, weights, ids, kernel=False)
 
+    def decode_local(self, experts, x, weights, ids):
+        return experts.sorted_by_expert(x, weights, ids, kernel=False, skip=True)
+
 
 class GatheredMoE(MoEBackend):
     """Each token's experts' weights gathered (sorted by expert from 2 tokens where an expert's
@@ -86,10 +101,13 @@ class GatheredMoE(MoEBackend):
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
         return True
 
-    def decode(self, experts, x, weights, ids):
+    def decode(self, experts, x, weights, ids, skip: bool = False):
         if x.shape[0] > 1 and experts.expert_bytes >= SORT_PAIRS_MIN_EXPERT_BYTES:
-            return experts.gathered_by_expert(x, weights, ids)
-        return experts.gathered(x, weights, ids)
+            return experts.gathered_by_expert(x, weights, ids, skip)
+        return experts.gathered(x, weights, ids, skip)
+
+    def decode_local(self, experts, x, weights, ids):
+        return self.decode(experts, x, weights, ids, skip=True)
 
 
 MOE_BACKENDS: tuple[type[MoEBackend], ...] = (KernelMoE, GroupedMMMoE, GatheredMoE)

@@ -91,9 +91,12 @@ Tensor expert_rows_mm(const Tensor &x, const Tensor &w, const Tensor &ends) {
                  && ends.size(0) == w.size(0), "x [P, K], w [X, N, K], ends [X]", {&x, &w, &ends});
     Tensor e = as_int32(ends);
     const int32_t *p = e.data_ptr<int32_t>();
-    TORCH_CHECK_VALUE(x.size(0) == 0 || p[e.size(0) - 1] == x.size(0), "expert_rows_mm: ends[-1] must be the row count ",
-                      x.size(0), ", got ", p[e.size(0) - 1]);
-    return run_rows("expert_rows_mm", x, w, p);
+    const int64_t last = e.size(0) ? p[e.size(0) - 1] : 0;
+    TORCH_CHECK_VALUE(x.size(0) == 0 || (last >= 0 && last <= x.size(0)),
+                      "expert_rows_mm: ends[-1] must be in [0, the row count ", x.size(0), "], got ", last);
+    Tensor out = run_rows("expert_rows_mm", x, w, p);
+    if (last < x.size(0)) out.narrow(0, last, x.size(0) - last).zero_();  // rows past the last end: no expert's
+    return out;
 }
 
 Tensor rows_bmm(const Tensor &x, const Tensor &w) {
