@@ -192,6 +192,7 @@ def measure(case_name: str, sizes: tuple[int, ...], rounds: int, calls: int, qui
 
 
 def _row(workers: Workers, info: dict, n: int, rounds: int, calls: int, gloo_rounds: int, gloo_calls: int) -> dict:
+    """Batch ``n``: the worlds' steps in turns, their tokens, a TP=2 step's collectives, gloo's cost."""
     case = info["tp1"]["case"]
     worlds = {"tp1": TP1, **({"tp1_1thread": TP1_ONE} if "tp1_1thread" in info else {}), "tp2": RANKS}
     for names in worlds.values():  # warm-up
@@ -202,29 +203,30 @@ def _row(workers: Workers, info: dict, n: int, rounds: int, calls: int, gloo_rou
             samples[name].append(max(workers.ask(names, "time_steps", n, calls).values()))
     t, load = {k: statistics.median(v) for k, v in samples.items()}, load + [os.getloadavg()[0]]
     prof = workers.ask(RANKS, "profile", n, max(calls, 3))["rank0"]
-    tp1_top = workers.ask(TP1_ONE if "tp1_1thread" in info else TP1, "profile", n, max(calls, 3))
-    dtype = case["dtype"]
-    gloo = {}
-    for what, hidden, dt in (("step", case["hidden"], dtype), ("v3", V3_HIDDEN, "bfloat16")):
-        s = max(workers.ask(RANKS, "gloo_all_reduce", (n, hidden), dt, gloo_rounds, gloo_calls).values())
-        gloo[what] = {"shape": [n, hidden], "dtype": dt, "bytes": n * hidden * torch.empty((), dtype=getattr(
-            torch, dt)).element_size(), "ms_per_call": s * 1e3}
+    tp1_prof = workers.ask(worlds["tp1_1thread" if "tp1_1thread" in worlds else "tp1"], "profile", n, max(calls, 3))
+    gloo = {what: _gloo(workers, n, hidden, dtype, gloo_rounds, gloo_calls)
+            for what, hidden, dtype in (("step", case["hidden"], case["dtype"]), ("v3", V3_HIDDEN, "bfloat16"))}
     row = {"batch": n, **{f"{k}_ms": v * 1e3 for k, v in t.items()},
-           "tp2_over_tp1": ratio_of_rounds(samples, "tp2", "tp1"),
-           **({"tp2_over_tp1_1thread": ratio_of_rounds(samples, "tp2", "tp1_1thread")} if "tp1_1thread" in t else {}),
+           **{f"tp2_over_{k}": ratio_of_rounds(samples, "tp2", k) for k in worlds if k != "tp2"},
            "tokens": _tokens(info, n),
            "collectives": _collectives(prof, t["tp2"], gloo["step"]["ms_per_call"], 2 * case["layers"]),
-           "gloo": gloo, "load_1m": load,
+           "gloo": gloo, "v3_gloo_ms_per_step": 2 * V3_LAYERS * gloo["v3"]["ms_per_call"],
+           "load_1m": load,  # the host's load average before and after the rounds
            "top_self_ms_per_step": {"tp2_rank0": prof["top_self_ms_per_step"],
-                                    **{k: v["top_self_ms_per_step"] for k, v in tp1_top.items()}}}  # the host's load average before and after the rounds
-    row["v3_gloo_ms_per_step"] = 2 * V3_LAYERS * gloo["v3"]["ms_per_call"]
+                                    **{k: v["top_self_ms_per_step"] for k, v in tp1_prof.items()}}}
     r = row["tp2_over_tp1"]
-    print(f"  {case['name']} batch {n:>2}: TP1 {row['tp1_ms']:8.2f} ms (one thread {row.get('tp1_1thread_ms', 0):.2f})  "
-          f"TP2 {row['tp2_ms']:8.2f} ms  "
-          f"TP2/TP1 {r['ratio']:.2f} ({r['min']:.2f}-{r['max']:.2f})  tokens equal: {row['tokens']['equal']}  "
-          f"all_reduce {row['collectives']['profiled_share']:.0%} of the step, gloo "
+    print(f"  {case['name']} batch {n:>2}: TP1 {row['tp1_ms']:8.2f} ms (one thread {row.get('tp1_1thread_ms', 0):.2f})"
+          f"  TP2 {row['tp2_ms']:8.2f} ms  TP2/TP1 {r['ratio']:.2f} ({r['min']:.2f}-{r['max']:.2f})  tokens equal: "
+          f"{row['tokens']['equal']}  all_reduce {row['collectives']['profiled_share']:.0%} of the step, gloo "
           f"{gloo['step']['ms_per_call']:.3f} ms per call ({gloo['step']['bytes']} B)", flush=True)
     return row
+
+
+def _gloo(workers: Workers, n: int, hidden: int, dtype: str, rounds: int, calls: int) -> dict:
+    """gloo's all_reduce of an ``[n, hidden]`` tensor alone on the TP ranks: its bytes, ms per call."""
+    s = max(workers.ask(RANKS, "gloo_all_reduce", (n, hidden), dtype, rounds, calls).values())
+    size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return {"shape": [n, hidden], "dtype": dtype, "bytes": n * hidden * size, "ms_per_call": s * 1e3}
 
 
 def _tokens(info: dict, n: int) -> dict:

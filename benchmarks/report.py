@@ -407,6 +407,10 @@ def gpu_section(ms: dict) -> list[str]:
     return ["## Demo and parity on a GPU", "", "`bash .ci/cuda_check`:", ""] + lines + [""] if lines else []
 
 
+def _self_ms(r: dict, side: str, op: str) -> str:
+    return fmt(((r.get("top_self_ms_per_step") or {}).get(side) or {}).get(op))
+
+
 def _tp(r: dict, key: str) -> str:
     return times(r[key]["ratio"], r[key]) if key in r else "—"
 
@@ -422,8 +426,8 @@ MULTI_DEVICE_ROWS = (
      lambda r: (lambda c: f"{c['ms_per_step']:.2f}, {c['profiled_share']:.0%}; {c['loop_estimate_share']:.0%}")(
          r["collectives"])),
     ("the products (`rows_mm`) ms per step, profiled: TP2 rank 0 / TP1 (one thread)",
-     lambda r: (lambda t: f"{fmt(t.get('tp2_rank0', {}).get('ascend_graph::rows_mm'))} / "
-                          f"{fmt(t.get('tp1_1thread', {}).get('ascend_graph::rows_mm'))}")(r.get("top_self_ms_per_step", {}))),
+     lambda r: f"{_self_ms(r, 'tp2_rank0', 'ascend_graph::rows_mm')} / "
+               f"{_self_ms(r, 'tp1_1thread', 'ascend_graph::rows_mm')}"),
     ("gloo all_reduce alone: bytes, ms per call",
      lambda r: f"{r['gloo']['step']['bytes']} B, {r['gloo']['step']['ms_per_call']:.2f}"),
 )
@@ -439,6 +443,19 @@ def _tokens_equal(t: dict) -> str:
         return "no"
     how = "a near-tie" if d["near_tie"] else "not a near-tie"
     return f"from step {d['step'] + 1}, {how}: gap {max(d['gaps']):.3f}, logits differ by {d['max_abs_diff']:.3f}"
+
+
+MULTI_DEVICE_TEXT = (
+    "`TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.multi_device` (`benchmarks/multi_device.py`): one "
+    "decode step as TP=2 (two processes, gloo over 127.0.0.1, each rank's weights cut by `tp_shard` from the seeded "
+    "model) and as TP=1 (one process, two threads: the same cores; and one thread, the suite's setting), graph mode "
+    "(Inductor, captured) in all, taking turns round by round (in brackets the rounds' range); greedy tokens "
+    "compared. A TP2 step's all_reduces under `torch.profiler` (gloo's time on them, waiting for the peer rank "
+    "included), and gloo's all_reduce alone at the step's size (the loop estimate: 2 per layer at that cost) and at "
+    "V3's. gloo over loopback is the correctness path on CPU, not a fast one: these shares are gloo's, not a "
+    "device's. Each rank also reads the replicated embedding and head, and both ranks read at once: where a decode "
+    "step is bound by memory bandwidth the cores share, its products (`rows_mm`) take longer per rank than in one "
+    "process reading it all.")
 
 
 def multi_device_section(ms: dict) -> list[str]:
@@ -458,18 +475,7 @@ def multi_device_section(ms: dict) -> list[str]:
                                                                  *MULTI_DEVICE_ROWS[2:], v3_row)]) + [""]
     if not lines:
         return []
-    return section("Multi-device: tensor parallel on one host",
-                   "`TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.multi_device` (`benchmarks/multi_device.py`): "
-                   "one decode step as TP=2 (two processes, gloo over 127.0.0.1, each rank's weights cut by `tp_shard` "
-                   "from the seeded model) and as TP=1 (one process, two threads: the same cores; and one thread, the "
-                   "suite's setting), graph mode (Inductor, captured) in all, taking turns round by round (in brackets "
-                   "the rounds' range); greedy tokens compared. A TP2 step's all_reduces under "
-                   "`torch.profiler` (gloo's time on them, waiting for the peer rank included), and gloo's all_reduce "
-                   "alone at the step's size (the loop estimate: 2 per layer at that cost) and at V3's. gloo over "
-                   "loopback is the correctness path on CPU, not a fast one: these shares are gloo's, not a device's. "
-                   "Each rank also reads the replicated embedding and head, and both ranks read at once: where a "
-                   "decode step is bound by memory bandwidth the cores share, its products (`rows_mm`) take longer "
-                   "per rank than in one process reading it all.", lines[:-1])
+    return section("Multi-device: tensor parallel on one host", MULTI_DEVICE_TEXT, lines[:-1])
 
 
 def vllm_run_markdown(d: dict) -> list[str]:
