@@ -13,6 +13,8 @@ Parts (``--parts``), in the order they run:
     memory        peak RSS graph vs eager, per-step allocations (``memory``)
     pd            prefill/decode in two processes: KV transfer vs a local copy, TTFT and decode
                   step vs one process (``pd``; Mooncake where it imports, gloo)
+    multi_device  TP=2 (two processes, gloo) vs TP=1 on the same cores, graph mode; the step's
+                  all_reduces and gloo's cost per call (``multi_device``)
 
     python -m benchmarks                          # all parts -> benchmarks/results/<machine>.json
     python -m benchmarks --quick --parts moe      # fewer sizes and repetitions, one part
@@ -35,12 +37,12 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
 
-from benchmarks import attention, decode_step, memory, moe, pd, report, roofline, startup  # noqa: E402
+from benchmarks import attention, decode_step, memory, moe, multi_device, pd, report, roofline, startup  # noqa: E402
 from benchmarks.common import conditions, machine_key, results_path, set_malloc_keeps_freed_memory, write_json  # noqa: E402
 from benchmarks.models import cases  # noqa: E402
 
 PARTS = ("bandwidth", "decode_small", "overhead", "decode_v2", "compute", "moe", "attention", "live_context",
-         "startup", "memory", "pd")
+         "startup", "memory", "pd", "multi_device")
 
 
 def plan(quick: bool) -> dict:
@@ -89,6 +91,9 @@ def run_part(part: str, p: dict, quick: bool, out: dict) -> None:
         from ascend_graph.pd.select import mooncake_available
         transports = ["mooncake", "gloo"] if mooncake_available() else ["gloo"]
         out["pd"] = pd.run(transports, quick)
+    elif part == "multi_device":
+        out["multi_device"] = multi_device.measure("small" if quick else "v2_lite_slice", (1, 8), 3 if quick else 7, 3,
+                                                   quick, gloo_rounds=3 if quick else 5, gloo_calls=5 if quick else 20)
     elif part == "memory":
         out["memory"] = memory.measure(p["memory_model"], p["memory_sizes"], 3, quick, frozen=not quick, aot=not quick)
 

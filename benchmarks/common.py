@@ -167,12 +167,16 @@ def results_path(c: dict, quick: bool = False) -> str:
 
 
 def merge_part(part: str, data: dict, quick: bool = False) -> str:
-    """Put ``data`` under ``part`` in this machine's results file, keeping its other parts."""
-    path = results_path(conditions(), quick)
+    """Put ``data`` under ``part`` in this machine's results file, keeping its other parts; a new
+    file gets this machine's conditions and key, as ``python -m benchmarks`` writes them."""
+    found = conditions()
+    path = results_path(found, quick)
     out = {}
     if os.path.exists(path):
         with open(path) as f:
             out = json.load(f)
+    out.setdefault("conditions", {**found, "quick": quick})
+    out.setdefault("machine", machine_key(found))
     out[part] = data
     write_json(path, out)
     return path

@@ -136,8 +136,15 @@ HEADLINES = (
 README_ROWS = (0, 1, 2, 3, 5, 9, 11, 14)  # HEADLINES shown in the README
 
 
+def headline_machines(ms: dict[str, dict]) -> dict[str, dict]:
+    """The machines with any headline figure (a results file of one part, such as
+    ``multi_device``, has its column in that part's section only)."""
+    return {k: d for k, d in ms.items() if any(f(d).strip("—/ ") for _, f in HEADLINES)}
+
+
 def headline_table(ms: dict[str, dict], rows=None) -> list[str]:
     picked = [HEADLINES[i] for i in rows] if rows is not None else HEADLINES
+    ms = headline_machines(ms)
     return table(["ratio"] + [label(k) for k in ms], [[title] + [f(d) for d in ms.values()] for title, f in picked])
 
 
@@ -173,7 +180,8 @@ def by_machine(ms: dict[str, dict], rows: list[tuple[str, callable]], first: str
     if not keep:
         return ["Not measured yet."]
     return table([first] + [label(k) for k in keep], [[t] + [cells[k][i] for k in keep]
-                                                       for i, (t, _) in enumerate(rows)])
+                                                       for i, (t, _) in enumerate(rows)
+                                                       if any(cells[k][i].strip("—/ ") for k in keep)])
 
 
 def _get(d: dict, *path, scale: float = 1.0, digits: int = 2) -> str:
@@ -399,6 +407,77 @@ def gpu_section(ms: dict) -> list[str]:
     return ["## Demo and parity on a GPU", "", "`bash .ci/cuda_check`:", ""] + lines + [""] if lines else []
 
 
+def _self_ms(r: dict, side: str, op: str) -> str:
+    return fmt(((r.get("top_self_ms_per_step") or {}).get(side) or {}).get(op))
+
+
+def _tp(r: dict, key: str) -> str:
+    return times(r[key]["ratio"], r[key]) if key in r else "—"
+
+
+MULTI_DEVICE_ROWS = (
+    ("ms per step: TP1 (two threads) / TP2 / TP1 (one thread)",
+     lambda r: f"{fmt(r['tp1_ms'])} / {fmt(r['tp2_ms'])} / {fmt(r.get('tp1_1thread_ms'))}"),
+    ("TP2 / TP1 step time: two threads; one thread",
+     lambda r: f"{_tp(r, 'tp2_over_tp1')}; {_tp(r, 'tp2_over_tp1_1thread')}"),
+    ("all_reduces per TP2 step: profiled / 2 per layer",
+     lambda r: f"{r['collectives']['all_reduces_profiled']:g} / {r['collectives']['all_reduces_expected']}"),
+    ("all_reduce ms per TP2 step, share of the step (profiled; loop estimate)",
+     lambda r: (lambda c: f"{c['ms_per_step']:.2f}, {c['profiled_share']:.0%}; {c['loop_estimate_share']:.0%}")(
+         r["collectives"])),
+    ("the products (`rows_mm`) ms per step, profiled: TP2 rank 0 / TP1 (one thread)",
+     lambda r: f"{_self_ms(r, 'tp2_rank0', 'ascend_graph::rows_mm')} / "
+               f"{_self_ms(r, 'tp1_1thread', 'ascend_graph::rows_mm')}"),
+    ("gloo all_reduce alone: bytes, ms per call",
+     lambda r: f"{r['gloo']['step']['bytes']} B, {r['gloo']['step']['ms_per_call']:.2f}"),
+)
+
+
+def _tokens_equal(t: dict) -> str:
+    """"yes", or where the tokens first differ and whether at a near-tie (both tokens' logits, in
+    each world, closer than the two worlds' logits differ at that step)."""
+    if t["equal"]:
+        return "yes"
+    d = t.get("first_difference")
+    if not d:
+        return "no"
+    how = "a near-tie" if d["near_tie"] else "not a near-tie"
+    return f"from step {d['step'] + 1}, {how}: gap {max(d['gaps']):.3f}, logits differ by {d['max_abs_diff']:.3f}"
+
+
+MULTI_DEVICE_TEXT = (
+    "`TORCHINDUCTOR_COMPILE_THREADS=1 python -m benchmarks.multi_device` (`benchmarks/multi_device.py`): one "
+    "decode step as TP=2 (two processes, gloo over 127.0.0.1, each rank's weights cut by `tp_shard` from the seeded "
+    "model) and as TP=1 (one process, two threads: the same cores; and one thread, the suite's setting), graph mode "
+    "(Inductor, captured) in all, taking turns round by round (in brackets the rounds' range); greedy tokens "
+    "compared. A TP2 step's all_reduces under `torch.profiler` (gloo's time on them, waiting for the peer rank "
+    "included), and gloo's all_reduce alone at the step's size (the loop estimate: 2 per layer at that cost) and at "
+    "V3's. gloo over loopback is the correctness path on CPU, not a fast one: these shares are gloo's, not a "
+    "device's. Each rank also reads the replicated embedding and head, and both ranks read at once: where a decode "
+    "step is bound by memory bandwidth the cores share, its products (`rows_mm`) take longer per rank than in one "
+    "process reading it all.")
+
+
+def multi_device_section(ms: dict) -> list[str]:
+    lines = []
+    for key, d in ms.items():
+        m = d.get("multi_device")
+        if not m:
+            continue
+        rows, v3 = m["rows"], m["v3"]
+        v3_row = (f"DeepSeek-V3 step: {v3['all_reduces_per_step']} all_reduces of [batch, {v3['hidden']}] bf16 over "
+                  "gloo, ms (per call)",
+                  lambda r: f"{r['v3_gloo_ms_per_step']:.0f} ({r['gloo']['v3']['ms_per_call']:.2f})")
+        tokens = (f"greedy tokens of {m['greedy_steps']} steps, TP2 = TP1", lambda r: _tokens_equal(r["tokens"]))
+        lines += table([f"{label(key)}: {m['model']} ({m['dtype']}, context {m['context']})"]
+                       + [f"batch {r['batch']}" for r in rows],
+                       [[t] + [f(r) for r in rows] for t, f in (*MULTI_DEVICE_ROWS[:2], tokens,
+                                                                 *MULTI_DEVICE_ROWS[2:], v3_row)]) + [""]
+    if not lines:
+        return []
+    return section("Multi-device: tensor parallel on one host", MULTI_DEVICE_TEXT, lines[:-1])
+
+
 def vllm_run_markdown(d: dict) -> list[str]:
     """One ``benchmarks.vllm_peer`` run: its table, its batch-1 floors and forward split, then its
     conditions and command."""
@@ -445,7 +524,7 @@ def portable(command: str) -> str:
 
 
 SECTIONS = (decode_section, roofline_section, attention_section, moe_section, startup_section, memory_section,
-            pd_section, gpu_section, vllm_section)
+            pd_section, multi_device_section, gpu_section, vllm_section)
 
 
 def render_doc(ms: dict[str, dict]) -> str:
