@@ -36,14 +36,17 @@ def failing_backend(rank: int, fail_rank: int, fail_size: int):
     return backend
 
 
-def lockstep_checks(rank: int, world_size: int, init_file: str, model_kind: str) -> dict:
-    """DP=2: the scripted steps, then the compile failures."""
-    from runner_helpers import Schedule, make_runner, small_model
+def lockstep_checks(rank: int, world_size: int, init_file: str) -> dict:
+    """DP=2 with expert parallel (tiny DeepSeek V3: every MoE layer all-reduces across the ranks,
+    so ranks that disagree on a step would wait for each other): the scripted steps, then the
+    compile failures."""
+    from distributed_ep import sharded
+    from runner_helpers import Schedule, make_runner
 
-    init_parallel(ParallelConfig(data_parallel_size=2), rank=rank, world_size=world_size,
-                  init_method=f"file://{init_file}", timeout_s=120)
+    state = init_parallel(ParallelConfig(data_parallel_size=2, enable_expert_parallel=True), rank=rank,
+                          world_size=world_size, init_method=f"file://{init_file}", timeout_s=120)
     try:
-        model = small_model(model_kind)
+        model = sharded(state, "v3")
         runner = make_runner(model, graph_config())
         out = {"steps": _scripted(runner, Schedule(seed=rank), model.config.vocab_size, rank),
                "stats": runner.stats.to_dict()}

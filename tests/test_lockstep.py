@@ -1,9 +1,10 @@
 """Data-parallel graph runners decide each step together (``runner/lockstep.py``).
 
-Two spawned ranks (gloo, 127.0.0.1, float32) run ``distributed_lockstep.SCRIPT``: row counts that
+Two spawned ranks (gloo, 127.0.0.1, float32; tiny DeepSeek V3 with DP=2 and expert parallel, so
+every MoE layer all-reduces across them) run ``distributed_lockstep.SCRIPT``: row counts that
 differ (3 and 1 rows, one capture size), a prefill on one rank while the other decodes, an idle
-rank; then compile failures injected on one rank. Oracle: a single-process eager runner replaying
-each rank's own entries.
+rank; then compile failures injected on one rank. Oracle: the unsharded model's single-process
+eager runner replaying each rank's own entries.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from distributed_lockstep import SCRIPT, eager_oracle, lockstep_checks
-from distributed_ranks import run_ranks
+from distributed_ranks import run_ranks, small_deepseek
 from runner_helpers import small_model
 
 from ascend_graph.config import GraphConfig
@@ -26,11 +27,11 @@ DEADLINE_S = 120.0  # the ranks' group timeout; a disagreement would wait this l
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     init_file = tmp_path_factory.mktemp("lockstep") / "init"
-    return run_ranks(lockstep_checks, 2, 500.0, str(init_file), "llama")
+    return run_ranks(lockstep_checks, 2, 500.0, str(init_file))
 
 
 def test_every_rank_equals_its_single_process_eager_replay(ranks) -> None:
-    model = small_model("llama")
+    model = small_deepseek("v3")  # the unsharded model
     for rank, result in enumerate(ranks):
         oracle = eager_oracle(model, result["steps"])
         for i, (step, want) in enumerate(zip(result["steps"], oracle)):
@@ -76,7 +77,7 @@ def test_a_size_that_fails_to_compile_on_one_rank_is_dropped_on_every_rank(ranks
     assert zero["graph_sizes"] == one["graph_sizes"] == [2]
     assert "injected compile failure of size 4 on rank 1" in one["stats"]["compile_errors"]["4"]
     assert zero["stats"]["compile_errors"]["4"] == "RankFailure: compiling a decode graph failed on rank(s) [1]"
-    model = small_model("llama")
+    model = small_deepseek("v3")
     for result in (zero, one):
         assert result["stats"]["eager_steps"] == {"prefill": 1, "compile_failed": 1}
         assert result["seconds"] < DEADLINE_S
