@@ -205,6 +205,21 @@ def test_the_package_key_covers_the_models_code_and_config_not_only_its_class_na
     assert key(other) != key(first)
 
 
+def test_the_package_key_covers_the_rank_and_the_parallel_layout(tmp_path, monkeypatch):
+    """Each rank of a parallel layout has its own compiled steps (its share's shapes, its groups'
+    collectives): ranks and layouts never share a file."""
+    from ascend_graph.distributed import ParallelConfig, ParallelState
+    from ascend_graph.distributed import state as state_module
+
+    model = user_model(tmp_path / "m", scale=2, body="scale(self.proj(x))")
+    keys = set()
+    for config, rank in ((ParallelConfig(), 0), (ParallelConfig(tensor_parallel_size=2), 0),
+                         (ParallelConfig(tensor_parallel_size=2), 1), (ParallelConfig(data_parallel_size=2), 1)):
+        monkeypatch.setattr(state_module._Holder, "state", ParallelState(config=config, rank=rank))
+        keys.add(package_key(model, (torch.zeros(2, 4),), {}))
+    assert len(keys) == 4
+
+
 def test_bad_aot_inductor_settings_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="inductor.aot=True cannot be combined with inductor.freezing_min_batch"):
         aot_config(tmp_path, inductor=InductorOptions(aot=True, freezing_min_batch=2))

@@ -90,6 +90,10 @@ def package_key(step: nn.Module, inputs: Sequence[Any], options: dict[str, Any])
     from torch._inductor.utils import parallel_num_threads
 
     add(torch.__version__, torch.backends.cpu.get_cpu_capability(), parallel_num_threads(), _source_digest())
+    from ..distributed import get_parallel_state
+
+    state = get_parallel_state()  # a rank's step holds its share's shapes and its groups' collectives
+    add(state.config, state.rank)
     model = getattr(step, "model", step)
     add(type(model).__module__, type(model).__qualname__, repr(getattr(model, "config", None)), model_code_digest(step))
     for name, t in _constants(step).items():
