@@ -11,13 +11,11 @@ Shape legend: n requests in a step, V vocabulary.
 
 from __future__ import annotations
 
+import copy
 import itertools
-import math
 import os
-import weakref
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+import weakref
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -34,37 +32,14 @@ from ..runtime import progress
 from .geometry import positive as _positive, resolve_block_size, resolve_max_model_len, resolve_num_blocks
 from .model_source import FromCheckpoint, FromFullModel, check_split
 from .ranks import RankSet, RankSettings, external_rank, serve_external
-from .step_wire import StepKind
+from .requests import budgets as _budgets, check_request
 from .sampling import Sampler, SamplingParams
 from .scheduler import Request, Scheduler
+from .stats import EngineStats
+from .step_wire import StepKind
 from .tokenizer import Tokenizer, load_tokenizer
 
 Prompt = Union[str, Sequence[int]]
-
-
-@dataclass
-class EngineStats:
-    """Counters of an engine: requests, tokens, steps, decode batch sizes and step time."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    decode_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    decode_batch_sizes: Counter = field(default_factory=Counter)
-
-    def to_dict(self) -> dict:
-        """A JSON-safe copy, with decode throughput."""
-        rate = self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
-        return {"requests": self.requests, "prompt_tokens": self.prompt_tokens,
-                "generated_tokens": self.generated_tokens, "prefill_steps": self.prefill_steps,
-                "decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens,
-                "prefill_seconds": round(self.prefill_seconds, 4), "decode_seconds": round(self.decode_seconds, 4),
-                "decode_tokens_per_s": round(rate, 2),
-                "decode_batch_sizes": {str(k): v for k, v in sorted(self.decode_batch_sizes.items())}}
 
 
 class Engine:
@@ -127,6 +102,7 @@ class Engine:
                                for _ in range(self.parallel.data_parallel_size)]
         self.blocks = self.replica_blocks[0]
         self.rank_parity: list[list[dict]] = []  # per checked step, every rank's summary (multi-process)
+        self._eager = False  # every step eager (eager_twin)
         self.counters = EngineStats()
         is_path = isinstance(tokenizer, (str, os.PathLike))
         self._tokenizer: Optional[Tokenizer] = None if is_path else tokenizer
@@ -165,6 +141,14 @@ class Engine:
         ranks = RankSet(self.parallel, source, settings, timeout_s)
         weakref.finalize(self, ranks.close)
         return ranks
+
+    def eager_twin(self) -> "Engine":
+        """An engine on this one's model, ranks, runner and caches whose every step runs eagerly,
+        with its own engine counters: graph against eager on a multi-process engine (a process
+        forms one set of groups). Run the two one after the other, never interleaved."""
+        twin = copy.copy(self)
+        twin.counters, twin._eager = EngineStats(), True
+        return twin
 
     def close(self) -> None:
         """Stop the other ranks of a multi-process engine and end its groups (no-op otherwise)."""
@@ -293,8 +277,8 @@ class Engine:
     def _run_plan(self, plan: list[list[SequenceStep]], batches: list[list[Request]]) -> list[Optional[Tensor]]:
         """One step of every data-parallel replica: each replica's ``[n, V]`` logits (None if idle)."""
         if self.ranks is None:
-            return [self.runner.execute(plan[0])]
-        return self.ranks.step(StepKind.RUN, 0, plan)[0]
+            return [self.runner.execute(plan[0], mode="eager" if self._eager else "auto")]
+        return self.ranks.step(StepKind.EAGER if self._eager else StepKind.RUN, 0, plan)[0]
 
     def _serve(self, requests: list[Request], sampler: Sampler, stops: frozenset[int], step: Callable,
                show_progress: bool) -> None:
@@ -406,30 +390,5 @@ class Engine:
         return list(prompt)
 
     def _check_request(self, i: int, ids: list[int], budget: int) -> None:
-        vocab = self.model.config.vocab_size
-        if not ids:
-            raise ValueError(f"request {i}: the prompt is empty; every request needs at least one token")
-        for pos, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"request {i}: token id {t!r} at position {pos} is outside the vocabulary "
-                                 f"[0, {vocab})")
-        total = len(ids) + budget
-        if total > self.max_model_len:
-            raise ValueError(f"request {i}: prompt of {len(ids)} tokens + max_new_tokens={budget} = {total} "
-                             f"exceeds max_model_len={self.max_model_len}")
-        need, usable = math.ceil(total / self.block_size), self.num_blocks - 1
-        if need > usable:
-            raise ValueError(f"request {i}: {total} tokens need {need} blocks of {self.block_size}, more than "
-                             f"the whole cache's {usable} usable blocks (num_blocks={self.num_blocks}, "
-                             "one is the null block)")
-
-
-def _budgets(max_new_tokens: int | Sequence[int], n: int) -> list[int]:
-    budgets = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    if len(budgets) != n:
-        raise ValueError(f"max_new_tokens has {len(budgets)} entries for {n} prompts")
-    for i, b in enumerate(budgets):
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-            raise ValueError(f"request {i}: max_new_tokens must be an int >= 1, got {b!r}")
-    return budgets
-
+        check_request(i, ids, budget, vocab=self.model.config.vocab_size, max_model_len=self.max_model_len,
+                      block_size=self.block_size, num_blocks=self.num_blocks)
