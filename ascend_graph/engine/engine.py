@@ -184,7 +184,7 @@ class Engine:
         if self.ranks is None:
             self.runner.capture(show_progress=show_progress)
         else:  # every rank at once: a captured step holds the collectives
-            self.ranks.step(StepKind.CAPTURE)
+            self.ranks.step(StepKind.CAPTURE, int(show_progress))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` (needs a tokenizer)."""

@@ -87,8 +87,8 @@ def run_step(runner: GraphRunner, state: ParallelState, kind: StepKind, arg: int
              plan: Optional[Plan]) -> tuple[Optional[Tensor], object]:
     """Run one step on this rank: ``(logits of its replica's entries or None, report)``; the
     report is every rank's summary (CHECK, STATS; gathered on every rank) or None."""
-    if kind == StepKind.CAPTURE:
-        runner.capture(show_progress=False)
+    if kind == StepKind.CAPTURE:  # arg: rank 0 shows its progress
+        runner.capture(show_progress=bool(arg) and state.rank == 0)
         return None, None
     if kind == StepKind.STATS:
         return None, gather_json(state, runner.stats.to_dict())

@@ -97,7 +97,7 @@ def recv_step(state: ParallelState) -> tuple[StepKind, int, Optional[Plan]]:
 
 def send_logits(state: ParallelState, logits: Tensor) -> None:
     """A replica's tensor-parallel rank 0: its step's ``[n, V]`` float32 logits to rank 0."""
-    _wait(dist.isend(logits.float().contiguous(), 0, group=state.host.pg), state, "logits")
+    _wait(dist.isend(logits.float().cpu().contiguous(), 0, group=state.host.pg), state, "logits")
 
 
 def recv_logits(state: ParallelState, src: int, rows: int, vocab: int) -> Tensor:
