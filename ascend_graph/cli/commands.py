@@ -25,6 +25,7 @@ from ..engine.engine import Engine
 from ..engine.model_source import FromCheckpoint, FromName
 from ..models.named import BUILTIN_MODELS, named_model
 from ..runner.parity import ParityReport, allowed_difference, tolerances
+from .ranks import parallel_sizes, parity_by_rank, ranks_on_top
 from .report import capture_start, format_bench, format_demo, format_generate, format_parity
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,13 +38,6 @@ def load_model(args: argparse.Namespace) -> tuple[nn.Module, dict]:
     """The model ``--model`` names (built-in with seed-0 weights, or a checkpoint) and a description."""
     model, source = named_model(args.model, DTYPES[args.dtype] if args.dtype else None, args.device)
     return model, describe(model, source)
-
-
-def parallel_sizes(args: argparse.Namespace) -> dict:
-    """The Engine's parallel arguments from the flags (one process without them)."""
-    return {"tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
-            "data_parallel_size": getattr(args, "data_parallel_size", 1),
-            "enable_expert_parallel": getattr(args, "enable_expert_parallel", False)}
 
 
 def open_engines(args: argparse.Namespace, graph: bool = True, with_eager: bool = True,
@@ -181,26 +175,6 @@ def settings(args: argparse.Namespace, engine: Engine) -> dict:
             "block_size": engine.block_size, "max_model_len": engine.max_model_len,
             "max_num_seqs": engine.max_num_seqs, "num_blocks": engine.num_blocks,
             "backends": engine.runner.backends()}
-
-
-def ranks_on_top(result: dict) -> dict:
-    """``result`` with its counters' per-rank runner counters (multi-process) moved to ``ranks``."""
-    ranks = result.get("counters", {}).pop("ranks", None)
-    return {**result, "ranks": ranks} if ranks is not None else result
-
-
-def parity_by_rank(engine: Engine) -> Optional[list]:
-    """Per rank, its checked steps of the last ``generate_checked`` (multi-process engines; else None)."""
-    if not engine.rank_parity:
-        return None
-    by_rank: dict[int, list] = {}
-    for summaries in engine.rank_parity:
-        for s in summaries:
-            by_rank.setdefault(s["rank"], []).append(s)
-    return [{"rank": rank, "checks": len(rows), "failures": sum(not r["ok"] for r in rows),
-             "max_logit_diff": max(r["logits_max_abs"] for r in rows),
-             "max_cache_diff": max(r["caches_max_abs"] for r in rows),
-             "untouched_ok": all(r["untouched_ok"] is not False for r in rows)} for rank, rows in sorted(by_rank.items())]
 
 
 # -- parity bookkeeping ---------------------------------------------------------------------------
