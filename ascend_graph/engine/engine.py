@@ -12,6 +12,7 @@ Shape legend: n requests in a step, V vocabulary.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import os
 import time
@@ -82,6 +83,9 @@ class Engine:
         self.max_num_seqs = _positive("max_num_seqs", seats)
         self.ranks: Optional[RankSet] = None
         if self.parallel.world_size > 1:
+            if self.graph_config.inductor.precompile is None:  # a saved step's process groups do not load again
+                inductor = dataclasses.replace(self.graph_config.inductor, precompile=False)
+                self.graph_config = dataclasses.replace(self.graph_config, inductor=inductor)
             settings = RankSettings(self.graph_config, block_size, max_model_len, self.max_num_seqs, num_blocks,
                                     cache_memory_bytes, cache_align_bytes, str(device or "cpu"), torch.get_num_threads())
             self.ranks = self._start_ranks(model, settings, backend, rank_timeout_s)
