@@ -130,6 +130,7 @@ def test_a_rank_that_fails_is_named_by_rank_zero_within_a_deadline(runs) -> None
     ({"data_parallel_size": -1}, "data_parallel_size must be an int >= 1"),
     ({"tensor_parallel_size": 3}, "num_attention_heads=4 does not split across tensor_parallel_size=3"),
     ({"tensor_parallel_size": 2, "enable_expert_parallel": True}, "enable_expert_parallel"),
+    ({"data_parallel_size": 2, "rank_timeout_s": 0}, "rank_timeout_s must be a number of seconds > 0"),
 ])
 def test_bad_sizes_are_refused_before_any_rank_starts(sizes, message, monkeypatch) -> None:
     def no_rank_may_start(*args, **kwargs):
@@ -137,7 +138,7 @@ def test_bad_sizes_are_refused_before_any_rank_starts(sizes, message, monkeypatc
     monkeypatch.setattr(RankSet, "__init__", no_rank_may_start)
     model = small_model("llama") if sizes.get("enable_expert_parallel") else tiny_v2()
     with pytest.raises(ValueError, match=message):
-        Engine(model, graph_config=EAGER, **ENGINE_ARGS, **sizes)
+        Engine(model, graph_config=EAGER, **{**ENGINE_ARGS, **sizes})
 
 
 CLI_ARGS = ["generate", "--prompt-ids", "1,5,9,3", "--prompt-ids", "7,2,8", "--max-new-tokens", "5",

@@ -134,6 +134,8 @@ class Engine:
     def _start_ranks(self, model, settings: RankSettings, backend: Optional[Callable], timeout_s: float) -> RankSet:
         """Check that the model splits as asked, then start the ranks (or, under an external
         launcher, serve as a rank > 0 and exit)."""
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"rank_timeout_s must be a number of seconds > 0, got {timeout_s!r}")
         if backend is not None:
             raise ValueError("backend: a compile backend object cannot be sent to other ranks; leave it None "
                              "with tensor_parallel_size/data_parallel_size > 1 (graph_config.backend names one)")
