@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 
+from checkpoints import SMALL_JSON, hf_named_tensors, write_checkpoint
 from distributed_ranks import free_ports
 from runner_helpers import small_model
 
@@ -29,12 +30,13 @@ from ascend_graph.models.named import named_model
 
 pytestmark = pytest.mark.xdist_group("distributed")
 
-PROMPTS = [[1, 5, 9, 3], [7, 2, 8], [4, 4, 200, 17, 3]]
+PROMPTS = [[1, 5, 9, 3], [7, 2, 8], [4, 4, 190, 17, 3]]
 NEW_TOKENS = 6
 GRAPH = GraphConfig(enabled=True, backend="inductor", capture_sizes=(2,), max_batch_size=2)
 EAGER = GraphConfig(enabled=False)
 ENGINE_ARGS = {"max_model_len": 64, "rank_timeout_s": 120.0}
 FAIL_DEADLINE_S = 30.0  # a rank's failure reaches rank 0 within this (rank 0 waits REPORT_GRACE_S at most)
+V3_JSON = {**SMALL_JSON, "num_hidden_layers": 1, "first_k_dense_replace": 0}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -61,31 +63,41 @@ def serve(model, graph: bool = True, **sizes) -> dict:
     return out
 
 
-def injected_failure(model) -> dict:
-    """Rank 1 raises at its first step: what rank 0 raised, and after how long."""
-    os.environ[INJECT_FAILURE_ENV] = "1"
+def checkpoint_then_failure(path) -> dict:
+    """A TP=2 engine on a tiny V3 checkpoint (each rank reads its share), eager: its tokens, the
+    oracle's, rank 0's heads; then rank 1 raises at its first step of the next call (the first
+    call runs one prefill and NEW_TOKENS - 1 decode steps): what rank 0 raised, and when."""
+    full = DeepseekForCausalLM(DeepseekConfig.from_dict(V3_JSON), seed=7).eval()
+    write_checkpoint(path, hf_named_tensors(full), config=V3_JSON)
+    out = {"want": Engine(full, graph_config=EAGER, max_model_len=64).generate(PROMPTS, NEW_TOKENS, ignore_eos=True)}
+    os.environ[INJECT_FAILURE_ENV] = f"1:{NEW_TOKENS + 1}"
     try:
-        engine = Engine(model, graph_config=EAGER, tensor_parallel_size=2, **ENGINE_ARGS)
+        engine = Engine.from_pretrained(path, graph_config=EAGER, dtype=torch.float32, tokenizer=None,
+                                        tensor_parallel_size=2, **ENGINE_ARGS)
     finally:
         del os.environ[INJECT_FAILURE_ENV]
-    start = time.monotonic()
     try:
-        engine.generate(PROMPTS, NEW_TOKENS)
-    except Exception as e:  # noqa: BLE001  (what rank 0 raised is the result)
-        return {"error": e, "seconds": time.monotonic() - start, "alive": [p.is_alive() for p in engine.ranks.procs]}
+        out.update(tokens=engine.generate(PROMPTS, NEW_TOKENS, ignore_eos=True),
+                   heads=engine.model.model.layers[0].self_attn.num_heads)
+        start = time.monotonic()
+        try:
+            engine.generate(PROMPTS, NEW_TOKENS)
+        except Exception as e:  # noqa: BLE001  (what rank 0 raised is the result)
+            out.update(error=e, seconds=time.monotonic() - start, alive=[p.is_alive() for p in engine.ranks.procs])
     finally:
         engine.close()
-    return {"error": None}
+    return out
 
 
 @pytest.fixture(scope="module")
-def runs(one_torch_thread) -> dict:
+def runs(one_torch_thread, tmp_path_factory) -> dict:
     """Every engine's results. The tensor-parallel Llama runs eagerly (its graphs on two ranks:
     tests/test_distributed.py); a spawn and a compile cost 5-20 s each on a 2-core host."""
     v2, llama = tiny_v2(), small_model("llama")
     return {"v2_oracle": oracle(v2), "one_oracle": oracle(v2, PROMPTS[:1]), "llama_oracle": oracle(llama),
             "v2_tp": serve(v2, tensor_parallel_size=2), "llama_tp": serve(llama, False, tensor_parallel_size=2),
-            "v2_dp": serve(v2, data_parallel_size=2), "failure": injected_failure(v2)}
+            "v2_dp": serve(v2, data_parallel_size=2),
+            "failure": checkpoint_then_failure(tmp_path_factory.mktemp("v3_checkpoint"))}
 
 
 @pytest.mark.parametrize("run, want", [("v2_tp", "v2_oracle"), ("llama_tp", "llama_oracle"), ("v2_dp", "v2_oracle")])
@@ -117,9 +129,15 @@ def test_an_idle_data_parallel_replica_lets_the_other_finish(runs) -> None:
     assert runs["v2_dp"]["one"] == runs["one_oracle"]["eager"]
 
 
+def test_a_checkpoint_engine_gives_each_rank_its_share(runs) -> None:
+    failure = runs["failure"]
+    assert failure["heads"] == V3_JSON["num_attention_heads"] // 2
+    assert failure["tokens"] == failure["want"]
+
+
 def test_a_rank_that_fails_is_named_by_rank_zero_within_a_deadline(runs) -> None:
     failure = runs["failure"]
-    assert isinstance(failure["error"], RankError), failure["error"]
+    assert isinstance(failure.get("error"), RankError), failure.get("error")
     assert failure["error"].rank == 1 and "rank 1" in str(failure["error"])
     assert INJECT_FAILURE_ENV in str(failure["error"])
     assert failure["seconds"] < FAIL_DEADLINE_S and not any(failure["alive"])

@@ -37,7 +37,7 @@ from ..runner.parity import compare_step
 from .geometry import resolve_block_size, resolve_max_model_len, resolve_num_blocks
 from .step_wire import Plan, StepKind, gather_json, recv_logits, recv_step, send_logits, send_step
 
-INJECT_FAILURE_ENV = "ASCEND_GRAPH_FAIL_RANK"  # tests: this rank raises at its first step
+INJECT_FAILURE_ENV = "ASCEND_GRAPH_FAIL_RANK"  # tests: "R" or "R:N", rank R raises at its N-th step (1st)
 JOIN_DEADLINE_S = 30.0  # close(): how long a rank may take to leave before it is killed
 REPORT_GRACE_S = 10.0  # after a failed wait: how long rank 0 waits for a rank's report
 
@@ -118,14 +118,15 @@ def serve_steps(runner: GraphRunner, state: ParallelState, wake=None) -> None:
     None under an external launcher, where STOP comes over the host group)."""
     tp = state.config.tensor_parallel_size
     sends = state.rank % tp == 0 and state.rank >= tp  # a replica's first rank, not rank 0's replica
-    first = True
+    rank, _, step = os.environ.get(INJECT_FAILURE_ENV, "").partition(":")
+    fail_at, steps = int(step or 1) if rank == str(state.rank) else None, 0
     while wake is None or _woken(wake):
         kind, arg, plan = recv_step(state)
         if kind == StepKind.STOP:
             return
-        if first and plan is not None and os.environ.get(INJECT_FAILURE_ENV) == str(state.rank):
-            raise RuntimeError(f"rank {state.rank}: failure injected by {INJECT_FAILURE_ENV}")
-        first = first and plan is None
+        steps += plan is not None
+        if steps == fail_at:
+            raise RuntimeError(f"rank {state.rank}: failure injected by {INJECT_FAILURE_ENV} at step {steps}")
         logits, _ = run_step(runner, state, kind, arg, plan)
         if sends and logits is not None:
             send_logits(state, logits)
