@@ -33,7 +33,7 @@ from ..runtime import progress
 from .geometry import positive as _positive, resolve_block_size, resolve_max_model_len, resolve_num_blocks
 from .model_source import FromCheckpoint, FromFullModel, check_split
 from .ranks import RankSet, RankSettings, external_rank, serve_external
-from .requests import budgets as _budgets, check_request
+from .requests import budgets as _budgets, check_request, stop_ids
 from .sampling import Sampler, SamplingParams
 from .scheduler import Request, Scheduler
 from .stats import EngineStats
@@ -213,7 +213,7 @@ class Engine:
         Every argument is validated before any work; errors are ``ValueError`` naming the request.
         """
         params = SamplingParams(temperature, top_k, top_p, seed)
-        stops = self._stop_ids(stop_token_ids, ignore_eos)
+        stops = stop_ids(self.model.config, stop_token_ids, ignore_eos)
         requests = self._make_requests(prompt_token_ids, max_new_tokens, keep_logits=return_logits)
         self._serve(requests, Sampler(params), stops, self._run_plan, show_progress)
         tokens = [r.output for r in requests]
@@ -242,7 +242,7 @@ class Engine:
         if unknown:
             raise TypeError(f"generate_checked got unexpected argument(s): {', '.join(sorted(unknown))}")
         show, keep_logits = kwargs.pop("show_progress", False), kwargs.pop("return_logits", False)
-        stops = self._stop_ids(kwargs.pop("stop_token_ids", None), kwargs.pop("ignore_eos", False))
+        stops = stop_ids(self.model.config, kwargs.pop("stop_token_ids", None), kwargs.pop("ignore_eos", False))
         params = SamplingParams(**kwargs)
         requests = self._make_requests(prompt_token_ids, max_new_tokens, keep_logits=keep_logits)
         reports: list[ParityReport] = []
@@ -298,10 +298,10 @@ class Engine:
             while any(s.has_work for s in schedulers):
                 admitted = [s.admit() for s in schedulers]
                 if any(admitted):
-                    done += self._step(schedulers, admitted, True, sampler, stops, step)
+                    done += self._replicas_step(schedulers, admitted, True, sampler, stops, step)
                 batches = [s.decoding() for s in schedulers]
                 if any(batches):
-                    done += self._step(schedulers, batches, False, sampler, stops, step)
+                    done += self._replicas_step(schedulers, batches, False, sampler, stops, step)
                 if show_progress:
                     progress(min(done, total), total, "tokens generated")
         finally:
@@ -310,24 +310,32 @@ class Engine:
         if show_progress and done < total:
             progress(total, total, "tokens generated (some requests stopped early)")
 
-    def _step(self, schedulers: list[Scheduler], batches: list[list[Request]], prefill: bool, sampler: Sampler,
+    def _step(self, scheduler: Scheduler, batch: list[Request], prefill: bool, sampler: Sampler,
               stops: frozenset[int], step: Callable) -> int:
+        """``_replicas_step`` of one replica (PD's decode engine serves one)."""
+        return self._replicas_step([scheduler], [batch], prefill, sampler, stops, step)
+
+    def _replicas_step(self, schedulers: list[Scheduler], batches: list[list[Request]], prefill: bool,
+                       sampler: Sampler, stops: frozenset[int], step: Callable) -> int:
         """Run one step of every replica's ``batches`` (``step(plan, batches)``: logits per replica),
         append each request's next token; returns the step's token count towards the progress total
         (a request stopped early counts its remaining budget)."""
         plan = [s.prefill_entries(b) if prefill else s.decode_entries(b) for s, b in zip(schedulers, batches)]
         start = time.perf_counter()
         logits = step(plan, batches)  # per replica [n, V]
-        done = sum(self._advance(s, b, rows, sampler, stops)
+        done = sum(self._advance(s, b, rows, prefill, sampler, stops, None)
                    for s, b, rows in zip(schedulers, batches, logits) if b)
         self._count(sum(len(b) for b in batches), prefill, time.perf_counter() - start)
         return done
 
-    def _advance(self, scheduler: Scheduler, batch: list[Request], logits: Tensor, sampler: Sampler,
-                 stops: frozenset[int]) -> int:
+    def _advance(self, scheduler: Scheduler, batch: list[Request], logits: Tensor, prefill: bool,
+                 sampler: Sampler, stops: frozenset[int], start: Optional[float]) -> int:
         """Sample each request's next token from its row of ``logits`` (``[n, V]``), append it,
-        finish requests that stop; returns the progress count as ``_step`` does."""
+        finish requests that stop, count the step begun at ``start`` (None: the caller counts it);
+        returns the progress count as ``_step`` does."""
         tokens = sampler.sample(logits, [r.index for r in batch])
+        if start is not None:
+            self._count(len(batch), prefill, time.perf_counter() - start)
         advanced = 0
         for request, token, row in zip(batch, tokens, logits):
             request.output.append(token)
@@ -359,17 +367,6 @@ class Engine:
             raise ValueError(f"{purpose} needs a tokenizer: pass Engine(tokenizer=...), use "
                              "Engine.from_pretrained on a checkpoint that has one, or give token ids")
         return tokenizer
-
-    def _stop_ids(self, stop_token_ids: Optional[Sequence[int]], ignore_eos: bool) -> frozenset[int]:
-        ints = lambda ids: all(isinstance(t, int) and not isinstance(t, bool) for t in ids)  # noqa: E731
-        if stop_token_ids is not None and (isinstance(stop_token_ids, str) or not isinstance(stop_token_ids, Sequence)
-                                           or not ints(stop_token_ids)):
-            raise ValueError(f"stop_token_ids must be a list of ints, got {stop_token_ids!r}")
-        stops = list(stop_token_ids or ())
-        eos = None if ignore_eos else getattr(self.model.config, "eos_token_id", None)
-        if eos is not None:
-            stops.extend([eos] if isinstance(eos, int) else eos)
-        return frozenset(stops)
 
     def _make_requests(self, prompts: Sequence[Prompt], max_new_tokens: int | Sequence[int],
                        keep_logits: bool) -> list[Request]:

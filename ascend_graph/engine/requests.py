@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 
 def check_request(i: int, ids: list[int], budget: int, *, vocab: int, max_model_len: int, block_size: int,
@@ -36,3 +36,16 @@ def budgets(max_new_tokens: int | Sequence[int], n: int) -> list[int]:
             raise ValueError(f"request {i}: max_new_tokens must be an int >= 1, got {b!r}")
     return budgets
 
+
+
+def stop_ids(config: Any, stop_token_ids: Optional[Sequence[int]], ignore_eos: bool) -> frozenset[int]:
+    """The tokens that end a request: ``stop_token_ids`` plus the model's ``eos_token_id`` unless ``ignore_eos``."""
+    ints = lambda ids: all(isinstance(t, int) and not isinstance(t, bool) for t in ids)  # noqa: E731
+    if stop_token_ids is not None and (isinstance(stop_token_ids, str) or not isinstance(stop_token_ids, Sequence)
+                                       or not ints(stop_token_ids)):
+        raise ValueError(f"stop_token_ids must be a list of ints, got {stop_token_ids!r}")
+    stops = list(stop_token_ids or ())
+    eos = None if ignore_eos else getattr(config, "eos_token_id", None)
+    if eos is not None:
+        stops.extend([eos] if isinstance(eos, int) else eos)
+    return frozenset(stops)
