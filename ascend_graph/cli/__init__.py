@@ -33,6 +33,7 @@ EPILOG = """examples:
   ascend-graph bench --batch-sizes 1,2,4,8 --json    # decode tokens/s per batch size
   ascend-graph bench --max-model-len-sweep 4096,32768   # the same steps with wider block tables
   ascend-graph pd-demo --transport mooncake --json   # prefill and decode in two processes
+  ascend-graph generate --prompt-ids 1,2,3 --tensor-parallel-size 2 --json   # two ranks of this host
 """
 
 
@@ -100,6 +101,16 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
 
+def _parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("ranks (processes of this host; docs/distributed.md for several hosts)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
+                   help="split each layer's heads and features over N ranks (default: 1)")
+    g.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1, metavar="N",
+                   help="N replicas of the attention, each serving its own requests (default: 1)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="spread the routed experts over all tp * dp ranks")
+
+
 def _workload_args(p: argparse.ArgumentParser, requests: int, new_tokens: int) -> None:
     g = p.add_argument_group("requests")
     g.add_argument("--num-requests", type=positive_int, default=requests,
@@ -128,21 +139,24 @@ def build_parser() -> argparse.ArgumentParser:
                     "run as captured graphs, prefill eagerly on the same caches.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_demo(_command(sub, "demo", "serve requests on the built-in model, graph vs eager: capture, throughput, "
-                                    "parity, counters"))
-    _add_generate(_command(sub, "generate", "generate from token ids or text"))
-    par = _command(sub, "parity", "graph vs eager step by step (compare_step); exit 1 on mismatch")
+                                    "parity, counters", ranks=True))
+    _add_generate(_command(sub, "generate", "generate from token ids or text", ranks=True))
+    par = _command(sub, "parity", "graph vs eager step by step (compare_step); exit 1 on mismatch", ranks=True)
     _workload_args(par, requests=6, new_tokens=24)
-    _add_bench(_command(sub, "bench", "decode throughput graph vs eager per batch size"))
+    _add_bench(_command(sub, "bench", "decode throughput graph vs eager per batch size", ranks=True))
     add_pd_demo(_command(sub, "pd-demo", "prefill and decode in two processes: KV blocks moved by a transfer "
                                          "engine into the decode graphs' static caches"))
     return parser
 
 
-def _command(sub, name: str, summary: str) -> argparse.ArgumentParser:
-    """A subcommand whose description is its ``run_`` function's docstring, with the model flags."""
+def _command(sub, name: str, summary: str, ranks: bool = False) -> argparse.ArgumentParser:
+    """A subcommand whose description is its ``run_`` function's docstring, with the model flags
+    (and with ``ranks``, the parallel flags)."""
     p = sub.add_parser(name, help=summary, description=_doc(name),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _model_args(p)
+    if ranks:
+        _parallel_args(p)
     return p
 
 

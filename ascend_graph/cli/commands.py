@@ -22,8 +22,10 @@ from .. import runtime
 from ..config import GraphConfig, InductorOptions
 from ..config_sources import from_json
 from ..engine.engine import Engine
+from ..engine.model_source import FromCheckpoint, FromName
 from ..models.named import BUILTIN_MODELS, named_model
 from ..runner.parity import ParityReport, allowed_difference, tolerances
+from .ranks import parallel_sizes, parity_by_rank, ranks_on_top
 from .report import capture_start, format_bench, format_demo, format_generate, format_parity
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -36,6 +38,29 @@ def load_model(args: argparse.Namespace) -> tuple[nn.Module, dict]:
     """The model ``--model`` names (built-in with seed-0 weights, or a checkpoint) and a description."""
     model, source = named_model(args.model, DTYPES[args.dtype] if args.dtype else None, args.device)
     return model, describe(model, source)
+
+
+def open_engines(args: argparse.Namespace, graph: bool = True, with_eager: bool = True,
+                 max_num_seqs: Optional[int] = None, **kwargs) -> tuple[Engine, Optional[Engine], dict]:
+    """``(engine, eager engine or None, model description)`` for ``--model``. On one process the
+    two engines share the model object; on several (``--tensor-parallel-size``, ...) every rank
+    builds its own share of the model, and the eager engine is the first's ``eager_twin`` (one
+    process forms one set of ranks)."""
+    sizes = parallel_sizes(args)
+    if sizes["tensor_parallel_size"] * sizes["data_parallel_size"] == 1:
+        model, info = load_model(args)
+        main = make_engine(model, args, graph, max_num_seqs, **kwargs)
+        return main, make_engine(model, args, False, max_num_seqs) if with_eager else None, info
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    if args.model in BUILTIN_MODELS:
+        source, text = FromName(args.model, dtype, args.device), f"built-in '{args.model}' (seeded random weights)"
+    elif os.path.isdir(args.model):
+        source, text = FromCheckpoint(args.model, dtype, args.device), f"checkpoint {args.model}"
+    else:
+        named_model(args.model)  # raises the single-process error naming the model
+    main = make_engine(source, args, graph, max_num_seqs, **kwargs)
+    info = {**describe(main.model, text), "parameters_of": "rank 0's share", **sizes}
+    return main, main.eager_twin() if with_eager else None, info
 
 
 def describe(model: nn.Module, source: str) -> dict:
@@ -53,7 +78,7 @@ def make_engine(model: nn.Module, args: argparse.Namespace, graph: bool, max_num
     config = graph_config(args, graph)
     seats = max_num_seqs or getattr(args, "max_num_seqs", None) or config.max_batch_size
     return Engine(model, graph_config=config, block_size=args.block_size, max_model_len=args.max_model_len,
-                  max_num_seqs=seats, device=args.device, **kwargs)
+                  max_num_seqs=seats, device=args.device, **parallel_sizes(args), **kwargs)
 
 
 def graph_config(args: argparse.Namespace, graph: bool) -> GraphConfig:
@@ -213,9 +238,9 @@ def run_demo(args: argparse.Namespace) -> tuple[dict, str, int]:
     (bfloat16 runs may flip those).
     """
     start = time.perf_counter()
-    model, info = load_model(args)
+    graph, eager, info = open_engines(args)
+    model = graph.model
     prompts, budgets = workload(model.config.vocab_size, args.num_requests, args.max_new_tokens, args.max_model_len)
-    graph, eager = make_engine(model, args, graph=True), make_engine(model, args, graph=False)
     graph.capture(show_progress=not args.no_progress)
     g_tokens, g_logits = graph.generate(prompts, budgets, ignore_eos=True, return_logits=True,
                                         show_progress=not args.no_progress)
@@ -226,8 +251,10 @@ def run_demo(args: argparse.Namespace) -> tuple[dict, str, int]:
     parity = {**logit_agreement(g_tokens, e_tokens, g_logits, e_logits, model.dtype, flips),
               "compare_step": reports_summary(reports), "checked_run_tokens_identical": checked["tokens_identical"],
               "checked_run_tokens_agree": checked["tokens_agree"]}
+    parity["ranks"] = parity_by_rank(graph)
     parity["ok"] = bool(parity["tokens_agree"] and parity["checked_run_tokens_agree"] and reports
-                        and not parity["compare_step"]["failures"])
+                        and not parity["compare_step"]["failures"]
+                        and not any(r["failures"] for r in parity["ranks"] or ()))
     speed = measure_decode({"eager": eager, "graph": graph}, prompts, budgets, args.rounds)
     speed["speedup"] = round(speed["graph"]["tokens_per_s"] / speed["eager"]["tokens_per_s"], 2)
     counters = graph.stats  # before the probe below: the counters of the workload's runs
@@ -242,7 +269,7 @@ def run_demo(args: argparse.Namespace) -> tuple[dict, str, int]:
               "counters": counters, "eager_counters": eager.stats, "sample": {"prompt": prompts[0],
                                                                               "tokens": g_tokens[0]},
               "seconds": round(time.perf_counter() - start, 1)}
-    return result, format_demo(result), 0 if parity["ok"] else 1
+    return ranks_on_top(result), format_demo(result), 0 if parity["ok"] else 1
 
 
 def run_generate(args: argparse.Namespace) -> tuple[dict, str, int]:
@@ -253,9 +280,8 @@ def run_generate(args: argparse.Namespace) -> tuple[dict, str, int]:
     prompts = [*args.prompt_ids, *args.prompt]
     if not prompts:
         raise ValueError("give at least one --prompt-ids or --prompt")
-    model, info = load_model(args)
     tokenizer = None if args.model in BUILTIN_MODELS else args.model  # loaded when first needed
-    engine = make_engine(model, args, graph=args.graph, max_num_seqs=max(args.capture_sizes), tokenizer=tokenizer)
+    engine, _, info = open_engines(args, args.graph, False, max(args.capture_sizes), tokenizer=tokenizer)
     engine.capture(show_progress=not args.no_progress and args.graph)
     start = time.perf_counter()
     tokens = engine.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -265,7 +291,7 @@ def run_generate(args: argparse.Namespace) -> tuple[dict, str, int]:
                for p, t in zip(prompts, tokens)]
     result = {"command": "generate", "model": info, "settings": settings(args, engine), "graph": args.graph,
               "outputs": outputs, "seconds": round(time.perf_counter() - start, 3), "counters": engine.stats}
-    return result, format_generate(result), 0
+    return ranks_on_top(result), format_generate(result), 0
 
 
 def _text(engine: Engine, tokens: list[int]) -> Optional[str]:
@@ -279,9 +305,9 @@ def run_parity(args: argparse.Namespace) -> tuple[dict, str, int]:
     untouched; plus the tokens of a separate eager run, which may differ only at a near-tie (the two
     tokens within tolerance of each other in both runs). Exit code 1 on any mismatch.
     """
-    model, info = load_model(args)
+    graph, eager, info = open_engines(args)
+    model = graph.model
     prompts, budgets = workload(model.config.vocab_size, args.num_requests, args.max_new_tokens, args.max_model_len)
-    graph, eager = make_engine(model, args, graph=True), make_engine(model, args, graph=False)
     graph.capture(show_progress=not args.no_progress)
     (tokens, logits), reports = graph.generate_checked(prompts, budgets, ignore_eos=True, return_logits=True,
                                                        show_progress=not args.no_progress)
@@ -293,12 +319,16 @@ def run_parity(args: argparse.Namespace) -> tuple[dict, str, int]:
               "untouched_ok": r.untouched_ok, "untouched_changed": r.untouched_changed,
               "routing_flips": r.routing_flips} for i, r in enumerate(reports)]
     summary = reports_summary(reports)
-    ok = bool(reports) and not summary["failures"] and agreement["tokens_agree"]
+    by_rank = parity_by_rank(graph)
+    ok = (bool(reports) and not summary["failures"] and agreement["tokens_agree"]
+          and not any(r["failures"] for r in by_rank or ()))
     result = {"command": "parity", "model": info, "settings": settings(args, graph), "ok": ok,
               "tokens_identical": agreement["tokens_identical"], "tokens_agree": agreement["tokens_agree"],
               "first_differences": agreement["first_differences"], "summary": summary, "steps": steps,
               "counters": graph.stats}
-    return result, format_parity(result), 0 if ok else 1
+    if by_rank is not None:
+        result["rank_parity"] = by_rank
+    return ranks_on_top(result), format_parity(result), 0 if ok else 1
 
 
 def run_bench(args: argparse.Namespace) -> tuple[dict, str, int]:
@@ -315,9 +345,12 @@ def run_bench(args: argparse.Namespace) -> tuple[dict, str, int]:
         if args.prompt_len + args.new_tokens > length:
             raise ValueError(f"--prompt-len + --new-tokens = {args.prompt_len + args.new_tokens} exceeds "
                              f"max_model_len {length} (--max-model-len, --max-model-len-sweep)")
-    model, info = load_model(args)
+    if widths and parallel_sizes(args)["tensor_parallel_size"] * parallel_sizes(args)["data_parallel_size"] > 1:
+        raise ValueError("--max-model-len-sweep runs one process (its engines would each need their own ranks); "
+                         "drop it or --tensor-parallel-size/--data-parallel-size")
     sizes = sorted(set(args.capture_sizes))
-    graph, eager = make_engine(model, args, True, max(sizes)), make_engine(model, args, False, max(sizes))
+    graph, eager, info = open_engines(args, max_num_seqs=max(sizes))
+    model = graph.model
     engines = {"eager": eager, "graph": graph}
     for length in widths:  # the same cache blocks, graphs whose block tables are ``length`` wide
         engines[f"graph@{length}"] = make_engine(model, argparse.Namespace(**{**vars(args), "max_model_len": length}),
@@ -342,7 +375,7 @@ def run_bench(args: argparse.Namespace) -> tuple[dict, str, int]:
                            "rounds": args.rounds, "max_model_len_sweep": [args.max_model_len, *widths]},
               "conditions": conditions(args), "capture": graph.stats["capture"], "rows": rows,
               "counters": graph.stats}
-    return result, format_bench(result), 0
+    return ranks_on_top(result), format_bench(result), 0
 
 
 def width_sweep(times: dict, base_len: int) -> dict:

@@ -190,6 +190,9 @@ def format_parity(r: dict) -> str:
     lines += ["", f"{sm['checks']} graph decode steps checked, {sm['failures']} mismatched"
               f"{_flip_count(sm['routing_flips'])}; tokens identical to a "
               f"separate eager run: {_yes(r['tokens_identical'])}{_first_differences(r['first_differences'])}",
+              *(f"rank {x['rank']}: {x['checks']} steps checked, {x['failures']} mismatched, logits max|diff| "
+                f"{x['max_logit_diff']:.3g}, cache max|diff| {x['max_cache_diff']:.3g}, untouched "
+                f"{_yes(x['untouched_ok'])}" for x in r.get("rank_parity") or ()),
               *compile_failure_lines(r["counters"]), f"verdict: {'PASS' if r['ok'] else 'FAIL'}"]
     return "\n".join(lines)
 

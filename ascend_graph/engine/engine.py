@@ -11,56 +11,36 @@ Shape legend: n requests in a step, V vocabulary.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
-import math
 import os
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+import weakref
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
 from .block_manager import BlockManager
-from ..attention import choose_block_size, model_attention_backends
 from ..config import GraphConfig
 from ..config_sources import from_env
-from ..kv_cache import blocks_for_budget
+from ..distributed import ParallelConfig
+from ..distributed.state import DEFAULT_TIMEOUT_S
 from ..runner.parity import ParityReport, compare_step
 from ..runner.graph_runner import GraphRunner, SequenceStep
 from ..runtime import progress
+from .geometry import positive as _positive, resolve_block_size, resolve_max_model_len, resolve_num_blocks
+from .model_source import FromCheckpoint, FromFullModel, check_split
+from .ranks import RankSet, RankSettings, external_rank, serve_external
+from .requests import budgets as _budgets, check_request, stop_ids
 from .sampling import Sampler, SamplingParams
 from .scheduler import Request, Scheduler
+from .stats import EngineStats
+from .step_wire import StepKind
 from .tokenizer import Tokenizer, load_tokenizer
 
-DEFAULT_MAX_MODEL_LEN = 4096  # used when the model allows more (DeepSeek's 163840 would be huge)
 Prompt = Union[str, Sequence[int]]
-
-
-@dataclass
-class EngineStats:
-    """Counters of an engine: requests, tokens, steps, decode batch sizes and step time."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    decode_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    decode_batch_sizes: Counter = field(default_factory=Counter)
-
-    def to_dict(self) -> dict:
-        """A JSON-safe copy, with decode throughput."""
-        rate = self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
-        return {"requests": self.requests, "prompt_tokens": self.prompt_tokens,
-                "generated_tokens": self.generated_tokens, "prefill_steps": self.prefill_steps,
-                "decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens,
-                "prefill_seconds": round(self.prefill_seconds, 4), "decode_seconds": round(self.decode_seconds, 4),
-                "decode_tokens_per_s": round(rate, 2),
-                "decode_batch_sizes": {str(k): v for k, v in sorted(self.decode_batch_sizes.items())}}
 
 
 class Engine:
@@ -78,25 +58,55 @@ class Engine:
       transfer engines that register memory want; 0 = no constraint).
     - ``tokenizer``: an object with ``encode``/``decode``, or a directory to load one from on
       first use (``load_tokenizer``); needed only for string prompts and ``decode``.
+    - ``tensor_parallel_size``, ``data_parallel_size``, ``enable_expert_parallel``: run on
+      ``tp * dp`` processes of this host (vLLM's flags; ``ranks.py``): this one is rank 0, it
+      schedules; each rank holds its share of the model, its runner and caches. ``model`` is then
+      a model with ``tp_shard`` (its weights go to the other ranks through the spawn pipe) or a
+      ``model_source`` (``FromCheckpoint``, ``FromName``: each rank loads its share itself);
+      ``rank_timeout_s`` bounds every wait on another rank. Requests go to the data-parallel
+      replica with the fewest requests of the call. ``close()`` (or ``with Engine(...)``) stops the
+      ranks. Under an external launcher (``RANK``/``WORLD_SIZE`` set), ranks > 0 serve rank 0's
+      steps inside this constructor, then exit the process (``docs/distributed.md``).
     """
 
-    def __init__(self, model: nn.Module, *, graph_config: Optional[GraphConfig] = None, block_size: Optional[int] = None,
+    def __init__(self, model, *, graph_config: Optional[GraphConfig] = None, block_size: Optional[int] = None,
                  num_blocks: Optional[int] = None, cache_memory_bytes: Optional[int] = None,
                  max_model_len: Optional[int] = None, max_num_seqs: Optional[int] = None,
                  device: torch.device | str | None = None,
                  tokenizer: Union[Tokenizer, str, os.PathLike, None] = None,
-                 backend: Optional[Callable] = None, cache_align_bytes: int = 0) -> None:
-        self.model = model
+                 backend: Optional[Callable] = None, cache_align_bytes: int = 0,
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
+                 rank_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.graph_config = graph_config if graph_config is not None else from_env()
-        self.block_size = block_size = choose_block_size(model_attention_backends(model), block_size)
-        self.max_model_len = self._resolve_max_model_len(max_model_len)
+        self.parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
         seats = self.graph_config.max_batch_size if max_num_seqs is None else max_num_seqs
         self.max_num_seqs = _positive("max_num_seqs", seats)
-        self.num_blocks = self._resolve_num_blocks(num_blocks, cache_memory_bytes)
-        self.blocks = BlockManager(self.num_blocks, block_size)
-        self.runner = GraphRunner(model, self.graph_config, num_blocks=self.num_blocks, block_size=block_size,
-                                  max_model_len=self.max_model_len, device=device, backend=backend,
-                                  cache_align_bytes=cache_align_bytes)
+        self.ranks: Optional[RankSet] = None
+        if self.parallel.world_size > 1:
+            if self.graph_config.inductor.precompile is None:  # a saved step's process groups do not load again
+                inductor = dataclasses.replace(self.graph_config.inductor, precompile=False)
+                self.graph_config = dataclasses.replace(self.graph_config, inductor=inductor)
+            settings = RankSettings(self.graph_config, block_size, max_model_len, self.max_num_seqs, num_blocks,
+                                    cache_memory_bytes, cache_align_bytes, str(device or "cpu"), torch.get_num_threads())
+            self.ranks = self._start_ranks(model, settings, backend, rank_timeout_s)
+            self.model, self.runner = self.ranks.model, self.ranks.runner
+            self.block_size, self.max_model_len = self.runner.block_size, self.runner.max_model_len
+            self.num_blocks = self.runner.num_blocks
+        else:
+            self.model = model
+            self.block_size = block_size = resolve_block_size(model, block_size)
+            self.max_model_len = resolve_max_model_len(model, max_model_len)
+            self.num_blocks = resolve_num_blocks(model, block_size, self.max_model_len, self.max_num_seqs,
+                                                 num_blocks, cache_memory_bytes)
+            self.runner = GraphRunner(model, self.graph_config, num_blocks=self.num_blocks, block_size=block_size,
+                                      max_model_len=self.max_model_len, device=device, backend=backend,
+                                      cache_align_bytes=cache_align_bytes)
+        # one block manager per data-parallel replica (each has its own caches on its ranks)
+        self.replica_blocks = [BlockManager(self.num_blocks, self.block_size)
+                               for _ in range(self.parallel.data_parallel_size)]
+        self.blocks = self.replica_blocks[0]
+        self.rank_parity: list[list[dict]] = []  # per checked step, every rank's summary (multi-process)
+        self._eager = False  # every step eager (eager_twin)
         self.counters = EngineStats()
         is_path = isinstance(tokenizer, (str, os.PathLike))
         self._tokenizer: Optional[Tokenizer] = None if is_path else tokenizer
@@ -107,7 +117,8 @@ class Engine:
     def from_pretrained(cls, path: str | os.PathLike, graph_config: Optional[GraphConfig] = None,
                         dtype: Optional[torch.dtype] = None, device: torch.device | str = "cpu",
                         **kwargs) -> "Engine":
-        """An engine on the DeepSeek V2/V3 checkpoint in directory ``path`` (see ``load_deepseek``).
+        """An engine on the DeepSeek V2/V3 checkpoint in directory ``path`` (see ``load_deepseek``;
+        on several ranks each reads its share only).
 
         Its tokenizer, if the directory has one, is loaded on first use (string prompts,
         ``decode``); ``kwargs`` go to ``Engine``.
@@ -115,29 +126,48 @@ class Engine:
         from ..models import load_deepseek
 
         kwargs.setdefault("tokenizer", os.fspath(path))
-        return cls(load_deepseek(path, dtype=dtype, device=device), graph_config=graph_config, device=device,
-                   **kwargs)
+        sizes = (kwargs.get("tensor_parallel_size", 1), kwargs.get("data_parallel_size", 1))
+        model = (FromCheckpoint(os.fspath(path), dtype, str(device)) if sizes != (1, 1)
+                 else load_deepseek(path, dtype=dtype, device=device))
+        return cls(model, graph_config=graph_config, device=device, **kwargs)
+
+    def _start_ranks(self, model, settings: RankSettings, backend: Optional[Callable], timeout_s: float) -> RankSet:
+        """Check that the model splits as asked, then start the ranks (or, under an external
+        launcher, serve as a rank > 0 and exit)."""
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"rank_timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+        if backend is not None:
+            raise ValueError("backend: a compile backend object cannot be sent to other ranks; leave it None "
+                             "with tensor_parallel_size/data_parallel_size > 1 (graph_config.backend names one)")
+        source = FromFullModel.of(model) if isinstance(model, nn.Module) else model
+        check_split(source, self.parallel)
+        if (external_rank(self.parallel) or 0) > 0:
+            serve_external(self.parallel, source, settings, timeout_s)
+            raise SystemExit(0)
+        ranks = RankSet(self.parallel, source, settings, timeout_s)
+        weakref.finalize(self, ranks.close)
+        return ranks
+
+    def eager_twin(self) -> "Engine":
+        """An engine on this one's model, ranks, runner and caches whose every step runs eagerly,
+        with its own engine counters: graph against eager on a multi-process engine (a process
+        forms one set of groups). Run the two one after the other, never interleaved."""
+        twin = copy.copy(self)
+        twin.counters, twin._eager = EngineStats(), True
+        return twin
+
+    def close(self) -> None:
+        """Stop the other ranks of a multi-process engine and end its groups (no-op otherwise)."""
+        if self.ranks is not None:
+            self.ranks.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- configuration ----------------------------------------------------------------------
-
-    def _resolve_max_model_len(self, max_model_len: Optional[int]) -> int:
-        limit = getattr(self.model.config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
-        if max_model_len is None:
-            return min(limit, DEFAULT_MAX_MODEL_LEN)
-        _positive("max_model_len", max_model_len)
-        if max_model_len > limit:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
-        return max_model_len
-
-    def _resolve_num_blocks(self, num_blocks: Optional[int], cache_memory_bytes: Optional[int]) -> int:
-        if num_blocks is not None and cache_memory_bytes is not None:
-            raise ValueError("give num_blocks or cache_memory_bytes, not both")
-        if cache_memory_bytes is not None:
-            _positive("cache_memory_bytes", cache_memory_bytes)
-            return blocks_for_budget(self.model.kv_cache_specs(), self.block_size, cache_memory_bytes)
-        if num_blocks is None:
-            return 1 + self.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
-        return _positive("num_blocks", num_blocks, minimum=2, why=" (block 0 is the reserved null block)")
 
     @property
     def tokenizer(self) -> Optional[Tokenizer]:
@@ -149,12 +179,18 @@ class Engine:
     @property
     def stats(self) -> dict:
         """The runner's counters (graph/eager steps, compiles, capture) and the engine's."""
-        return {**self.runner.stats.to_dict(), **self.counters.to_dict(),
-                "free_blocks": self.blocks.num_free, "num_blocks": self.num_blocks}
+        out = {**self.runner.stats.to_dict(), **self.counters.to_dict(),
+               "free_blocks": sum(b.num_free for b in self.replica_blocks), "num_blocks": self.num_blocks}
+        if self.ranks is not None:  # every rank's runner counters, rank 0's first
+            out["ranks"] = self.ranks.step(StepKind.STATS)[1]
+        return out
 
     def capture(self, show_progress: bool = True) -> None:
         """Compile every capture size now instead of at the first decode step."""
-        self.runner.capture(show_progress=show_progress)
+        if self.ranks is None:
+            self.runner.capture(show_progress=show_progress)
+        else:  # every rank at once: a captured step holds the collectives
+            self.ranks.step(StepKind.CAPTURE, int(show_progress))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` (needs a tokenizer)."""
@@ -177,10 +213,9 @@ class Engine:
         Every argument is validated before any work; errors are ``ValueError`` naming the request.
         """
         params = SamplingParams(temperature, top_k, top_p, seed)
-        stops = self._stop_ids(stop_token_ids, ignore_eos)
+        stops = stop_ids(self.model.config, stop_token_ids, ignore_eos)
         requests = self._make_requests(prompt_token_ids, max_new_tokens, keep_logits=return_logits)
-        self._serve(requests, Sampler(params), stops, lambda entries, batch: self.runner.execute(entries),
-                    show_progress)
+        self._serve(requests, Sampler(params), stops, self._run_plan, show_progress)
         tokens = [r.output for r in requests]
         if return_logits:
             return tokens, [torch.stack(r.logits) for r in requests]
@@ -207,21 +242,30 @@ class Engine:
         if unknown:
             raise TypeError(f"generate_checked got unexpected argument(s): {', '.join(sorted(unknown))}")
         show, keep_logits = kwargs.pop("show_progress", False), kwargs.pop("return_logits", False)
-        stops = self._stop_ids(kwargs.pop("stop_token_ids", None), kwargs.pop("ignore_eos", False))
+        stops = stop_ids(self.model.config, kwargs.pop("stop_token_ids", None), kwargs.pop("ignore_eos", False))
         params = SamplingParams(**kwargs)
         requests = self._make_requests(prompt_token_ids, max_new_tokens, keep_logits=keep_logits)
         reports: list[ParityReport] = []
 
         produced: list[dict[int, int]] = []  # per step: request index -> position of the token it makes
 
-        def step(entries: list[SequenceStep], batch: list[Request]) -> Tensor:
-            produced.append({r.index: len(r.output) for r in batch})
-            if self.runner.graph_size(entries) is None:
-                return self.runner.execute(entries)
-            reports.append(compare_step(self.runner, entries, check_untouched=check_untouched))
-            for flip in reports[-1].routing_flips:  # decode-only steps: row t is entries[t]
-                flip.update(request=batch[flip["token"]].index, step=len(produced) - 1)
-            return reports[-1].graph_logits
+        self.rank_parity = []
+
+        def step(plan: list[list[SequenceStep]], batches: list[list[Request]]) -> list[Optional[Tensor]]:
+            produced.append({r.index: len(r.output) for batch in batches for r in batch})
+            # checked on every rank or on none: every replica has rows that run as a graph
+            if not all(plan) or any(self.runner.graph_size(entries) is None for entries in plan):
+                return self._run_plan(plan, batches)
+            if self.ranks is None:
+                reports.append(compare_step(self.runner, plan[0], check_untouched=check_untouched))
+                logits = [reports[-1].graph_logits]
+            else:
+                logits, (report, summaries) = self.ranks.step(StepKind.CHECK, int(check_untouched), plan)
+                reports.append(report)
+                self.rank_parity.append(summaries)
+            for flip in reports[-1].routing_flips:  # decode-only steps: row t is rank 0's entries[t]
+                flip.update(request=batches[0][flip["token"]].index, step=len(produced) - 1)
+            return logits
 
         self._serve(requests, Sampler(params), stops, step, show)
         for flip in (f for r in reports for f in r.routing_flips):
@@ -236,43 +280,62 @@ class Engine:
 
     # -- the serving loop -------------------------------------------------------------------
 
-    def _serve(self, requests: list[Request], sampler: Sampler, stops: frozenset[int],
-               step: Callable[[list[SequenceStep], list[Request]], Tensor], show_progress: bool) -> None:
-        scheduler = Scheduler(self.blocks, self.max_num_seqs)
-        scheduler.add(requests)
+    def _run_plan(self, plan: list[list[SequenceStep]], batches: list[list[Request]]) -> list[Optional[Tensor]]:
+        """One step of every data-parallel replica: each replica's ``[n, V]`` logits (None if idle)."""
+        if self.ranks is None:
+            return [self.runner.execute(plan[0], mode="eager" if self._eager else "auto")]
+        return self.ranks.step(StepKind.EAGER if self._eager else StepKind.RUN, 0, plan)[0]
+
+    def _serve(self, requests: list[Request], sampler: Sampler, stops: frozenset[int], step: Callable,
+               show_progress: bool) -> None:
+        schedulers = [Scheduler(blocks, self.max_num_seqs) for blocks in self.replica_blocks]
+        for request in requests:  # to the replica with the fewest requests of this call (the first of those)
+            min(schedulers, key=lambda s: len(s.waiting)).add([request])
         total, done = sum(r.max_new_tokens for r in requests), 0
         self.counters.requests += len(requests)
         self.counters.prompt_tokens += sum(len(r.prompt) for r in requests)
         try:
-            while scheduler.has_work:
-                admitted = scheduler.admit()
-                if admitted:
-                    done += self._step(scheduler, admitted, True, sampler, stops, step)
-                batch = scheduler.decoding()
-                if batch:
-                    done += self._step(scheduler, batch, False, sampler, stops, step)
+            while any(s.has_work for s in schedulers):
+                admitted = [s.admit() for s in schedulers]
+                if any(admitted):
+                    done += self._replicas_step(schedulers, admitted, True, sampler, stops, step)
+                batches = [s.decoding() for s in schedulers]
+                if any(batches):
+                    done += self._replicas_step(schedulers, batches, False, sampler, stops, step)
                 if show_progress:
                     progress(min(done, total), total, "tokens generated")
         finally:
-            scheduler.release_all()
+            for scheduler in schedulers:
+                scheduler.release_all()
         if show_progress and done < total:
             progress(total, total, "tokens generated (some requests stopped early)")
 
     def _step(self, scheduler: Scheduler, batch: list[Request], prefill: bool, sampler: Sampler,
               stops: frozenset[int], step: Callable) -> int:
-        """Run one step for ``batch``, append each request's next token; returns the steps' token count
-        towards the progress total (a request stopped early counts its remaining budget)."""
-        entries = scheduler.prefill_entries(batch) if prefill else scheduler.decode_entries(batch)
+        """``_replicas_step`` of one replica (PD's decode engine serves one)."""
+        return self._replicas_step([scheduler], [batch], prefill, sampler, stops, step)
+
+    def _replicas_step(self, schedulers: list[Scheduler], batches: list[list[Request]], prefill: bool,
+                       sampler: Sampler, stops: frozenset[int], step: Callable) -> int:
+        """Run one step of every replica's ``batches`` (``step(plan, batches)``: logits per replica),
+        append each request's next token; returns the step's token count towards the progress total
+        (a request stopped early counts its remaining budget)."""
+        plan = [s.prefill_entries(b) if prefill else s.decode_entries(b) for s, b in zip(schedulers, batches)]
         start = time.perf_counter()
-        logits = step(entries, batch)  # [n, V]
-        return self._advance(scheduler, batch, logits, prefill, sampler, stops, start)
+        logits = step(plan, batches)  # per replica [n, V]
+        done = sum(self._advance(s, b, rows, prefill, sampler, stops, None)
+                   for s, b, rows in zip(schedulers, batches, logits) if b)
+        self._count(sum(len(b) for b in batches), prefill, time.perf_counter() - start)
+        return done
 
     def _advance(self, scheduler: Scheduler, batch: list[Request], logits: Tensor, prefill: bool,
-                 sampler: Sampler, stops: frozenset[int], start: float) -> int:
-        """Sample each request's next token from its row of ``logits`` (``[n, V]``, the step begun at
-        ``start``), append it, finish requests that stop; returns the progress count as ``_step`` does."""
+                 sampler: Sampler, stops: frozenset[int], start: Optional[float]) -> int:
+        """Sample each request's next token from its row of ``logits`` (``[n, V]``), append it,
+        finish requests that stop, count the step begun at ``start`` (None: the caller counts it);
+        returns the progress count as ``_step`` does."""
         tokens = sampler.sample(logits, [r.index for r in batch])
-        self._count(batch, prefill, time.perf_counter() - start)
+        if start is not None:
+            self._count(len(batch), prefill, time.perf_counter() - start)
         advanced = 0
         for request, token, row in zip(batch, tokens, logits):
             request.output.append(token)
@@ -284,17 +347,17 @@ class Engine:
                 scheduler.finish(request)
         return advanced
 
-    def _count(self, batch: list[Request], prefill: bool, seconds: float) -> None:
+    def _count(self, rows: int, prefill: bool, seconds: float) -> None:
         c = self.counters
-        c.generated_tokens += len(batch)
+        c.generated_tokens += rows
         if prefill:
             c.prefill_steps += 1
             c.prefill_seconds += seconds
         else:
             c.decode_steps += 1
-            c.decode_tokens += len(batch)
+            c.decode_tokens += rows
             c.decode_seconds += seconds
-            c.decode_batch_sizes[len(batch)] += 1
+            c.decode_batch_sizes[rows] += 1
 
     # -- validation -------------------------------------------------------------------------
 
@@ -304,17 +367,6 @@ class Engine:
             raise ValueError(f"{purpose} needs a tokenizer: pass Engine(tokenizer=...), use "
                              "Engine.from_pretrained on a checkpoint that has one, or give token ids")
         return tokenizer
-
-    def _stop_ids(self, stop_token_ids: Optional[Sequence[int]], ignore_eos: bool) -> frozenset[int]:
-        ints = lambda ids: all(isinstance(t, int) and not isinstance(t, bool) for t in ids)  # noqa: E731
-        if stop_token_ids is not None and (isinstance(stop_token_ids, str) or not isinstance(stop_token_ids, Sequence)
-                                           or not ints(stop_token_ids)):
-            raise ValueError(f"stop_token_ids must be a list of ints, got {stop_token_ids!r}")
-        stops = list(stop_token_ids or ())
-        eos = None if ignore_eos else getattr(self.model.config, "eos_token_id", None)
-        if eos is not None:
-            stops.extend([eos] if isinstance(eos, int) else eos)
-        return frozenset(stops)
 
     def _make_requests(self, prompts: Sequence[Prompt], max_new_tokens: int | Sequence[int],
                        keep_logits: bool) -> list[Request]:
@@ -341,35 +393,5 @@ class Engine:
         return list(prompt)
 
     def _check_request(self, i: int, ids: list[int], budget: int) -> None:
-        vocab = self.model.config.vocab_size
-        if not ids:
-            raise ValueError(f"request {i}: the prompt is empty; every request needs at least one token")
-        for pos, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"request {i}: token id {t!r} at position {pos} is outside the vocabulary "
-                                 f"[0, {vocab})")
-        total = len(ids) + budget
-        if total > self.max_model_len:
-            raise ValueError(f"request {i}: prompt of {len(ids)} tokens + max_new_tokens={budget} = {total} "
-                             f"exceeds max_model_len={self.max_model_len}")
-        need, usable = math.ceil(total / self.block_size), self.num_blocks - 1
-        if need > usable:
-            raise ValueError(f"request {i}: {total} tokens need {need} blocks of {self.block_size}, more than "
-                             f"the whole cache's {usable} usable blocks (num_blocks={self.num_blocks}, "
-                             "one is the null block)")
-
-
-def _budgets(max_new_tokens: int | Sequence[int], n: int) -> list[int]:
-    budgets = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    if len(budgets) != n:
-        raise ValueError(f"max_new_tokens has {len(budgets)} entries for {n} prompts")
-    for i, b in enumerate(budgets):
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-            raise ValueError(f"request {i}: max_new_tokens must be an int >= 1, got {b!r}")
-    return budgets
-
-
-def _positive(name: str, value, minimum: int = 1, why: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}{why}, got {value!r}")
-    return value
+        check_request(i, ids, budget, vocab=self.model.config.vocab_size, max_model_len=self.max_model_len,
+                      block_size=self.block_size, num_blocks=self.num_blocks)

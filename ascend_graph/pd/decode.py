@@ -321,7 +321,7 @@ class DecodeEngine(Engine):
         if entry is not None:
             self.transfer.ttft_seconds.append(time.monotonic() - entry[1])
         if prefill:  # recomputed here: an eager prefill step of our own
-            self._step(scheduler, [request], True, sampler, stops, lambda entries, batch: self.runner.execute(entries))
+            self._step(scheduler, [request], True, sampler, stops, lambda plan, batches: [self.runner.execute(plan[0])])
         else:
             self._advance(scheduler, [request], logits, True, sampler, stops, start)
 

@@ -1,0 +1,150 @@
+"""Where each rank gets its share of the model: a recipe sent to every rank, built there.
+
+A source is a small picklable object (it travels to spawned ranks through the spawn pipe) with
+``config`` (the model's config, known before any rank starts) and ``build(state)`` (this rank's
+share, for the groups of ``state``):
+
+- ``FromFullModel``: a model instance's class, config and full state dict; each rank cuts its
+  share with ``tp_shard`` (``Engine(model, tensor_parallel_size=...)``; the weights travel through
+  the spawn pipe, so it suits models that fit one process).
+- ``FromCheckpoint``: a DeepSeek checkpoint directory; each rank reads only its share
+  (``load_deepseek(path, tp=...)``).
+- ``FromName``: a built-in model (``models.named``); each rank rebuilds the same seeded model and
+  cuts its share.
+
+``check_split`` builds the share on the meta device over a rank-less group of the tensor-parallel
+size, so a size the model cannot split is a ``ValueError`` before any rank starts.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..distributed import Group, ParallelConfig, ParallelState
+
+
+def _share_kwargs(cls: type, state: ParallelState) -> dict:
+    """The group arguments ``cls`` takes: ``tp`` always; ``dp``/``ep`` where it has them (expert parallel)."""
+    params = inspect.signature(cls).parameters
+    kwargs = {"tp": state.tp}
+    for name in ("dp", "ep"):
+        if name in params:
+            kwargs[name] = getattr(state, name)
+        elif getattr(state, name).size > 1 and name == "ep":
+            raise ValueError(f"enable_expert_parallel: {cls.__name__} has no expert-parallel form")
+    return kwargs
+
+
+def _empty_share(cls: type, config: Any, state: ParallelState, dtype: Optional[torch.dtype]) -> nn.Module:
+    """An uninitialised share of ``cls`` (no random weights drawn where the class can skip them)."""
+    params = inspect.signature(cls).parameters
+    kwargs = _share_kwargs(cls, state)
+    if "init_weights" in params:
+        kwargs["init_weights"] = False
+    if "dtype" in params and dtype is not None:
+        kwargs["dtype"] = dtype
+    return cls(config, **kwargs)
+
+
+def cut_share(full: nn.Module, state: ParallelState) -> nn.Module:
+    """This rank's share of ``full``, its weights cut from ``full``'s by ``tp_shard``."""
+    dtype = getattr(full, "dtype", None)
+    share = _empty_share(type(full), full.config, state, dtype)
+    share.load_state_dict({name: share.tp_shard(name, t) for name, t in full.state_dict().items()})
+    return share.eval()
+
+
+@dataclass(frozen=True)
+class FromFullModel:
+    """A model instance's class, config and full weights; each rank cuts its share."""
+
+    cls: type
+    config: Any
+    state_dict: dict
+    dtype: Optional[torch.dtype] = None
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "FromFullModel":
+        if not hasattr(model, "tp_shard"):
+            raise ValueError(f"tensor_parallel_size/data_parallel_size: {type(model).__name__} has no tp_shard; "
+                             "only models that can cut their share run on several ranks")
+        weights = {name: t.detach() for name, t in model.state_dict().items()}
+        return cls(type(model), model.config, weights, getattr(model, "dtype", None))
+
+    def build(self, state: ParallelState) -> nn.Module:
+        share = _empty_share(self.cls, self.config, state, self.dtype)
+        share.load_state_dict({name: share.tp_shard(name, t) for name, t in self.state_dict.items()})
+        return share.eval()
+
+    def model_class(self) -> type:
+        return self.cls
+
+
+@dataclass(frozen=True)
+class FromCheckpoint:
+    """A DeepSeek V2/V3 checkpoint directory; each rank reads its share only."""
+
+    path: str
+    dtype: Optional[torch.dtype] = None
+    device: str = "cpu"
+
+    @property
+    def config(self) -> Any:
+        from ..models import DeepseekConfig
+
+        with open(os.path.join(self.path, "config.json"), encoding="utf-8") as f:
+            return DeepseekConfig.from_dict(json.load(f))
+
+    def build(self, state: ParallelState) -> nn.Module:
+        from ..models import DeepseekForCausalLM, load_deepseek
+
+        return load_deepseek(self.path, dtype=self.dtype, device=self.device,
+                             **_share_kwargs(DeepseekForCausalLM, state)).eval()
+
+    def model_class(self) -> type:
+        from ..models import DeepseekForCausalLM
+        return DeepseekForCausalLM
+
+
+@dataclass(frozen=True)
+class FromName:
+    """A built-in model (``models.named``): every rank builds the same seeded model, cuts its share."""
+
+    name: str
+    dtype: Optional[torch.dtype] = None
+    device: str = "cpu"
+
+    @property
+    def config(self) -> Any:
+        from ..models import DeepseekConfig
+        return DeepseekConfig.small() if self.name == "small" else DeepseekConfig.small_v3()
+
+    def build(self, state: ParallelState) -> nn.Module:
+        from ..models.named import named_model
+
+        full, _ = named_model(self.name, self.dtype, self.device)
+        return cut_share(full, state)
+
+    def model_class(self) -> type:
+        from ..models import DeepseekForCausalLM
+        return DeepseekForCausalLM
+
+
+def check_split(source, parallel: ParallelConfig) -> None:
+    """``ValueError`` when ``source``'s model cannot be split as ``parallel`` asks (heads,
+    features, experts per rank), found by building rank 0's share on the meta device."""
+    world = tuple(range(parallel.world_size))
+    tp = Group(None, world[:parallel.tensor_parallel_size], 0)
+    ep = Group(None, world, 0) if parallel.enable_expert_parallel else Group.single()
+    dp = Group(None, world[::parallel.tensor_parallel_size], 0)
+    virtual = ParallelState(config=parallel, tp=tp, dp=dp, ep=ep)
+    cls = source.model_class()
+    with torch.device("meta"):
+        _empty_share(cls, source.config, virtual, None)
