@@ -91,12 +91,16 @@ def checkpoint_then_failure(path) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(one_torch_thread, tmp_path_factory) -> dict:
-    """Every engine's results. The tensor-parallel Llama runs eagerly (its graphs on two ranks:
+    """Every engine's results. V2 runs with expert parallel under TP=2 and under DP=2 (its MoE
+    all-reduces across the replicas, so an idle replica must still run each step); plain TP=2
+    DeepSeek runs from a checkpoint below, and under the graph runner in
+    tests/test_distributed.py. The tensor-parallel Llama runs eagerly (its graphs on two ranks:
     tests/test_distributed.py); a spawn and a compile cost 5-20 s each on a 2-core host."""
     v2, llama = tiny_v2(), small_model("llama")
     return {"v2_oracle": oracle(v2), "one_oracle": oracle(v2, PROMPTS[:1]), "llama_oracle": oracle(llama),
-            "v2_tp": serve(v2, tensor_parallel_size=2), "llama_tp": serve(llama, False, tensor_parallel_size=2),
-            "v2_dp": serve(v2, data_parallel_size=2),
+            "v2_tp": serve(v2, tensor_parallel_size=2, enable_expert_parallel=True),
+            "llama_tp": serve(llama, False, tensor_parallel_size=2),
+            "v2_dp": serve(v2, data_parallel_size=2, enable_expert_parallel=True),
             "failure": checkpoint_then_failure(tmp_path_factory.mktemp("v3_checkpoint"))}
 
 
@@ -127,6 +131,9 @@ def test_checked_steps_are_reported_by_every_rank(runs, run) -> None:
 
 def test_an_idle_data_parallel_replica_lets_the_other_finish(runs) -> None:
     assert runs["v2_dp"]["one"] == runs["one_oracle"]["eager"]
+    # the replica without a request ran every step of that call on padding (its experts' all-reduces)
+    idle = [r["idle_steps"] for r in runs["v2_dp"]["stats"]["ranks"]]
+    assert sorted(idle)[0] == 0 and sorted(idle)[1] >= NEW_TOKENS, idle
 
 
 def test_a_checkpoint_engine_gives_each_rank_its_share(runs) -> None:

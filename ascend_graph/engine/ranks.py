@@ -93,21 +93,14 @@ def run_step(runner: GraphRunner, state: ParallelState, kind: StepKind, arg: int
     if kind == StepKind.STATS:
         return None, gather_json(state, runner.stats.to_dict())
     entries = plan[state.rank // state.config.tensor_parallel_size]
-    if kind == StepKind.CHECK and entries:
+    if kind == StepKind.CHECK:  # every rank checks (an idle data-parallel replica: its padding part)
         report = compare_step(runner, entries, check_untouched=bool(arg))
+        if report is None:
+            return None, (None, gather_json(state, None))
         return report.graph_logits, (report, gather_json(state, _summary(state.rank, report)))
-    logits = _execute(runner, entries, "eager" if kind == StepKind.EAGER else "auto")
-    return logits, (None, gather_json(state, None)) if kind == StepKind.CHECK else None
-
-
-def _execute(runner: GraphRunner, entries, mode: str) -> Optional[Tensor]:
-    if entries:
-        return runner.execute(entries, mode=mode)
-    try:  # an idle data-parallel replica still runs the step: its collectives need it
-        runner.execute([], mode=mode)
-    except ValueError:  # a runner without idle steps: nothing to run, no collective across replicas
-        pass
-    return None
+    # an idle data-parallel replica (no entries) still runs the step on padding: the collectives need it
+    logits = runner.execute(entries, mode="eager" if kind == StepKind.EAGER else "auto")
+    return (logits if entries else None), None
 
 
 # -- ranks > 0 ------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ Shape legend: n decode rows, T tokens, s capture size, V vocabulary.
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -99,10 +100,10 @@ def common_graph_sizes(state: ParallelState, capture_sizes: Sequence[int], have:
     return {s for s, ok in zip(sizes, flags) if ok}
 
 
-def execute_dp(runner: "GraphRunner", seqs: Sequence[SequenceStep], mode: str) -> Tensor:
-    """One data-parallel step of ``runner`` (``GraphRunner.execute``'s contract; ``seqs`` may be
-    empty: this rank's replica is idle and runs an all-padding step)."""
-    step = runner.prepare(seqs) if seqs else None
+def agree_plan(runner: "GraphRunner", step: Optional[PreparedStep], mode: str) -> tuple[DPPlan, str]:
+    """The step every data-parallel rank runs (one host all-reduce), and why it runs eagerly here
+    ("" for a graph); ``step`` None: this rank is idle. ``mode="graph"`` on any rank and no graph
+    for the step: ``ValueError`` on every rank."""
     n = step.meta.num_decode_tokens if step else 0
     decode_only = step is None or step.meta.is_decode_only
     if mode == "eager":
@@ -118,12 +119,28 @@ def execute_dp(runner: "GraphRunner", seqs: Sequence[SequenceStep], mode: str) -
     size, reason = (None, local_reason or "dp_peer") if someone_eager else runner._graph_size(most_rows, True, "auto")
     if someone_forces_graph and size is None:
         raise ValueError(f"mode='graph' is impossible for this data-parallel step: {reason}")
-    plan = DPPlan(size, most_tokens)
-    if step is None:
-        return _idle(runner, plan)
+    return DPPlan(size, most_tokens), reason
+
+
+@contextmanager
+def planned(runner: "GraphRunner", plan: DPPlan) -> Iterator[None]:
+    """Within the block, ``runner.run_prepared`` runs ``plan`` (parity's eager and graph runs)."""
     runner._dp_plan = plan
     try:
-        if size is None:
+        yield
+    finally:
+        runner._dp_plan = None
+
+
+def execute_dp(runner: "GraphRunner", seqs: Sequence[SequenceStep], mode: str) -> Tensor:
+    """One data-parallel step of ``runner`` (``GraphRunner.execute``'s contract; ``seqs`` may be
+    empty: this rank's replica is idle and runs an all-padding step)."""
+    step = runner.prepare(seqs) if seqs else None
+    plan, reason = agree_plan(runner, step, mode)
+    if step is None:
+        return _idle(runner, plan, runner._parity.due() if plan.size else False)
+    with planned(runner, plan):
+        if plan.size is None:
             runner.stats.eager_steps[reason] += 1
             return runner.run_prepared(step, "eager")
         runner.stats.graph_steps += 1
@@ -131,21 +148,34 @@ def execute_dp(runner: "GraphRunner", seqs: Sequence[SequenceStep], mode: str) -
             from .parity import sampled_parity_check
             return sampled_parity_check(runner, step)
         return runner.run_prepared(step, "graph")
-    finally:
-        runner._dp_plan = None
 
 
-def _idle(runner: "GraphRunner", plan: DPPlan) -> Tensor:
+def compare_dp(runner: "GraphRunner", seqs: Sequence[SequenceStep], **kwargs):
+    """``parity.compare_step`` on a data-parallel rank: every rank calls it for the same step;
+    the ranks agree on a graph plan first. An idle rank (``seqs`` empty) runs its part of both
+    runs and gets None."""
+    from .parity import compare_prepared
+
+    step = runner.prepare(seqs) if seqs else None
+    plan, _ = agree_plan(runner, step, "graph")
+    if step is None:
+        _idle(runner, plan, compared=True)
+        return None
+    with planned(runner, plan):
+        return compare_prepared(runner, step, **kwargs)
+
+
+def _idle(runner: "GraphRunner", plan: DPPlan, compared: bool) -> Tensor:
     """This rank's part of a step its replica has no sequences for: the same collectives as the
-    other ranks' step, on padding rows that write only into the null block; ``[0, V]`` logits."""
+    other ranks' step (``compared``: their parity check's eager run, then the graph), on padding
+    rows that write only into the null block; ``[0, V]`` logits."""
     runner.stats.idle_steps += 1
     runner._addresses.check()
-    if plan.size is None:
+    if plan.size is None or compared:
         with dp_step(plan.tokens):
-            return runner._run_eager(padding_step(runner, 1))[:0]
-    if runner._parity.due():  # the others compare eager with graph: run both, nothing to compare
-        with dp_step(plan.tokens):
-            runner._run_eager(padding_step(runner, 1))
+            logits = runner._run_eager(padding_step(runner, 1))[:0]
+        if plan.size is None:
+            return logits
     runner.static.pad(plan.size)
     return runner._call_graph(plan.size, 0, () if runner._host_lens else None)
 

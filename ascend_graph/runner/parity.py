@@ -136,8 +136,13 @@ def sampled_parity_check(runner: "GraphRunner", step: "PreparedStep") -> Tensor:
     return report.graph_logits
 
 
-def compare_step(runner: "GraphRunner", seqs: Sequence["SequenceStep"], **kwargs) -> ParityReport:
-    """Validate ``seqs`` and compare their step in graph and eager mode (see ``compare_prepared``)."""
+def compare_step(runner: "GraphRunner", seqs: Sequence["SequenceStep"], **kwargs) -> Optional[ParityReport]:
+    """Validate ``seqs`` and compare their step in graph and eager mode (see ``compare_prepared``).
+    Under data parallel every rank calls it for the step (``lockstep.compare_dp``); an idle
+    rank's ``seqs`` is empty and it gets None."""
+    if runner.parallel.dp.size > 1:
+        from .lockstep import compare_dp
+        return compare_dp(runner, seqs, **kwargs)
     return compare_prepared(runner, runner.prepare(seqs), **kwargs)
 
 
