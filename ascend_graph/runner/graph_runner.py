@@ -100,14 +100,16 @@ class GraphRunner:
         if self.parallel.dp.size > 1:
             return execute_dp(self, seqs, mode)
         step = self.prepare(seqs)
-        size, reason = self._graph_size(step.meta.num_decode_tokens, step.meta.is_decode_only, mode)
+        return self.run_counted(step, *self._graph_size(step.meta.num_decode_tokens, step.meta.is_decode_only, mode))
+
+    def run_counted(self, step: PreparedStep, size: Optional[int], reason: str) -> Tensor:
+        """``step`` as the graph of ``size``, or eagerly (None) counted under ``reason``; a step
+        that ``parity_interval`` samples is also checked against eager."""
         if size is None:
             self.stats.eager_steps[reason] += 1
             return self.run_prepared(step, "eager")
         self.stats.graph_steps += 1
-        if self._parity.due():
-            return sampled_parity_check(self, step)
-        return self.run_prepared(step, "graph")
+        return sampled_parity_check(self, step) if self._parity.due() else self.run_prepared(step, "graph")
 
     def backends(self) -> dict:
         """What computes a step: the model's attention and MoE backends (the same in eager and

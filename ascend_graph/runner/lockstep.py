@@ -138,34 +138,12 @@ def execute_dp(runner: "GraphRunner", seqs: Sequence[SequenceStep], mode: str) -
     step = runner.prepare(seqs) if seqs else None
     plan, reason = agree_plan(runner, step, mode)
     if step is None:
-        return _idle(runner, plan, runner._parity.due() if plan.size else False)
+        return idle_step(runner, plan, runner._parity.due() if plan.size else False)
     with planned(runner, plan):
-        if plan.size is None:
-            runner.stats.eager_steps[reason] += 1
-            return runner.run_prepared(step, "eager")
-        runner.stats.graph_steps += 1
-        if runner._parity.due():
-            from .parity import sampled_parity_check
-            return sampled_parity_check(runner, step)
-        return runner.run_prepared(step, "graph")
+        return runner.run_counted(step, plan.size, reason)
 
 
-def compare_dp(runner: "GraphRunner", seqs: Sequence[SequenceStep], **kwargs):
-    """``parity.compare_step`` on a data-parallel rank: every rank calls it for the same step;
-    the ranks agree on a graph plan first. An idle rank (``seqs`` empty) runs its part of both
-    runs and gets None."""
-    from .parity import compare_prepared
-
-    step = runner.prepare(seqs) if seqs else None
-    plan, _ = agree_plan(runner, step, "graph")
-    if step is None:
-        _idle(runner, plan, compared=True)
-        return None
-    with planned(runner, plan):
-        return compare_prepared(runner, step, **kwargs)
-
-
-def _idle(runner: "GraphRunner", plan: DPPlan, compared: bool) -> Tensor:
+def idle_step(runner: "GraphRunner", plan: DPPlan, compared: bool) -> Tensor:
     """This rank's part of a step its replica has no sequences for: the same collectives as the
     other ranks' step (``compared``: their parity check's eager run, then the graph), on padding
     rows that write only into the null block; ``[0, V]`` logits."""

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from ..kv_cache import NULL_BLOCK
 from .block_digest import block_digests, changed_blocks
+from .lockstep import agree_plan, idle_step, planned
 
 log = logging.getLogger(__name__)
 
@@ -138,12 +139,23 @@ def sampled_parity_check(runner: "GraphRunner", step: "PreparedStep") -> Tensor:
 
 def compare_step(runner: "GraphRunner", seqs: Sequence["SequenceStep"], **kwargs) -> Optional[ParityReport]:
     """Validate ``seqs`` and compare their step in graph and eager mode (see ``compare_prepared``).
-    Under data parallel every rank calls it for the step (``lockstep.compare_dp``); an idle
-    rank's ``seqs`` is empty and it gets None."""
+    Under data parallel every rank calls it for the step; an idle rank's ``seqs`` is empty and
+    it gets None."""
     if runner.parallel.dp.size > 1:
-        from .lockstep import compare_dp
-        return compare_dp(runner, seqs, **kwargs)
+        return _compare_dp(runner, seqs, **kwargs)
     return compare_prepared(runner, runner.prepare(seqs), **kwargs)
+
+
+def _compare_dp(runner: "GraphRunner", seqs: Sequence["SequenceStep"], **kwargs) -> Optional[ParityReport]:
+    """``compare_step`` on a data-parallel rank: the ranks agree on a graph plan first; an idle
+    rank (``seqs`` empty) runs its part of both runs on padding and gets None."""
+    step = runner.prepare(seqs) if seqs else None
+    plan, _ = agree_plan(runner, step, "graph")
+    if step is None:
+        idle_step(runner, plan, compared=True)
+        return None
+    with planned(runner, plan):
+        return compare_prepared(runner, step, **kwargs)
 
 
 def compare_prepared(runner: "GraphRunner", step: "PreparedStep", *, atol: Optional[float] = None,
