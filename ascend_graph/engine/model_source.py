@@ -53,14 +53,6 @@ def _empty_share(cls: type, config: Any, state: ParallelState, dtype: Optional[t
     return cls(config, **kwargs)
 
 
-def cut_share(full: nn.Module, state: ParallelState) -> nn.Module:
-    """This rank's share of ``full``, its weights cut from ``full``'s by ``tp_shard``."""
-    dtype = getattr(full, "dtype", None)
-    share = _empty_share(type(full), full.config, state, dtype)
-    share.load_state_dict({name: share.tp_shard(name, t) for name, t in full.state_dict().items()})
-    return share.eval()
-
-
 @dataclass(frozen=True)
 class FromFullModel:
     """A model instance's class, config and full weights; each rank cuts its share."""
@@ -123,14 +115,14 @@ class FromName:
 
     @property
     def config(self) -> Any:
-        from ..models import DeepseekConfig
-        return DeepseekConfig.small() if self.name == "small" else DeepseekConfig.small_v3()
+        from ..models.named import builtin_config
+        return builtin_config(self.name)
 
     def build(self, state: ParallelState) -> nn.Module:
         from ..models.named import named_model
 
         full, _ = named_model(self.name, self.dtype, self.device)
-        return cut_share(full, state)
+        return FromFullModel.of(full).build(state)
 
     def model_class(self) -> type:
         from ..models import DeepseekForCausalLM

@@ -15,12 +15,16 @@ from .loader import load_deepseek
 BUILTIN_MODELS = ("small", "small-v3")
 
 
+def builtin_config(name: str) -> DeepseekConfig:
+    """The config of built-in model ``name`` (one of ``BUILTIN_MODELS``)."""
+    return DeepseekConfig.small() if name == "small" else DeepseekConfig.small_v3()
+
+
 def named_model(name: str, dtype: Optional[torch.dtype] = None, device: torch.device | str = "cpu") -> tuple[nn.Module, str]:
     """``(model, description)`` for ``small`` / ``small-v3`` (seed-0 random weights, so every process
     builds the same one) or a DeepSeek V2/V3 checkpoint directory; ``dtype`` None keeps the default."""
     if name in BUILTIN_MODELS:
-        config = DeepseekConfig.small() if name == "small" else DeepseekConfig.small_v3()
-        model = DeepseekForCausalLM(config, dtype=dtype or torch.float32, device=device, seed=0).eval()
+        model = DeepseekForCausalLM(builtin_config(name), dtype=dtype or torch.float32, device=device, seed=0).eval()
         return model, f"built-in '{name}' (seeded random weights)"
     if os.path.isdir(name):
         return load_deepseek(name, dtype=dtype, device=device), f"checkpoint {name}"
