@@ -43,15 +43,20 @@ def agree(values: Sequence[int], op: str = "max", state: Optional[ParallelState]
     values = [int(v) for v in values]
     if state.host.size == 1:
         return values
-    timeout_s = state.timeout_s if timeout_s is None else timeout_s
     t = torch.tensor(values, dtype=torch.int64)
-    work = dist.all_reduce(t, op=_OPS[op], group=state.host.pg, async_op=True)
+    wait_within(dist.all_reduce(t, op=_OPS[op], group=state.host.pg, async_op=True), state, what, timeout_s)
+    return t.tolist()
+
+
+def wait_within(work: dist.Work, state: ParallelState, what: str, timeout_s: Optional[float] = None) -> None:
+    """Wait for an asynchronous collective ``work`` of the host group; ``AgreementTimeout`` naming
+    ``what`` when the other ranks are not there within ``timeout_s`` (the state's when None) or left."""
+    timeout_s = state.timeout_s if timeout_s is None else timeout_s
     try:
         work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as e:
         raise AgreementTimeout(f"{what}: rank {state.rank} waited {timeout_s:g} s for the other ranks "
                                f"({e})") from e
-    return t.tolist()
 
 
 @contextmanager

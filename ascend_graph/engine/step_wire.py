@@ -4,7 +4,8 @@ Only tensors travel (no pickle on any socket): a step is an int64 header ``[kind
 broadcast from rank 0, then ``length`` int64 values, the plan: for each data-parallel replica its
 entries (``SequenceStep``: token ids, cached tokens, block table). Logits come back as float32
 tensors, point to point, from each replica's tensor-parallel rank 0; reports (stats, parity) as
-JSON bytes in uint8 tensors gathered from every rank. Every wait has the group's deadline.
+JSON bytes in uint8 tensors gathered from every rank. Every wait has the group's deadline
+(``AgreementTimeout`` past it).
 
 Plan layout: ``[replicas, (entries, (tokens, ids..., num_cached, blocks, block ids...)...)...]``.
 """
@@ -12,7 +13,6 @@ Plan layout: ``[replicas, (entries, (tokens, ids..., num_cached, blocks, block i
 from __future__ import annotations
 
 import json
-from datetime import timedelta
 from enum import IntEnum
 from typing import Optional, Sequence
 
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..distributed import ParallelState
+from ..distributed import ParallelState, wait_within
 from ..runner.step import SequenceStep
 
 Plan = list[list[SequenceStep]]  # per data-parallel replica, its step's entries
@@ -61,49 +61,37 @@ def decode_plan(values: Sequence[int]) -> Plan:
     return plan
 
 
-class StepWaitError(RuntimeError):
-    """A step's exchange with the other ranks failed or passed its deadline (a rank died or hangs)."""
-
-
-def _wait(work, state: ParallelState, what: str) -> None:
-    try:
-        work.wait(timeout=timedelta(seconds=state.timeout_s))
-    except RuntimeError as e:
-        raise StepWaitError(f"rank {state.rank}: {what}: the other ranks did not answer within "
-                            f"{state.timeout_s:g} s or left ({e})") from e
-
-
 def send_step(state: ParallelState, kind: StepKind, arg: int = 0, plan: Optional[Plan] = None) -> None:
     """Rank 0: broadcast the step's header, then its plan."""
     values = encode_plan(plan) if plan is not None else []
     header = torch.tensor([int(kind), arg, len(values)], dtype=torch.int64)
-    _wait(dist.broadcast(header, 0, group=state.host.pg, async_op=True), state, "step header")
+    wait_within(dist.broadcast(header, 0, group=state.host.pg, async_op=True), state, "step header")
     if values:
         payload = torch.tensor(values, dtype=torch.int64)
-        _wait(dist.broadcast(payload, 0, group=state.host.pg, async_op=True), state, "step plan")
+        wait_within(dist.broadcast(payload, 0, group=state.host.pg, async_op=True), state, "step plan")
 
 
 def recv_step(state: ParallelState) -> tuple[StepKind, int, Optional[Plan]]:
     """Ranks > 0: the next step's kind, argument and plan (None when it has none)."""
     header = torch.zeros(3, dtype=torch.int64)
-    _wait(dist.broadcast(header, 0, group=state.host.pg, async_op=True), state, "step header")
+    wait_within(dist.broadcast(header, 0, group=state.host.pg, async_op=True), state, "step header")
     kind, arg, length = header.tolist()
     if not length:
         return StepKind(kind), arg, None
     payload = torch.zeros(length, dtype=torch.int64)
-    _wait(dist.broadcast(payload, 0, group=state.host.pg, async_op=True), state, "step plan")
+    wait_within(dist.broadcast(payload, 0, group=state.host.pg, async_op=True), state, "step plan")
     return StepKind(kind), arg, decode_plan(payload.tolist())
 
 
 def send_logits(state: ParallelState, logits: Tensor) -> None:
     """A replica's tensor-parallel rank 0: its step's ``[n, V]`` float32 logits to rank 0."""
-    _wait(dist.isend(logits.float().cpu().contiguous(), 0, group=state.host.pg), state, "logits")
+    wait_within(dist.isend(logits.float().cpu().contiguous(), 0, group=state.host.pg), state, "logits")
 
 
 def recv_logits(state: ParallelState, src: int, rows: int, vocab: int) -> Tensor:
     """Rank 0: ``[rows, vocab]`` logits from rank ``src``."""
     out = torch.empty(rows, vocab, dtype=torch.float32)
-    _wait(dist.irecv(out, src, group=state.host.pg), state, "logits")
+    wait_within(dist.irecv(out, src, group=state.host.pg), state, "logits")
     return out
 
 
@@ -114,10 +102,10 @@ def gather_json(state: ParallelState, value) -> list:
     size = state.host.size
     lengths = torch.zeros(size, dtype=torch.int64)
     lengths[state.host.rank] = len(data)
-    _wait(dist.all_reduce(lengths, group=state.host.pg, async_op=True), state, "report lengths")
+    wait_within(dist.all_reduce(lengths, group=state.host.pg, async_op=True), state, "report lengths")
     longest = int(lengths.max())
     mine = torch.zeros(longest, dtype=torch.uint8)
     mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
     parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
-    _wait(dist.all_gather(parts, mine, group=state.host.pg, async_op=True), state, "reports")
+    wait_within(dist.all_gather(parts, mine, group=state.host.pg, async_op=True), state, "reports")
     return [json.loads(bytes(p[:n].tolist())) for p, n in zip(parts, lengths.tolist())]
