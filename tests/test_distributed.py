@@ -19,8 +19,8 @@ from distributed_ranks import (DECODE_STEPS, STEPS, collective_checks, collectiv
 from runner_helpers import make_runner, small_model
 
 from ascend_graph.config import GraphConfig
-from ascend_graph.distributed import (Group, ParallelConfig, ParallelState, RankFailure, agree, all_or_none,
-                                      destroy_parallel, get_parallel_state, group_ranks, init_parallel)
+from ascend_graph.distributed import (Group, ParallelConfig, ParallelState, RankFailure, adopt_parallel, agree,
+                                      all_or_none, all_reduce, destroy_parallel, get_parallel_state, group_ranks, init_parallel)
 from ascend_graph.distributed import state as state_module
 from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM, load_deepseek
 from ascend_graph.models.deepseek import kv_b_parts
@@ -338,3 +338,42 @@ def test_a_tensor_parallel_deepseek_that_does_not_split_names_the_config_key(ove
     three = Group(None, (0, 1, 2), 0)  # shapes only: no process group is needed to build
     with pytest.raises(ValueError, match=name):
         DeepseekForCausalLM(DeepseekConfig.small(**overrides), init_weights=False, tp=three)
+
+
+def test_a_groups_own_reduce_is_the_sum_all_reduce_and_other_ops_keep_torchs(monkeypatch) -> None:
+    """vLLM's ``GroupCoordinator.all_reduce`` sits where ``Group.reduce`` does (tests/test_vllm_tensor_parallel.py
+    runs the real one); here a recording stand-in shows the dispatch, traced fullgraph."""
+    calls: list = []
+
+    def reduce(x):
+        calls.append(tuple(x.shape))
+        return x * 2  # what a sum over 2 ranks holding the same x gives
+
+    group = Group(None, (0, 1), 0, reduce=reduce)
+    graphs: list = []
+    compiled = torch.compile(lambda x: all_reduce(x + 1, group), backend=recording_backend(graphs, "eager"),
+                             fullgraph=True)
+    x = torch.arange(6.0).reshape(2, 3)
+    assert torch.equal(compiled(x), (x + 1) * 2) and calls == [(2, 3)]  # traced once, through reduce
+    assert not [n for n in graphs[0].graph.nodes if "_c10d_functional" in str(n.target)]
+    funcol_ops: list = []
+    from ascend_graph.distributed import collectives
+    monkeypatch.setattr(collectives.funcol, "all_reduce", lambda t, op, pg: funcol_ops.append(op) or t)
+    all_reduce(x, group, "max")
+    assert funcol_ops == ["max"] and len(calls) == 1
+    assert group == Group(None, (0, 1), 0)  # the callable is not part of a group's identity
+
+
+def test_an_adopted_state_is_the_processes_and_destroy_leaves_its_groups_alone(monkeypatch) -> None:
+    destroyed: list = []
+    monkeypatch.setattr(state_module.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(state_module.dist, "destroy_process_group", lambda: destroyed.append(1))
+    adopted = ParallelState(config=ParallelConfig(2), tp=Group(None, (0, 1), 1), collectives="someone else's")
+    try:
+        assert adopt_parallel(adopted) is adopted and get_parallel_state() is adopted
+    finally:
+        destroy_parallel()
+    assert destroyed == [] and get_parallel_state() == ParallelState()
+    monkeypatch.setattr(state_module._Holder, "owned", True)
+    with pytest.raises(RuntimeError, match="init_parallel"):
+        adopt_parallel(adopted)

@@ -10,6 +10,7 @@ each with a stock ``check_and_update_config`` that records its calls.
 """
 
 import copy
+import dataclasses
 import importlib
 import logging
 import pathlib
@@ -20,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 
 from ascend_graph.config import GraphConfig
+from ascend_graph.models import DeepseekConfig
 from ascend_graph.vllm import flags, plugin
 from ascend_graph.vllm.flags import graph_architecture, has_flag, parse_additional_config
 
@@ -128,13 +130,18 @@ def fake_platform(device_type: str) -> type:
 CPU = fake_platform("cpu")
 
 
-def _vllm_config(additional, architectures=("DeepseekV2ForCausalLM",)):
-    """What ``plugin.apply_flag`` reads of a ``VllmConfig``."""
-    hf_config = SimpleNamespace(architectures=list(architectures))
+def _vllm_config(additional, architectures=("DeepseekV2ForCausalLM",), hf: dict | None = None):
+    """What ``plugin.apply_flag`` reads of a ``VllmConfig``; ``hf``: the checkpoint's config
+    (default the built-in ``small`` model's: 4 heads, intermediate 128, 8 experts of 32)."""
+    hf = dict(dataclasses.asdict(DeepseekConfig.small()), **(hf or {}))
+    hf_config = SimpleNamespace(architectures=list(architectures), to_dict=lambda: dict(hf))
     return SimpleNamespace(additional_config=additional, scheduler_config=SimpleNamespace(max_num_seqs=8),
                            model_config=SimpleNamespace(hf_config=hf_config), speculative_config=None,
-                           lora_config=None,
-                           parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+                           lora_config=None, kv_transfer_config=None,
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                                           data_parallel_size=1, decode_context_parallel_size=1,
+                                                           prefill_context_parallel_size=1,
+                                                           enable_expert_parallel=False))
 
 
 @pytest.mark.parametrize("additional", [{}, {"torchair_graph_config": {"enabled": False}},
@@ -213,29 +220,82 @@ def test_the_hook_wraps_a_platform_once(monkeypatch):
     assert len(cpu.stock_calls) == 1
 
 
-def test_graph_mode_with_tensor_parallelism_fails_naming_it(monkeypatch):
+def test_graph_mode_at_tensor_parallel_size_two_switches_the_class(monkeypatch):
     monkeypatch.setattr(plugin, "_no_vllm_compile", lambda config: None)
     config = _vllm_config(ON)
     config.parallel_config.tensor_parallel_size = 2
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
+    config.parallel_config.enable_expert_parallel = True
+    plugin.apply_flag(config, CPU)
+    assert config.model_config.hf_config.architectures == [flags.ARCHITECTURES["DeepseekV2ForCausalLM"]]
+
+
+@pytest.mark.parametrize("setting, value, named", [
+    ("pipeline_parallel_size", 2, "pipeline_parallel_size"),
+    ("data_parallel_size", 2, "data_parallel_size"),
+    ("decode_context_parallel_size", 2, "decode_context_parallel_size"),
+    ("prefill_context_parallel_size", 2, "prefill_context_parallel_size"),
+    ("kv_transfer_config", object(), "kv_transfer_config with tensor_parallel_size > 1"),
+    ("aot", True, "inductor.aot with tensor_parallel_size > 1"),
+    ("moe_kernel", "vllm", "moe_kernel 'vllm'.*enable_expert_parallel"),
+    ("num_attention_heads", 3, "num_attention_heads=3"),
+    ("moe_intermediate_size", 33, "moe_intermediate_size=33"),
+    ("n_routed_experts", 5, "n_routed_experts"),
+])
+def test_what_graph_mode_does_not_run_at_tensor_parallel_size_two_fails_naming_it(monkeypatch, setting, value,
+                                                                                   named):
+    """Refused in the ``LLM(...)`` process, before any worker starts, the config unchanged."""
+    monkeypatch.setattr(plugin, "_no_vllm_compile", lambda config: None)
+    additional, hf = copy.deepcopy(ON), {}
+    if setting == "aot":
+        additional["ascend_graph"] = {"inductor": {"aot": True}}
+    elif setting == "moe_kernel":
+        additional["ascend_graph"] = {"moe_kernel": value}
+    elif setting in ("num_attention_heads", "moe_intermediate_size", "n_routed_experts"):
+        hf[setting] = value
+    config = _vllm_config(additional, hf=hf)
+    config.parallel_config.tensor_parallel_size = 2
+    config.parallel_config.enable_expert_parallel = setting in ("moe_kernel", "n_routed_experts")
+    if setting == "kv_transfer_config":
+        config.kv_transfer_config = value
+    elif hasattr(config.parallel_config, setting):
+        setattr(config.parallel_config, setting, value)
+    with pytest.raises(ValueError, match=named):
         plugin.apply_flag(config, CPU)
     assert config.model_config.hf_config.architectures == ["DeepseekV2ForCausalLM"]
 
 
-class FakeLLM:
-    """``collective_rpc`` by name on one worker whose model is ``model``."""
+def test_a_kv_connector_at_tensor_parallel_size_one_is_not_refused(monkeypatch):
+    monkeypatch.setattr(plugin, "_no_vllm_compile", lambda config: None)
+    config = _vllm_config(ON)
+    config.kv_transfer_config = object()
+    plugin.apply_flag(config, CPU)
+    assert config.model_config.hf_config.architectures == [flags.ARCHITECTURES["DeepseekV2ForCausalLM"]]
 
-    def __init__(self, model) -> None:
-        self.model = model
+
+class FakeLLM:
+    """``collective_rpc`` by name on workers whose models are ``models``, in rank order."""
+
+    def __init__(self, *models) -> None:
+        self.models = models
 
     def collective_rpc(self, method: str) -> list:
         assert method == plugin.STATS_METHOD
-        return [plugin._model_stats(self.model)]
+        return [plugin._model_stats(model) for model in self.models]
 
 
 def test_runner_stats_reads_the_workers_model_counters():
     stats = {"graph_steps": 3, "recompiles": 0}
     assert plugin.runner_stats(FakeLLM(SimpleNamespace(runner_stats=lambda: stats))) == stats
+
+
+def test_runner_stats_per_worker_and_workers_that_ran_different_steps_are_an_error():
+    stats = [{"graph_steps": 3, "recompiles": 0, "parallel": {"tp_rank": r}} for r in range(2)]
+    llm = FakeLLM(*(SimpleNamespace(runner_stats=lambda s=s: s) for s in stats))
+    assert plugin.runner_stats(llm, per_worker=True) == stats
+    assert plugin.runner_stats(llm) == stats[0]
+    stats[1]["graph_steps"] = 2
+    with pytest.raises(RuntimeError, match="worker 1's graph_steps is 2, worker 0's 3"):
+        plugin.runner_stats(llm)
 
 
 def test_runner_stats_of_a_stock_model_says_how_to_turn_graph_mode_on():

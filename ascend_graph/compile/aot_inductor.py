@@ -93,7 +93,7 @@ def package_key(step: nn.Module, inputs: Sequence[Any], options: dict[str, Any])
     from ..distributed import get_parallel_state
 
     state = get_parallel_state()  # a rank's step holds its share's shapes and its groups' collectives
-    add(state.config, state.rank)
+    add(state.config, state.rank, state.collectives)
     model = getattr(step, "model", step)
     add(type(model).__module__, type(model).__qualname__, repr(getattr(model, "config", None)), model_code_digest(step))
     for name, t in _constants(step).items():

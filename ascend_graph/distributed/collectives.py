@@ -21,9 +21,12 @@ from .state import Group
 
 
 def all_reduce(x: Tensor, group: Group, op: str = "sum") -> Tensor:
-    """The elementwise ``op`` ("sum", "max", "min", ...) of ``x`` over the group's ranks."""
+    """The elementwise ``op`` ("sum", "max", "min", ...) of ``x`` over the group's ranks; a sum
+    through the group's own ``reduce`` where it has one (``x`` may then be consumed)."""
     if group.size == 1:
         return x
+    if op == "sum" and group.reduce is not None:
+        return group.reduce(x)
     return funcol.all_reduce(x, op, group.pg)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,11 +35,17 @@ BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 @dataclass(frozen=True)
 class Group:
-    """One process group as the collectives see it: ``pg`` is None when ``size`` is 1."""
+    """One process group as the collectives see it: ``pg`` is None when ``size`` is 1.
+
+    ``reduce``, where set, is the group owner's own sum all-reduce (vLLM's
+    ``GroupCoordinator.all_reduce``: its shared-memory path where it has one); it may consume its
+    input, and ``collectives.all_reduce`` calls it instead of torch's functional all-reduce.
+    """
 
     pg: Optional[dist.ProcessGroup]
     ranks: tuple[int, ...]
     rank: int  # this process's index within ``ranks``
+    reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = field(default=None, compare=False, repr=False)
 
     @property
     def size(self) -> int:
@@ -72,6 +78,8 @@ class ParallelState:
     dp: Group = field(default_factory=Group.single)
     ep: Group = field(default_factory=Group.single)
     host: Group = field(default_factory=Group.single)  # gloo, for agreement on the host
+    # Who formed the groups and which collective a step's all-reduce runs: part of the AOT key.
+    collectives: str = "torch.distributed"
 
     @property
     def world_size(self) -> int:
@@ -79,9 +87,11 @@ class ParallelState:
 
 
 class _Holder:
-    """The process's state (see the module docstring for why it is held per process)."""
+    """The process's state (see the module docstring for why it is held per process); ``owned``:
+    whether ``init_parallel`` formed its groups (else ``adopt_parallel`` took someone else's)."""
 
     state: Optional[ParallelState] = None
+    owned: bool = False
 
 
 def get_parallel_state() -> ParallelState:
@@ -123,11 +133,22 @@ def init_parallel(config: ParallelConfig, *, rank: Optional[int] = None, world_s
     dist.init_process_group(backend, init_method=init_method, rank=rank,
                             world_size=world_size, timeout=timeout)
     try:
-        _Holder.state = _form_groups(config, rank, device, timeout_s, backend)
+        _Holder.state, _Holder.owned = _form_groups(config, rank, device, timeout_s, backend), True
     except BaseException:
         dist.destroy_process_group()  # no half-formed state: init_parallel may be called again
         raise
     return _Holder.state
+
+
+def adopt_parallel(state: ParallelState) -> ParallelState:
+    """Make ``state``, whose groups another owner formed (vLLM's workers: ``vllm/parallel.py``),
+    this process's state; ``destroy_parallel`` then forgets it and leaves the groups to their owner.
+    Raises ``RuntimeError`` if ``init_parallel`` formed groups here."""
+    if _Holder.owned:
+        raise RuntimeError("adopt_parallel: this process formed its own groups (init_parallel); "
+                           "call destroy_parallel() first")
+    _Holder.state, _Holder.owned = state, False
+    return state
 
 
 def _form_groups(config: ParallelConfig, rank: int, device: torch.device, timeout_s: float,
@@ -143,9 +164,10 @@ def _form_groups(config: ParallelConfig, rank: int, device: torch.device, timeou
 
 
 def destroy_parallel() -> None:
-    """End every group this process formed (a no-op when there are none)."""
-    _Holder.state = None
-    if dist.is_initialized():
+    """End every group this process formed (a no-op when there are none); an adopted state is
+    only forgotten: its groups stay their owner's."""
+    owned, _Holder.state, _Holder.owned = _Holder.owned, None, False
+    if owned and dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -103,15 +103,22 @@ def parse_additional_config(additional_config: Any, *, max_num_seqs: int) -> Opt
         raise type(e)(f"{where}: {e}{note}") from e
 
 
-def moe_kernel(additional_config: Any) -> str:
-    """The ``moe_kernel`` our section asks for (``"vllm"`` where unset or without the flag):
-    ``"vllm"``, vLLM's own fused-MoE kernel (``vllm.moe``), or ``"ascend_graph"``, the project's
-    MoE backend (``model.backends()``); ``ValueError`` naming the key for anything else."""
+def moe_kernel(additional_config: Any, expert_parallel: bool = False) -> str:
+    """The ``moe_kernel`` our section asks for: ``"vllm"``, vLLM's own fused-MoE kernel
+    (``vllm.moe``), or ``"ascend_graph"``, the project's MoE backend (``model.backends()``).
+    Unset (or without the flag) it is ``"vllm"``, but ``"ascend_graph"`` under ``expert_parallel``:
+    vLLM's kernel runs all of a layer's experts, not a rank's range of them, so an explicit
+    ``"vllm"`` there is a ``ValueError`` naming both, as is any value not in ``MOE_KERNELS``."""
     own = additional_config.get(OWN_SECTION, {}) if has_flag(additional_config) else {}
-    value = own.get("moe_kernel", "vllm") if isinstance(own, Mapping) else "vllm"
+    default = "ascend_graph" if expert_parallel else "vllm"
+    value = own.get("moe_kernel", default) if isinstance(own, Mapping) else default
     if value not in MOE_KERNELS:
         raise ValueError(f"additional_config[{OWN_SECTION!r}].moe_kernel must be one of {list(MOE_KERNELS)}, "
                          f"got {value!r}")
+    if expert_parallel and value == "vllm":
+        raise ValueError(f"additional_config[{OWN_SECTION!r}].moe_kernel 'vllm' runs every routed expert of a "
+                         "layer and cannot be combined with enable_expert_parallel=True; leave it unset "
+                         "('ascend_graph' runs each rank's experts)")
     return value
 
 

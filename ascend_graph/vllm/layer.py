@@ -87,7 +87,9 @@ class TupleCacheLayer(nn.Module, AttentionLayerBase):
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> FullAttentionSpec:
         if isinstance(self.spec, KVCacheSpec):  # k and v: num_kv_heads x head_size each per token
-            return FullAttentionSpec(block_size=vllm_config.cache_config.block_size, max_tp_shards=1,
+            # each TP rank holds its own kv heads (ascend_graph's Llama splits them evenly)
+            shards = vllm_config.parallel_config.tensor_parallel_size
+            return FullAttentionSpec(block_size=vllm_config.cache_config.block_size, max_tp_shards=shards,
                                      num_kv_heads=self.spec.num_kv_heads, head_size=self.spec.head_size,
                                      dtype=self.spec.dtype)
         if not isinstance(self.spec, MLACacheSpec):

@@ -29,7 +29,7 @@ class AscendGraphLlamaForCausalLM(AscendGraphForCausalLM):
         hf = vllm_config.model_config.hf_config.to_dict()
         config = LlamaConfig.from_dict({**hf, "architectures": [self.checkpoint_architecture]})
         with torch.device("meta"):  # no random init: every tensor comes from the checkpoint
-            model = LlamaForCausalLM(config)
+            model = LlamaForCausalLM(config, tp=self.parallel.tp)
         model = model.to_empty(device="cpu")
         model.tie_weights()
         return config, model.to(vllm_config.model_config.dtype)

@@ -37,6 +37,7 @@ from ..runtime import weights_on_huge_pages
 from .flags import moe_kernel, parse_additional_config, platform_name, runs_graph_mode
 from .layer import TupleCacheLayer
 from .moe import use_vllm_fused_moe
+from .parallel import adopt_vllm_groups, graph_config_for
 from .steps import select_logits, sequence_steps, token_rows
 
 
@@ -44,8 +45,9 @@ class AscendGraphForCausalLM(nn.Module):
     """What every architecture shares inside vLLM: the flag, the stand-in cache layers, the step.
 
     A subclass builds ascend_graph's model (``_build_model``: ``(config, model)``, the model
-    with ``kv_cache_specs()`` and the runner's step contract) and copies vLLM's weight stream
-    into it (``_load``).
+    with ``kv_cache_specs()`` and the runner's step contract; at tensor_parallel_size > 1 this
+    worker's share over ``self.parallel``, vLLM's groups) and copies vLLM's weight stream into
+    it (``_load``: vLLM streams the full tensors to every worker; each keeps its share).
     """
 
     checkpoint_architecture: str
@@ -56,10 +58,11 @@ class AscendGraphForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         _check_platform()
+        self.parallel = adopt_vllm_groups(vllm_config)  # before the model: its layers hold the groups
         self.config, self.model = self._build_model(vllm_config)
-        self.graph_config = parse_additional_config(
-            vllm_config.additional_config, max_num_seqs=vllm_config.scheduler_config.max_num_seqs)
-        self.moe_kernel = moe_kernel(vllm_config.additional_config)
+        self.graph_config = graph_config_for(parse_additional_config(
+            vllm_config.additional_config, max_num_seqs=vllm_config.scheduler_config.max_num_seqs), self.parallel)
+        self.moe_kernel = moe_kernel(vllm_config.additional_config, self.parallel.config.enable_expert_parallel)
         self.cache_layers = nn.ModuleList(
             TupleCacheLayer(vllm_config, f"{prefix}model.layers.{i}.self_attn.attn", spec)
             for i, spec in enumerate(self.model.kv_cache_specs()))
@@ -122,8 +125,12 @@ class AscendGraphForCausalLM(nn.Module):
         return select_logits(hidden_states, self._logits, self._forwards, self._forward_name)
 
     def runner_stats(self) -> dict:
-        """The runner's counters (all zero before vLLM binds the caches, when it captures)."""
-        return (self.runner.stats if self.runner is not None else RunnerStats()).to_dict()
+        """The runner's counters (all zero before vLLM binds the caches, when it captures), with
+        this worker's place under ``"parallel"`` (``parallel_layout()``, or the TP rank and size)."""
+        stats = (self.runner.stats if self.runner is not None else RunnerStats()).to_dict()
+        layout = getattr(self.model, "parallel_layout", None)
+        return stats | {"parallel": layout() if layout is not None else
+                        {"tp_size": self.parallel.tp.size, "tp_rank": self.parallel.tp.rank}}
 
     def _metadata(self) -> Any:
         """This step's metadata: ``None`` where vLLM passes none (its dummy runs: ``_dummy_run``
@@ -188,19 +195,21 @@ class AscendGraphDeepseekV2ForCausalLM(AscendGraphForCausalLM):
         hf = vllm_config.model_config.hf_config.to_dict()
         config = DeepseekConfig.from_dict({**hf, "architectures": [self.checkpoint_architecture]})
         return config, DeepseekForCausalLM(config, dtype=vllm_config.model_config.dtype, device="cpu",
-                                           init_weights=False)
+                                           init_weights=False, tp=self.parallel.tp, ep=self.parallel.ep)
 
     def _load(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Copy vLLM's stream of checkpoint tensors into the model (names as the checkpoint's);
-        ``CheckpointError`` naming what is misshapen, unexpected or missing."""
+        """Copy vLLM's stream of checkpoint tensors into the model (names as the checkpoint's),
+        each cut to this worker's share (``tp_shard``; another expert-parallel rank's experts are
+        skipped); ``CheckpointError`` naming what is misshapen, unexpected or missing."""
         state, filled, unexpected = self.model.state_dict(), set(), []
         for name, tensor in weights:
-            target = _target(name, self.config)
+            target = _target(name, self.config, self.model.expert_range)
             if target is None:
                 continue
             if target.name not in state:
                 unexpected.append(name)
                 continue
+            tensor = self.model.tp_shard(name, tensor)
             piece = _piece(state[target.name], target)
             if tuple(tensor.shape) != tuple(piece.shape):
                 raise CheckpointError(f"tensor {name} has shape {list(tensor.shape)}, the model expects "

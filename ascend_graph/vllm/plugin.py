@@ -15,14 +15,18 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .flags import (ARCHITECTURES, check_platform, graph_architecture, has_flag, parse_additional_config,
-                    platform_name, runs_graph_mode)
+from .parallel import check_split
+
+from .flags import (ARCHITECTURES, check_platform, graph_architecture, has_flag, moe_kernel,
+                    parse_additional_config, platform_name, runs_graph_mode)
 
 log = logging.getLogger(__name__)
 
 MODEL_MODULE = "ascend_graph.vllm.model"
 MODEL_MODULES = {"AscendGraphLlamaForCausalLM": "ascend_graph.vllm.llama"}  # the others: MODEL_MODULE
 STATS_METHOD = "ascend_graph_runner_stats"  # added to vLLM's WorkerBase: collective_rpc calls it by name
+# counters every tensor-parallel worker shares (they run the same steps)
+STEP_COUNTERS = ("graph_steps", "eager_steps", "graph_sizes_run", "recompiles", "parity_checks")
 _MARK = "_ascend_graph_flag_hook"  # set on our wrapper, so a second install wraps nothing
 
 
@@ -86,23 +90,38 @@ def apply_flag(vllm_config: Any, platform: Any) -> None:
                                      max_num_seqs=vllm_config.scheduler_config.max_num_seqs)
     if not config.enabled or vllm_config.model_config is None:
         return
-    _check_supported(vllm_config)
     hf_config = vllm_config.model_config.hf_config
-    hf_config.architectures = [graph_architecture(getattr(hf_config, "architectures", None))]
+    architecture = graph_architecture(getattr(hf_config, "architectures", None))
+    _check_supported(vllm_config, config)
+    hf_config.architectures = [architecture]
     _no_vllm_compile(vllm_config)
 
 
-def _check_supported(vllm_config: Any) -> None:
-    """What graph mode's model class does not do yet fails here, by name, not mid-step."""
+def _check_supported(vllm_config: Any, config: Any) -> None:
+    """What graph mode's model class does not do fails here, by name, before any worker starts:
+    pipeline, data and context parallelism, speculative decoding, LoRA; at
+    tensor_parallel_size > 1 a KV connector (each worker would serve the same port; PD between
+    vLLM instances runs at TP=1) and ``inductor.aot`` (a saved package holds one run's process
+    groups); a model that does not split over the TP ranks; vLLM's fused-MoE kernel with expert
+    parallel (``flags.moe_kernel``)."""
     parallel = vllm_config.parallel_config
-    unsupported = {"tensor_parallel_size": parallel.tensor_parallel_size > 1,
-                   "pipeline_parallel_size": parallel.pipeline_parallel_size > 1,
+    tp = parallel.tensor_parallel_size
+    unsupported = {"pipeline_parallel_size": parallel.pipeline_parallel_size > 1,
+                   "data_parallel_size": parallel.data_parallel_size > 1,
+                   "decode_context_parallel_size": getattr(parallel, "decode_context_parallel_size", 1) > 1,
+                   "prefill_context_parallel_size": getattr(parallel, "prefill_context_parallel_size", 1) > 1,
                    "speculative_config": vllm_config.speculative_config is not None,
-                   "lora_config": vllm_config.lora_config is not None}
+                   "lora_config": vllm_config.lora_config is not None,
+                   "kv_transfer_config with tensor_parallel_size > 1":
+                       tp > 1 and vllm_config.kv_transfer_config is not None,
+                   "inductor.aot with tensor_parallel_size > 1": tp > 1 and config.inductor.aot}
     bad = [name for name, on in unsupported.items() if on]
     if bad:
         raise ValueError(f"ascend_graph's graph mode does not support {', '.join(bad)} yet; "
                          "turn torchair_graph_config.enabled off or drop those settings")
+    moe_kernel(vllm_config.additional_config, expert_parallel=bool(parallel.enable_expert_parallel))
+    if tp > 1:
+        check_split(vllm_config)
 
 
 def _no_vllm_compile(vllm_config: Any) -> None:
@@ -120,8 +139,19 @@ def _model_stats(model: Any) -> dict:
     return stats()
 
 
-def runner_stats(llm: Any) -> dict:
-    """``RunnerStats.to_dict()`` of ``llm``'s runner, read from its worker (graph mode runs one:
-    tensor and pipeline parallelism are rejected by ``_check_supported``)."""
-    (stats,) = llm.collective_rpc(STATS_METHOD)
-    return stats
+def runner_stats(llm: Any, per_worker: bool = False) -> dict | list[dict]:
+    """``RunnerStats.to_dict()`` of ``llm``'s runner, with the worker's place under ``"parallel"``.
+
+    At tensor_parallel_size > 1 every worker runs the same steps, so its counters match: the
+    default is the first worker's dict (``RuntimeError`` naming the counter if another worker's
+    step counters differ); ``per_worker=True`` returns every worker's, in rank order."""
+    replies = llm.collective_rpc(STATS_METHOD)
+    if per_worker:
+        return list(replies)
+    first = replies[0]
+    for rank, other in enumerate(replies[1:], 1):
+        for key in STEP_COUNTERS:
+            if other.get(key) != first.get(key):
+                raise RuntimeError(f"runner_stats: worker {rank}'s {key} is {other.get(key)!r}, worker 0's "
+                                   f"{first.get(key)!r}: the tensor-parallel workers ran different steps")
+    return first
