@@ -31,7 +31,8 @@ from ..runner.parity import ParityReport, compare_step
 from ..runner.graph_runner import GraphRunner, SequenceStep
 from ..runtime import progress
 from .geometry import positive as _positive, resolve_block_size, resolve_max_model_len, resolve_num_blocks
-from .model_source import FromCheckpoint, FromFullModel, check_split
+from ..models.tensor_parallel import check_split
+from .model_source import FromCheckpoint, FromFullModel
 from .ranks import RankSet, RankSettings, external_rank, serve_external
 from .requests import budgets as _budgets, check_request, stop_ids
 from .sampling import Sampler, SamplingParams
@@ -140,7 +141,7 @@ class Engine:
             raise ValueError("backend: a compile backend object cannot be sent to other ranks; leave it None "
                              "with tensor_parallel_size/data_parallel_size > 1 (graph_config.backend names one)")
         source = FromFullModel.of(model) if isinstance(model, nn.Module) else model
-        check_split(source, self.parallel)
+        check_split(source.model_class(), source.config, self.parallel)
         if (external_rank(self.parallel) or 0) > 0:
             serve_external(self.parallel, source, settings, timeout_s)
             raise SystemExit(0)

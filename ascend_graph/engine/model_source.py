@@ -12,13 +12,12 @@ share, for the groups of ``state``):
 - ``FromName``: a built-in model (``models.named``); each rank rebuilds the same seeded model and
   cuts its share.
 
-``check_split`` builds the share on the meta device over a rank-less group of the tensor-parallel
-size, so a size the model cannot split is a ``ValueError`` before any rank starts.
+``models.tensor_parallel.check_split`` builds the share on the meta device, so a size the model
+cannot split is a ``ValueError`` before any rank starts.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -27,30 +26,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..distributed import Group, ParallelConfig, ParallelState
-
-
-def _share_kwargs(cls: type, state: ParallelState) -> dict:
-    """The group arguments ``cls`` takes: ``tp`` always; ``dp``/``ep`` where it has them (expert parallel)."""
-    params = inspect.signature(cls).parameters
-    kwargs = {"tp": state.tp}
-    for name in ("dp", "ep"):
-        if name in params:
-            kwargs[name] = getattr(state, name)
-        elif getattr(state, name).size > 1 and name == "ep":
-            raise ValueError(f"enable_expert_parallel: {cls.__name__} has no expert-parallel form")
-    return kwargs
-
-
-def _empty_share(cls: type, config: Any, state: ParallelState, dtype: Optional[torch.dtype]) -> nn.Module:
-    """An uninitialised share of ``cls`` (no random weights drawn where the class can skip them)."""
-    params = inspect.signature(cls).parameters
-    kwargs = _share_kwargs(cls, state)
-    if "init_weights" in params:
-        kwargs["init_weights"] = False
-    if "dtype" in params and dtype is not None:
-        kwargs["dtype"] = dtype
-    return cls(config, **kwargs)
+from ..distributed import ParallelState
+from ..models.tensor_parallel import empty_share, share_kwargs
 
 
 @dataclass(frozen=True)
@@ -71,7 +48,7 @@ class FromFullModel:
         return cls(type(model), model.config, weights, getattr(model, "dtype", None))
 
     def build(self, state: ParallelState) -> nn.Module:
-        share = _empty_share(self.cls, self.config, state, self.dtype)
+        share = empty_share(self.cls, self.config, state, self.dtype)
         share.load_state_dict({name: share.tp_shard(name, t) for name, t in self.state_dict.items()})
         return share.eval()
 
@@ -98,7 +75,7 @@ class FromCheckpoint:
         from ..models import DeepseekForCausalLM, load_deepseek
 
         return load_deepseek(self.path, dtype=self.dtype, device=self.device,
-                             **_share_kwargs(DeepseekForCausalLM, state)).eval()
+                             **share_kwargs(DeepseekForCausalLM, state)).eval()
 
     def model_class(self) -> type:
         from ..models import DeepseekForCausalLM
@@ -127,16 +104,3 @@ class FromName:
     def model_class(self) -> type:
         from ..models import DeepseekForCausalLM
         return DeepseekForCausalLM
-
-
-def check_split(source, parallel: ParallelConfig) -> None:
-    """``ValueError`` when ``source``'s model cannot be split as ``parallel`` asks (heads,
-    features, experts per rank), found by building rank 0's share on the meta device."""
-    world = tuple(range(parallel.world_size))
-    tp = Group(None, world[:parallel.tensor_parallel_size], 0)
-    ep = Group(None, world, 0) if parallel.enable_expert_parallel else Group.single()
-    dp = Group(None, world[::parallel.tensor_parallel_size], 0)
-    virtual = ParallelState(config=parallel, tp=tp, dp=dp, ep=ep)
-    cls = source.model_class()
-    with torch.device("meta"):
-        _empty_share(cls, source.config, virtual, None)

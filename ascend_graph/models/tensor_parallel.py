@@ -9,11 +9,13 @@ loaders do; embedding, norms and head are replicated.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+import inspect
+from typing import Any, Mapping, Optional, Sequence
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
-from ..distributed import Group, local_size
+from ..distributed import Group, ParallelConfig, ParallelState, local_size
 
 
 def tp_slice(tensor: Tensor, dim: Optional[int], group: Group, what: str) -> Tensor:
@@ -45,3 +47,38 @@ def split_dim(name: str, rules: Mapping[str, int]) -> Optional[int]:
     if len(parts) >= 2 and parts[-1] == "weight":
         return rules.get(parts[-2])
     return None
+
+
+def share_kwargs(cls: type, state: ParallelState) -> dict:
+    """The group arguments ``cls`` takes: ``tp`` always; ``dp``/``ep`` where it has them (expert parallel)."""
+    params = inspect.signature(cls).parameters
+    kwargs = {"tp": state.tp}
+    for name in ("dp", "ep"):
+        if name in params:
+            kwargs[name] = getattr(state, name)
+        elif getattr(state, name).size > 1 and name == "ep":
+            raise ValueError(f"enable_expert_parallel: {cls.__name__} has no expert-parallel form")
+    return kwargs
+
+
+def empty_share(cls: type, config: Any, state: ParallelState, dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """An uninitialised share of ``cls`` (no random weights drawn where the class can skip them)."""
+    params = inspect.signature(cls).parameters
+    kwargs = share_kwargs(cls, state)
+    if "init_weights" in params:
+        kwargs["init_weights"] = False
+    if "dtype" in params and dtype is not None:
+        kwargs["dtype"] = dtype
+    return cls(config, **kwargs)
+
+
+def check_split(cls: type, config: Any, parallel: ParallelConfig) -> None:
+    """``ValueError`` when model ``cls`` of ``config`` cannot be split as ``parallel`` asks
+    (heads, features, experts per rank), found by building rank 0's share on the meta device
+    over rank-less groups (the Engine and the vLLM plugin call it before any rank starts)."""
+    world = tuple(range(parallel.world_size))
+    tp = Group(None, world[:parallel.tensor_parallel_size], 0)
+    ep = Group(None, world, 0) if parallel.enable_expert_parallel else Group.single()
+    dp = Group(None, world[::parallel.tensor_parallel_size], 0)
+    with torch.device("meta"):
+        empty_share(cls, config, ParallelState(config=parallel, tp=tp, dp=dp, ep=ep))

@@ -55,27 +55,18 @@ def adopt_vllm_groups(vllm_config: Any) -> ParallelState:
 
 def check_split(vllm_config: Any) -> None:
     """``ValueError`` when the checkpoint does not split over vLLM's TP ranks (heads, features,
-    experts per rank), found by building rank 0's share on the meta device, in the process that
-    runs ``LLM(...)``, before any worker starts (vLLM itself checks only the head count)."""
-    import torch
-
+    experts per rank: ``models.tensor_parallel.check_split``), in the process that runs
+    ``LLM(...)``, before any worker starts (vLLM itself checks only the head count)."""
+    from ..models import DeepseekConfig, DeepseekForCausalLM, LlamaConfig, LlamaForCausalLM
+    from ..models.tensor_parallel import check_split as check_model_split
     from .flags import graph_architecture
 
     parallel = vllm_config.parallel_config
-    tp_size = parallel.tensor_parallel_size
-    tp = Group(None, tuple(range(tp_size)), 0)
-    ep = tp if parallel.enable_expert_parallel else Group.single()
     hf = vllm_config.model_config.hf_config
-    architecture = graph_architecture(getattr(hf, "architectures", None))
-    with torch.device("meta"):
-        if architecture == "AscendGraphLlamaForCausalLM":
-            from ..models.llama import LlamaConfig, LlamaForCausalLM
-
-            LlamaForCausalLM(LlamaConfig.from_dict(hf.to_dict()), tp=tp)
-        else:
-            from ..models import DeepseekConfig, DeepseekForCausalLM
-
-            DeepseekForCausalLM(DeepseekConfig.from_dict(hf.to_dict()), init_weights=False, tp=tp, ep=ep)
+    llama = graph_architecture(getattr(hf, "architectures", None)) == "AscendGraphLlamaForCausalLM"
+    cls, config = (LlamaForCausalLM, LlamaConfig) if llama else (DeepseekForCausalLM, DeepseekConfig)
+    check_model_split(cls, config.from_dict(hf.to_dict()),
+                      ParallelConfig(parallel.tensor_parallel_size, 1, bool(parallel.enable_expert_parallel)))
 
 
 def graph_config_for(config: Any, state: ParallelState) -> Any:
