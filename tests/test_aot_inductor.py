@@ -207,17 +207,20 @@ def test_the_package_key_covers_the_models_code_and_config_not_only_its_class_na
 
 def test_the_package_key_covers_the_rank_and_the_parallel_layout(tmp_path, monkeypatch):
     """Each rank of a parallel layout has its own compiled steps (its share's shapes, its groups'
-    collectives): ranks and layouts never share a file."""
+    collectives, whose path vLLM's workers name: ``vllm/parallel.py``): ranks, layouts and
+    collective paths never share a file."""
     from ascend_graph.distributed import ParallelConfig, ParallelState
     from ascend_graph.distributed import state as state_module
 
     model = user_model(tmp_path / "m", scale=2, body="scale(self.proj(x))")
     keys = set()
-    for config, rank in ((ParallelConfig(), 0), (ParallelConfig(tensor_parallel_size=2), 0),
-                         (ParallelConfig(tensor_parallel_size=2), 1), (ParallelConfig(data_parallel_size=2), 1)):
-        monkeypatch.setattr(state_module._Holder, "state", ParallelState(config=config, rank=rank))
+    tp2 = ParallelConfig(tensor_parallel_size=2)
+    for config, rank, path in ((ParallelConfig(), 0, "torch.distributed"), (tp2, 0, "torch.distributed"),
+                               (tp2, 1, "torch.distributed"), (ParallelConfig(data_parallel_size=2), 1, "torch.distributed"),
+                               (tp2, 1, "vllm 0.32.0 tp:0 torch.distributed"), (tp2, 1, "vllm 0.32.0 tp:0 shm")):
+        monkeypatch.setattr(state_module._Holder, "state", ParallelState(config=config, rank=rank, collectives=path))
         keys.add(package_key(model, (torch.zeros(2, 4),), {}))
-    assert len(keys) == 4
+    assert len(keys) == 6
 
 
 def test_bad_aot_inductor_settings_are_refused_by_name(tmp_path):

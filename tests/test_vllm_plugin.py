@@ -150,13 +150,27 @@ def checkpoints(tmp_path_factory):
     return out
 
 
+def generation(path: str, additional_config: dict | None = None, repeats: int = 1, llm_args: dict | None = None,
+               spec: dict | None = None) -> dict:
+    """The spec of one ``tests/vllm_worker.py`` run that generates ``PROMPTS`` on ``path``."""
+    llm = dict(LLM_ARGS, **(llm_args or {}), **({"additional_config": additional_config} if additional_config else {}))
+    return {"model": path, "llm": llm, "prompts": PROMPTS, "max_tokens": NEW_TOKENS, "repeats": repeats,
+            "count_backend_calls": True, **(spec or {})}
+
+
 def generate(vllm_run, path: str, additional_config: dict | None = None, repeats: int = 1,
              llm_args: dict | None = None, spec: dict | None = None, **env: str) -> dict:
-    llm = dict(LLM_ARGS, **(llm_args or {}), **({"additional_config": additional_config} if additional_config else {}))
-    result = vllm_run({"model": path, "llm": llm, "prompts": PROMPTS, "max_tokens": NEW_TOKENS,
-                       "repeats": repeats, "count_backend_calls": True, **(spec or {})}, **env)
+    result = vllm_run(generation(path, additional_config, repeats, llm_args, spec), **env)
     assert result["error"] is None, result["error"]
     return result
+
+
+def generate_in_turn(vllm_run, *specs: dict) -> list[dict]:
+    """``generation`` specs run one after another in one vLLM subprocess (vLLM imported once)."""
+    results = vllm_run({"runs": list(specs)})["runs"]
+    for result in results:
+        assert result["error"] is None, result["error"]
+    return results
 
 
 def assert_captured_at_start(result: dict, max_num_seqs: int = LLM_ARGS["max_num_seqs"]) -> None:
@@ -223,11 +237,11 @@ def test_v2_graph_mode_tokens_equal_stock_vllm_and_transformers(vllm_run, checkp
     """Graph mode twice, each a fresh vLLM on one compile cache: the first compiles and saves its
     steps, the second (a restarted server) loads them and gives the same tokens."""
     path, expected = checkpoints["v2_greedy"]
-    stock = generate(vllm_run, path, llm_args=STOCK_MLA)
+    on = {**ON, "ascend_graph": {"compile_cache_dir": str(tmp_path)}}
+    stock, graph = generate_in_turn(vllm_run, generation(path, llm_args=STOCK_MLA), generation(
+        path, on, repeats=2, spec={"contract": True, "prompt_logprobs": True}))
     assert stock["plugin_loaded"] and stock["model_class"] == "DeepseekV2ForCausalLM"  # loaded, inert
     assert stock["tokens"] == expected and stock["backend_calls"] == 0  # vLLM's Inductor, not ours
-    on = {**ON, "ascend_graph": {"compile_cache_dir": str(tmp_path)}}
-    graph = generate(vllm_run, path, on, repeats=2, spec={"contract": True, "prompt_logprobs": True})
     assert graph["model_class"] == "AscendGraphDeepseekV2ForCausalLM"
     assert graph["tokens"] == expected and graph["fused_moe_calls"] > 0  # the MoE in vLLM's kernel
     assert_graph_counters(graph["stats"], generations=2)
@@ -244,10 +258,11 @@ def test_v3_graph_mode_tokens_equal_stock_vllm_eager_and_transformers_with_parit
     upstream problems): the stock side is its eager path with native ops. Graph mode runs the
     MoE in our own backend here (``moe_kernel``), in vLLM's kernel in the V2 test."""
     path, expected = checkpoints["v3"]
-    stock = generate(vllm_run, path, llm_args={"enforce_eager": True, "compilation_config": {"custom_ops": ["none"]},
-                                               **STOCK_MLA})
+    stock, graph = generate_in_turn(
+        vllm_run, generation(path, llm_args={"enforce_eager": True, "compilation_config": {"custom_ops": ["none"]},
+                                             **STOCK_MLA}),
+        generation(path, {**ON, "ascend_graph": {"parity_interval": 3, "moe_kernel": "ascend_graph"}}))
     assert stock["model_class"] == "DeepseekV3ForCausalLM" and stock["tokens"] == expected
-    graph = generate(vllm_run, path, {**ON, "ascend_graph": {"parity_interval": 3, "moe_kernel": "ascend_graph"}})
     assert graph["model_class"] == "AscendGraphDeepseekV3ForCausalLM"
     assert graph["tokens"] == expected and graph["fused_moe_calls"] == 0  # the MoE in our own backend
     stats = graph["stats"]

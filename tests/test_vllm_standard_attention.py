@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers", minversion="5.0")
 import torch  # noqa: E402
 
 from test_vllm_plugin import (NEW_TOKENS, SIZES, assert_captured_at_start, assert_graph_counters,  # noqa: E402,F401
-                              greedy_tokens, vllm_run)
+                              generate_in_turn, greedy_tokens, vllm_run)
 
 pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.slow]
 
@@ -67,19 +67,16 @@ def _tensor_names(path) -> list[str]:
         return list(f.keys())
 
 
-def run(vllm_run, path: str, additional_config: dict | None = None) -> dict:
+def generation(path: str, additional_config: dict | None = None) -> dict:
     llm = dict(LLM_ARGS, **({"additional_config": additional_config} if additional_config else {}))
-    result = vllm_run({"model": path, "llm": llm, "prompts": PROMPTS, "max_tokens": NEW_TOKENS, "repeats": 2})
-    assert result["error"] is None, result["error"]
-    return result
+    return {"model": path, "llm": llm, "prompts": PROMPTS, "max_tokens": NEW_TOKENS, "repeats": 2}
 
 
 def test_llama_graph_mode_tokens_equal_stock_vllm_and_transformers(vllm_run, llama):
     path, expected = llama
-    stock = run(vllm_run, path)
+    stock, graph = generate_in_turn(vllm_run, generation(path), generation(path, ON))  # one vLLM subprocess
     assert stock["plugin_loaded"] and stock["model_class"] == "LlamaForCausalLM"  # loaded, inert
     assert stock["tokens"] == expected
-    graph = run(vllm_run, path, ON)
     assert graph["model_class"] == "AscendGraphLlamaForCausalLM"
     assert graph["tokens"] == expected
     stats = graph["stats"]

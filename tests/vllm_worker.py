@@ -5,6 +5,11 @@
 ``spec["prompts"]`` (token ids, ``ignore_eos``), and writes to OUT.json the new tokens, the
 model class vLLM resolves (``hf_config.architectures``), ``ascend_graph.vllm.runner_stats(llm)``
 where graph mode is on, and the error's type and message where ``LLM(...)`` or a step raised.
+With ``spec["runs"]`` (a list of such specs) it runs each in turn and writes ``{"runs": [...]}``.
+With ``spec["graph_ops"]`` it records each worker's parameter shapes (``shares``) and, per call
+of a captured graph, the collectives it ran (``graph_ops``; at tensor_parallel_size > 1 vLLM
+ships these probes only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``); with ``spec["per_worker"]``
+also ``runner_stats(llm, per_worker=True)`` at start and end.
 With ``spec["attempts"]`` (a list of keyword dicts, ``model`` among them or not) it only
 constructs an ``LLM`` from each
 and writes each one's error (``None`` where it was built). With ``spec["timing"]``
@@ -51,6 +56,10 @@ def run(spec: dict) -> dict:
             from ascend_graph.vllm import runner_stats
 
             out["stats_at_start"] = runner_stats(llm)
+            if spec.get("per_worker"):
+                out["worker_stats_at_start"] = runner_stats(llm, per_worker=True)
+        if spec.get("graph_ops"):
+            out["shares"] = llm.collective_rpc(profile_graphs)
         if spec.get("contract"):
             (out["contract"],) = llm.collective_rpc(contract_probe)
         params = vllm.SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
@@ -65,6 +74,10 @@ def run(spec: dict) -> dict:
             out["ms_per_step"] = decode_ms(llm, vllm, spec)
         if graph:
             out["stats"] = runner_stats(llm)
+            if spec.get("per_worker"):
+                out["worker_stats"] = runner_stats(llm, per_worker=True)
+        if spec.get("graph_ops"):
+            out["graph_ops"] = llm.collective_rpc(lambda worker: worker.get_model().graph_ops)
         if spec.get("prompt_logprobs"):
             out["prompt_logprobs_error"] = prompt_logprobs_error(llm, vllm, spec)
     except Exception as e:  # the test reads the error; the traceback goes to stderr
@@ -100,6 +113,29 @@ def contract_probe(worker) -> dict:
     for name in ("forward", "compute_logits"):
         record(model, name)
     return out
+
+
+def profile_graphs(worker) -> dict:
+    """In the worker: from now on record, per call of a captured graph, the collectives it ran
+    (``graph_ops``, torch profiler events); return the worker's parameter shapes (its share)."""
+    import torch
+
+    model = worker.get_model()
+    model.graph_ops = []
+    graphs = model.runner._graphs
+
+    def profiled(graph):
+        def call(*args):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                result = graph(*args)
+            model.graph_ops.append([e.name for e in prof.events()
+                                    if e.name.startswith(("c10d::", "_c10d_functional::", "_C::", "vllm::"))])
+            return result
+        return call
+
+    for size in list(graphs):
+        graphs[size] = profiled(graphs[size])
+    return {name: list(t.shape) for name, t in model.model.state_dict().items()}
 
 
 def record(model, name: str) -> None:
@@ -181,7 +217,10 @@ def attempt(spec: dict) -> dict:
 if __name__ == "__main__":  # vLLM may spawn processes: the work must not run on import
     with open(sys.argv[1], encoding="utf-8") as f:
         spec = json.load(f)
-    result = attempt(spec) if "attempts" in spec else run(spec)
+    if "runs" in spec:  # several LLMs one after another in this process (vLLM imported once)
+        result = {"runs": [run(one) for one in spec["runs"]]}
+    else:
+        result = attempt(spec) if "attempts" in spec else run(spec)
     with open(sys.argv[2], "w", encoding="utf-8") as f:
         json.dump(result, f)
     sys.stdout.flush()

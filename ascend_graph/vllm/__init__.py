@@ -5,7 +5,7 @@ platform (docs/vllm.md).
 process. It is inert unless ``LLM(..., additional_config=...)`` holds
 ``torchair_graph_config`` or ``ascend_graph``, and on any platform but CPU it leaves
 ``torchair_graph_config`` to that platform's plugin (our own section there is an error).
-``runner_stats(llm)`` reads the runner's counters from the LLM's workers. vLLM is imported
+``runner_stats(llm)`` reads the runner's counters from the LLM's workers (``per_worker=True``: each one's). vLLM is imported
 only inside these functions: importing ``ascend_graph`` or this package never imports it.
 """
 
@@ -25,8 +25,10 @@ def register() -> None:
     install()
 
 
-def runner_stats(llm: Any) -> dict:
-    """The ``RunnerStats.to_dict()`` counters of ``llm``'s graph runner, read from its worker."""
+def runner_stats(llm: Any, per_worker: bool = False) -> dict | list[dict]:
+    """The ``RunnerStats.to_dict()`` counters of ``llm``'s graph runner, read from its workers:
+    the first worker's (tensor-parallel workers run the same steps), or, with ``per_worker``,
+    one dict per worker in rank order (``plugin.runner_stats``)."""
     from .plugin import runner_stats as read
 
-    return read(llm)
+    return read(llm, per_worker)

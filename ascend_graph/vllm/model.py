@@ -126,11 +126,12 @@ class AscendGraphForCausalLM(nn.Module):
 
     def runner_stats(self) -> dict:
         """The runner's counters (all zero before vLLM binds the caches, when it captures), with
-        this worker's place under ``"parallel"`` (``parallel_layout()``, or the TP rank and size)."""
+        this worker's place under ``"parallel"`` (``parallel_layout()``, or the TP rank and size)
+        and which all-reduce its steps run (``ParallelState.collectives``)."""
         stats = (self.runner.stats if self.runner is not None else RunnerStats()).to_dict()
         layout = getattr(self.model, "parallel_layout", None)
-        return stats | {"parallel": layout() if layout is not None else
-                        {"tp_size": self.parallel.tp.size, "tp_rank": self.parallel.tp.rank}}
+        place = layout() if layout is not None else {"tp_size": self.parallel.tp.size, "tp_rank": self.parallel.tp.rank}
+        return stats | {"parallel": place | {"collectives": self.parallel.collectives}}
 
     def _metadata(self) -> Any:
         """This step's metadata: ``None`` where vLLM passes none (its dummy runs: ``_dummy_run``
