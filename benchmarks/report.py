@@ -481,17 +481,18 @@ def multi_device_section(ms: dict) -> list[str]:
 def vllm_run_markdown(d: dict) -> list[str]:
     """One ``benchmarks.vllm_peer`` run: its table, its batch-1 floors and forward split, then its
     conditions and command."""
-    from benchmarks.vllm_peer import render, render_floors, render_split
+    from benchmarks.vllm_peer import render, render_floors, render_split, render_tp_floors
 
     c, s, v = d["conditions"], d["settings"], d["versions"]["vllm_side"] or {}
     k, cache = (d.get("compared") or {}).get("capacity"), s.get("kv_cache_memory_bytes")
     kv = (f"KV cache {cache >> 20} MiB" + (f" ({k}x: {(cache * k) >> 20} MiB)" if k else "") + ", ") if cache else ""
-    floors = [f"- {line}" for line in render_floors(d["rows"])]
+    floors = [f"- {line}" for line in render_floors(d["rows"]) + render_tp_floors(d["rows"])]
     split = render_split(d["rows"])
     split = ["", "Each vLLM side's step split into the model's forward and vLLM's own work around it "
              "(scheduling, inputs, sampling, outputs):", ""] + split if split else []
-    n = s.get("restarts", 1)
+    n, tp = s.get("restarts", 1), s.get("tensor_parallel_size", 1)
     starts = f" over {n} starts of {s.get('restarts_cover', 'the vLLM sides')}" if n > 1 else ""
+    starts += f"; tensor_parallel_size {tp}, {s['threads'] // tp} thread(s) per worker" if tp > 1 else ""
     return render(d["rows"]) + ([""] + floors if floors else []) + split + [
         "", f"{machine(c)}, {s['threads']} threads, {c['when'][:10]}; vLLM {v.get('vllm')}, torch {c['torch']}; "
         f"{s['new_tokens']} new tokens, max_model_len {s['max_model_len']}, {kv}{s['rounds']} rounds{starts} · "
@@ -514,7 +515,19 @@ def vllm_section(ms: dict) -> list[str]:
     for key, d in ms.items():
         if d.get("vllm_peer"):
             lines += [f"### {label(key)}", ""] + vllm_run_markdown(d["vllm_peer"]) + [""]
+    for key, d in ms.items():
+        if d.get("vllm_peer_tp2"):
+            lines += [f"### {label(key)}, tensor_parallel_size=2", "", VLLM_TP_TEXT, ""]
+            lines += vllm_run_markdown(d["vllm_peer_tp2"]) + [""]
     return lines
+
+
+VLLM_TP_TEXT = (
+    "`python -m benchmarks.vllm_peer --tp 2`: both sides at `tensor_parallel_size=2`, two worker processes of "
+    "one thread each (the host's two cores), vLLM's own TP all-reduce in both (gloo here: this host's vLLM "
+    "build has no shared-memory all-reduce, docs/vllm.md). The model's forward is worker 0's. Each row's bound: "
+    "vLLM+graph's step over vLLM's own work plus the read floor (each rank's bytes, both ranks reading at once "
+    "at the host's read rate), and over that plus the step's all-reduces at vLLM's all-reduce timed alone.")
 
 
 def portable(command: str) -> str:

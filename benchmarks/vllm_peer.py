@@ -79,6 +79,7 @@ class Settings:
     kv_cache_memory_bytes: int = 128 << 20
     threads: int = 2
     restarts: int = 1
+    tensor_parallel_size: int = 1  # > 1: the vLLM sides' workers share ``threads`` (one process each)
 
 
 # ---- arguments, checkpoints ------------------------------------------------------------------
@@ -110,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also vLLM+graph at K times the KV cache bytes (0: not measured)")
     p.add_argument("--restarts", type=int, default=Settings.restarts, metavar="R",
                    help="start every side R times, the rounds split between the starts")
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of both vLLM sides (> 1: no Engine "
+                   "side; the part is written as vllm_peer_tp<N>)")
     p.add_argument("--json", default=None, help="write the run here alone (default: under \"vllm_peer\" in "
                    "benchmarks/results/<machine>.json, or a temporary file with --quick)")
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -120,7 +123,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--restarts must be between 1 and --rounds")
     if args.capacity < 0 or args.capacity == 1:
         p.error("--capacity must be 0 (off) or >= 2")
-    args.sides = [STOCK] + [s for s in SIDES[1:] if s in args.sides]
+    if args.tp < 1 or args.threads % args.tp:
+        p.error("--tp must be >= 1 and divide --threads (each worker process gets threads / tp)")
+    args.sides = [STOCK] + [s for s in SIDES[1:] if s in args.sides and not (s == ENGINE and args.tp > 1)]
     if args.capacity and GRAPH not in args.sides:
         p.error("--capacity compares against vllm_graph: add it to --sides")
     return args
@@ -260,10 +265,14 @@ def measure(args: argparse.Namespace, spec: dict, workdir: str) -> tuple[dict, d
             if start < args.restarts - 1:
                 for name in list(sides):
                     sides.pop(name).close()
+        all_reduce = {b: sides[STOCK].all_reduce_ms(b, spec["hidden"], spec["dtype"]) for b in spec["batches"]} \
+            if spec["tensor_parallel_size"] > 1 else None
     finally:
         for side in sides.values():
             side.close()
     about = {name: side.about for name, side in sides.items()}
+    if all_reduce is not None:
+        about["all_reduce_ms"] = all_reduce
     if probe is not None:
         about["read_ceiling"] = {"how": probe.how, "bytes": probe.bytes, "round_s": read_s}
     return rows, about
@@ -421,6 +430,37 @@ def with_floor(row: dict, ceiling: dict | None, context: int) -> dict:
     return {**row, "floor": floor}
 
 
+def with_tp_floor(row: dict, ceiling: dict | None, context: int, tp: int, all_reduce_ms: float) -> dict:
+    """A ``row`` of a run at ``tp`` > 1 with its ``tp_floor``: the bytes one rank's share must read
+    in a step of the row's batch (``roofline.step_bytes``, each MoE layer reading only its top-k
+    experts: a lower bound at any batch), times ``tp`` (the ranks read at once from memory the
+    cores share) over the read ceiling's fastest round; the all-reduces a step holds (2 per layer)
+    at vLLM's own TP all-reduce timed alone (``all_reduce_ms``); and vLLM+graph's step over
+    vLLM's own work + the read floor (the issue's bound), and over that + the all-reduces."""
+    from ascend_graph.distributed import Group
+    from ascend_graph.models import DeepseekForCausalLM
+    from ascend_graph.moe.layer import MoE
+    from benchmarks.roofline import step_bytes
+
+    config = MODELS[row["model"]]()
+    meta = DeepseekForCausalLM(config, dtype=getattr(torch, row["dtype"]), device="meta", init_weights=False,
+                               tp=Group(None, tuple(range(tp)), 0))
+    used = {n: config.num_experts_per_tok for n, m in meta.named_modules() if isinstance(m, MoE)}
+    nbytes = step_bytes(meta, row["batch"], context, experts_used=used)["total"]
+    floor = {"tp": tp, "rank_bytes": nbytes, "all_reduces_per_step": 2 * config.num_hidden_layers,
+             "all_reduce_ms_per_call": all_reduce_ms}
+    floor["all_reduce_ms"] = floor["all_reduces_per_step"] * all_reduce_ms
+    if ceiling is not None:
+        rate = ceiling["bytes"] / min(ceiling["round_s"])
+        floor.update(read_bytes_per_s=rate, read_how=ceiling["how"], floor_ms=tp * nbytes / rate * 1e3)
+    own = row.get("own_ms", {}).get(GRAPH)
+    if own is not None and "floor_ms" in floor:
+        floor["graph_own_ms"] = own
+        floor["graph_over_own_and_floor"] = row["ms"][GRAPH] / (own + floor["floor_ms"])
+        floor["graph_over_own_floor_all_reduces"] = row["ms"][GRAPH] / (own + floor["floor_ms"] + floor["all_reduce_ms"])
+    return {**row, "tp_floor": floor}
+
+
 # ---- the tables (report.py renders results files through these) -----------------------------
 
 def value_range(values: list[float] | None) -> str:
@@ -502,6 +542,26 @@ def render_floors(rows: list[dict]) -> list[str]:
     return lines
 
 
+def render_tp_floors(rows: list[dict]) -> list[str]:
+    """The ``tp_floor`` of each row (``with_tp_floor``) as lines; none at TP=1."""
+    lines = []
+    for r in rows:
+        f = r.get("tp_floor")
+        if not f:
+            continue
+        line = (f"TP={f['tp']} batch {r['batch']}, {r['model']} {r['dtype']}: {f['all_reduces_per_step']} "
+                f"all-reduces x {f['all_reduce_ms_per_call']:.3f} ms = {f['all_reduce_ms']:.2f} ms a step")
+        if "floor_ms" in f:
+            line += (f"; reads {f['rank_bytes'] / 1e6:.2f} MB a rank x {f['tp']} at "
+                     f"{f['read_bytes_per_s'] / 1e9:.1f} GB/s = {f['floor_ms']:.2f} ms")
+        if "graph_own_ms" in f:
+            line += (f"; vLLM+graph {r['ms'][GRAPH]:.2f} ms = {f['graph_over_own_and_floor']:.2f}x (vLLM's own work "
+                     f"{f['graph_own_ms']:.2f} ms + reads), {f['graph_over_own_floor_all_reduces']:.2f}x "
+                     "(+ all-reduces)")
+        lines.append(line)
+    return lines
+
+
 def render_startup(sides: dict) -> list[str]:
     """Per model and dtype, each side's start-up seconds (vLLM+graph's capture included in its own)."""
     lines = []
@@ -546,7 +606,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     args.argv = argv
     check_vllm_python(args.vllm_python)
-    settings = Settings(args.new_tokens, args.rounds, threads=args.threads, restarts=args.restarts)
+    settings = Settings(args.new_tokens, args.rounds, threads=args.threads, restarts=args.restarts,
+                        tensor_parallel_size=args.tp)
     torch.set_num_threads(settings.threads)
     rows, about = [], {}
     with tempfile.TemporaryDirectory(prefix="ag-vllm-peer-") as work:
@@ -555,23 +616,27 @@ def main(argv: list[str] | None = None) -> dict:
             config = write_checkpoint(model, path)
             for dtype in args.dtypes:
                 print(f"{model} {dtype}", flush=True)
-                spec = {"model": path, "dtype": dtype, "batches": args.batches,
+                spec = {"model": path, "dtype": dtype, "batches": args.batches, "hidden": config.hidden_size,
                         "prompts": prompts(max(args.batches), config.vocab_size), **dataclasses.asdict(settings)}
                 timed, about[f"{model}/{dtype}"] = measure(args, spec, work)
                 referee = Referee(path)
                 ceiling = about[f"{model}/{dtype}"].get("read_ceiling")
+                all_reduce = about[f"{model}/{dtype}"].pop("all_reduce_ms", None)
                 for b in args.batches:
                     row = with_referee(compare(model, dtype, b, timed[b]), referee, spec["prompts"], timed[b])
-                    rows.append(with_floor(row, ceiling, PROMPT_LEN + settings.new_tokens))
+                    context = PROMPT_LEN + settings.new_tokens
+                    rows.append(with_floor(row, ceiling, context) if args.tp == 1 else
+                                with_tp_floor(row, ceiling, context, args.tp, all_reduce[b]))
                 referee.close()
             shutil.rmtree(path, ignore_errors=True)  # free its disk before the next model's
     out = result_json(args, settings, rows, about)
-    blocks = (render(rows), render_split(rows), render_floors(rows), render_startup(out["sides"]))
+    blocks = (render(rows), render_split(rows), render_floors(rows) + render_tp_floors(rows),
+              render_startup(out["sides"]))
     print("\n\n".join("\n".join(lines) for lines in blocks if lines))
     if args.json:
         write_json(args.json, out)
     else:
-        merge_part("vllm_peer", out, quick=args.quick)
+        merge_part("vllm_peer" if args.tp == 1 else f"vllm_peer_tp{args.tp}", out, quick=args.quick)
     return out
 
 

@@ -41,11 +41,14 @@ def build(spec: dict):
     import vllm
 
     torch.set_num_threads(spec["threads"])  # before vLLM's CPU worker disables set_num_threads
+    tp = spec.get("tensor_parallel_size", 1)
+    extra = {"additional_config": spec["additional_config"]} if "additional_config" in spec else {}
+    if tp > 1:  # the workers are processes of their own: they time themselves (TimedWorker)
+        extra.update(tensor_parallel_size=tp, worker_extension_cls="benchmarks.vllm_worker.TimedWorker")
     start = time.perf_counter()
     llm = vllm.LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
                    block_size=16, max_num_seqs=max(spec["batches"]), skip_tokenizer_init=True, seed=0,
-                   kv_cache_memory_bytes=spec["kv_cache_memory_bytes"],
-                   **({"additional_config": spec["additional_config"]} if "additional_config" in spec else {}))
+                   kv_cache_memory_bytes=spec["kv_cache_memory_bytes"], **extra)
     about = {"init_s": time.perf_counter() - start, "torch_threads": torch.get_num_threads(),
              "versions": {"vllm": vllm.__version__, "torch": torch.__version__,
                           "transformers": transformers.__version__}}
@@ -69,13 +72,64 @@ def time_model_forward(counter) -> None:
     GPUModelRunner._model_forward = timed
 
 
+class TimedWorker:
+    """Mixed into each vLLM worker at tensor_parallel_size > 1 (vLLM's ``worker_extension_cls``),
+    called by name through ``collective_rpc``: the seconds of this worker's model forwards, and
+    vLLM's own TP all-reduce timed alone (every worker calls it at once)."""
+
+    def bench_forward_seconds(self) -> float:
+        """Seconds in this worker's ``_model_forward`` since the first call (which starts the timer)."""
+        if not hasattr(self, "_bench_timer"):
+            self._bench_timer = type("Timer", (), {"forward_seconds": 0.0})()
+            runner, inner = self.model_runner, self.model_runner._model_forward
+
+            def timed(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    self._bench_timer.forward_seconds += time.perf_counter() - start
+
+            runner._model_forward = timed
+        return self._bench_timer.forward_seconds
+
+    def bench_all_reduce_ms(self, rows: int, hidden: int, dtype: str, calls: int) -> float:
+        """Median ms of ``get_tp_group().all_reduce`` of a ``[rows, hidden]`` tensor (what a
+        layer's all-reduce sends), over ``calls`` calls after one warm-up."""
+        import statistics
+
+        import torch
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group, x = get_tp_group(), torch.ones(rows, hidden, dtype=getattr(torch, dtype))
+        group.all_reduce(x.clone())
+        times = []
+        for _ in range(calls):
+            y = x.clone()
+            start = time.perf_counter()
+            group.all_reduce(y)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+
+
 class VllmServed:
     """``build``'s LLM: greedy generations, the time of their model forwards, the plugin's counters."""
 
     def __init__(self, spec: dict) -> None:
         self.forward_seconds = 0.0
+        self.tp = spec.get("tensor_parallel_size", 1)
         time_model_forward(self)
         self.llm, self.about = build(spec)
+        if self.tp > 1:
+            self.llm.collective_rpc("bench_forward_seconds")  # starts each worker's timer
+
+    def _forward_seconds(self) -> float:
+        """The model's forward seconds so far: this process's (TP=1), else the first worker's."""
+        return self.llm.collective_rpc("bench_forward_seconds")[0] if self.tp > 1 else self.forward_seconds
+
+    def all_reduce_ms(self, rows: int, hidden: int, dtype: str, calls: int) -> float:
+        """vLLM's TP all-reduce of ``[rows, hidden]`` alone: the slowest worker's median ms per call."""
+        return max(self.llm.collective_rpc("bench_all_reduce_ms", args=(rows, hidden, dtype, calls)))
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]], float]:
         """The seconds ``LLM.generate`` took (the request built beforehand), the new tokens, and the
@@ -84,15 +138,15 @@ class VllmServed:
 
         params = vllm.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
         requests = [{"prompt_token_ids": p} for p in prompts]
-        forward_before = self.forward_seconds
+        forward_before = self._forward_seconds()
         start = time.perf_counter()
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        return seconds, [list(o.outputs[0].token_ids) for o in outputs], self.forward_seconds - forward_before
+        return seconds, [list(o.outputs[0].token_ids) for o in outputs], self._forward_seconds() - forward_before
 
     def stats(self) -> dict:
-        (stats,) = self.llm.collective_rpc("ascend_graph_runner_stats")  # the plugin's worker method
-        return stats
+        stats = self.llm.collective_rpc("ascend_graph_runner_stats")  # the plugin's worker method
+        return stats[0]  # the TP workers run the same steps
 
 
 class EngineServed:
@@ -137,6 +191,9 @@ def serve(spec: dict) -> None:
         request = json.loads(line)
         if request.get("stats"):
             reply({"stats": served.stats()})
+            continue
+        if "all_reduce" in request:
+            reply({"ms": served.all_reduce_ms(*request["all_reduce"])})
             continue
         seconds, tokens, forward = served.generate(spec["prompts"][:request["batch"]], request["new_tokens"])
         reply({"seconds": seconds, "tokens": tokens, **({} if forward is None else {"forward_seconds": forward})})
@@ -200,9 +257,13 @@ class WorkerSide:
         self.log = open(self.log_path, "w", encoding="utf-8")
         path = root if root is None or spec.get("engine") else os.pathsep.join(
             [root, plugin_path(os.path.join(workdir, "plugin"))])
+        tp = spec.get("tensor_parallel_size", 1)
+        if tp > 1 and path is None:  # the workers import TimedWorker from this checkout
+            path = os.path.dirname(os.path.dirname(WORKER))
+        threads = max(1, spec["threads"] // tp)  # per worker process: the side's threads shared out
         self.proc = subprocess.Popen([python, WORKER, spec_path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True,
-                                     env=vllm_env(os.path.join(workdir, f"{name}_cache"), spec["threads"], path))
+                                     env=vllm_env(os.path.join(workdir, f"{name}_cache"), threads, path))
         self.graph = "additional_config" in spec or bool(spec.get("engine"))
         self.about: dict | None = None
         self.forward_seconds: float | None = None  # of the last generation (vLLM sides)
@@ -217,6 +278,10 @@ class WorkerSide:
         answer = self._ask({"batch": batch, "new_tokens": new_tokens})
         self.forward_seconds = answer.get("forward_seconds")
         return answer["seconds"], answer["tokens"]
+
+    def all_reduce_ms(self, rows: int, hidden: int, dtype: str, calls: int = 20) -> float:
+        """vLLM's own TP all-reduce of ``[rows, hidden]`` alone, ms per call (a vLLM side at TP > 1)."""
+        return self._ask({"all_reduce": [rows, hidden, dtype, calls]})["ms"]
 
     def _ask(self, request: dict) -> dict:
         self.ready()

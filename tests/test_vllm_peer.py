@@ -200,3 +200,35 @@ def test_the_vllm_graph_side_captures_every_batch_and_never_times_eager():
         with pytest.raises(RuntimeError, match="eagerly"):
             vllm_worker.check_graph_steps(stats)
 
+
+
+def test_a_tp_row_states_its_read_floor_and_all_reduces_against_a_hand_count():
+    """The bound of a TP=2 row: one rank's bytes (counted here by hand from the tiny model's widths)
+    x 2 at the read rate, plus 2 all-reduces per layer at the timed cost."""
+    row = vllm_peer.compare("tiny", "float32", 1, {"vllm": side(10.0, [[1]]), "vllm_graph": side(8.0, [[1]])})
+    row["own_ms"] = {"vllm_graph": 3.0}
+    ceiling = {"bytes": 1e9, "round_s": [0.5, 0.25], "how": "fake"}  # 4 GB/s at the fastest round
+    out = vllm_peer.with_tp_floor(row, ceiling, context=10, tp=2, all_reduce_ms=0.5)["tp_floor"]
+    c = vllm_peer.MODELS["tiny"]()
+    e, heads, v, r, ckv = c.hidden_size, c.num_attention_heads // 2, c.v_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+    qk = c.qk_nope_head_dim + r
+    attention = e * heads * qk + e * (ckv + r) + ckv * heads * (c.qk_nope_head_dim + v) + heads * v * e + ckv + 2 * e
+    dense = 3 * e * (c.intermediate_size // 2)
+    # the router (replicated), top-k routed experts and the shared experts, each expert's rank half
+    moe = e * c.n_routed_experts + c.num_experts_per_tok * 3 * e * c.moe_intermediate_size // 2 \
+        + 3 * e * c.n_shared_experts * c.moe_intermediate_size // 2
+    weights = 2 * attention + dense + moe + e + e * c.vocab_size + e  # layers, embedding row, head, final norm
+    cache = 2 * 10 * (ckv + r)  # the row's latent and rope entries of both layers
+    assert out["rank_bytes"] == pytest.approx(4 * (weights + cache), rel=0.01)
+    assert out["floor_ms"] == pytest.approx(2 * out["rank_bytes"] / 4e9 * 1e3)
+    assert out["all_reduces_per_step"] == 4 and out["all_reduce_ms"] == pytest.approx(2.0)
+    assert out["graph_over_own_and_floor"] == pytest.approx(8.0 / (3.0 + out["floor_ms"]))
+    assert out["graph_over_own_floor_all_reduces"] == pytest.approx(8.0 / (3.0 + out["floor_ms"] + 2.0))
+    assert "all-reduces x 0.500 ms" in vllm_peer.render_tp_floors([{**row, "tp_floor": out}])[0]
+
+
+def test_tp_runs_have_no_engine_side_and_threads_shared_out():
+    args = vllm_peer.parse_args(["--tp", "2", "--threads", "2"])
+    assert args.sides == ["vllm", "vllm_graph"]
+    with pytest.raises(SystemExit):
+        vllm_peer.parse_args(["--tp", "2", "--threads", "3"])
