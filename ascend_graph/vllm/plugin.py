@@ -15,10 +15,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .parallel import check_split
-
 from .flags import (ARCHITECTURES, check_platform, graph_architecture, has_flag, moe_kernel,
                     parse_additional_config, platform_name, runs_graph_mode)
+from .parallel import check_split
 
 log = logging.getLogger(__name__)
 
