@@ -134,7 +134,8 @@ def _vllm_config(additional, architectures=("DeepseekV2ForCausalLM",), hf: dict 
     """What ``plugin.apply_flag`` reads of a ``VllmConfig``; ``hf``: the checkpoint's config
     (default the built-in ``small`` model's: 4 heads, intermediate 128, 8 experts of 32)."""
     hf = dict(dataclasses.asdict(DeepseekConfig.small()), **(hf or {}))
-    hf_config = SimpleNamespace(architectures=list(architectures), to_dict=lambda: dict(hf))
+    hf_config = SimpleNamespace(architectures=list(architectures))
+    hf_config.to_dict = lambda: {**hf, "architectures": list(hf_config.architectures)}  # as transformers' does
     return SimpleNamespace(additional_config=additional, scheduler_config=SimpleNamespace(max_num_seqs=8),
                            model_config=SimpleNamespace(hf_config=hf_config), speculative_config=None,
                            lora_config=None, kv_transfer_config=None,
@@ -220,13 +221,22 @@ def test_the_hook_wraps_a_platform_once(monkeypatch):
     assert len(cpu.stock_calls) == 1
 
 
-def test_graph_mode_at_tensor_parallel_size_two_switches_the_class(monkeypatch):
+@pytest.mark.parametrize("architecture", ["DeepseekV2ForCausalLM", "LlamaForCausalLM"])
+def test_graph_mode_at_tensor_parallel_size_two_switches_the_class_and_passes_a_second_check(monkeypatch,
+                                                                                            architecture):
+    """vLLM's multi-process engine core checks the config again, already naming our class."""
     monkeypatch.setattr(plugin, "_no_vllm_compile", lambda config: None)
-    config = _vllm_config(ON)
+    llama = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 num_hidden_layers=2, vocab_size=128, rope_theta=500.0)
+    config = _vllm_config(ON, architectures=(architecture,))
+    if architecture.startswith("Llama"):
+        hf_config = config.model_config.hf_config
+        hf_config.to_dict = lambda: {**llama, "architectures": list(hf_config.architectures)}
     config.parallel_config.tensor_parallel_size = 2
-    config.parallel_config.enable_expert_parallel = True
-    plugin.apply_flag(config, CPU)
-    assert config.model_config.hf_config.architectures == [flags.ARCHITECTURES["DeepseekV2ForCausalLM"]]
+    config.parallel_config.enable_expert_parallel = architecture.startswith("Deepseek")
+    for _ in range(2):
+        plugin.apply_flag(config, CPU)
+        assert config.model_config.hf_config.architectures == [flags.ARCHITECTURES[architecture]]
 
 
 @pytest.mark.parametrize("setting, value, named", [

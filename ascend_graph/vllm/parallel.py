@@ -59,13 +59,15 @@ def check_split(vllm_config: Any) -> None:
     ``LLM(...)``, before any worker starts (vLLM itself checks only the head count)."""
     from ..models import DeepseekConfig, DeepseekForCausalLM, LlamaConfig, LlamaForCausalLM
     from ..models.tensor_parallel import check_split as check_model_split
-    from .flags import graph_architecture
+    from .flags import ARCHITECTURES, graph_architecture
 
     parallel = vllm_config.parallel_config
     hf = vllm_config.model_config.hf_config
-    llama = graph_architecture(getattr(hf, "architectures", None)) == "AscendGraphLlamaForCausalLM"
-    cls, config = (LlamaForCausalLM, LlamaConfig) if llama else (DeepseekForCausalLM, DeepseekConfig)
-    check_model_split(cls, config.from_dict(hf.to_dict()),
+    ours = graph_architecture(getattr(hf, "architectures", None))  # the config may already name ours:
+    checkpoint = {v: k for k, v in ARCHITECTURES.items()}[ours]  # vLLM's engine core checks it again
+    cls, config = (LlamaForCausalLM, LlamaConfig) if ours == "AscendGraphLlamaForCausalLM" else \
+        (DeepseekForCausalLM, DeepseekConfig)
+    check_model_split(cls, config.from_dict({**hf.to_dict(), "architectures": [checkpoint]}),
                       ParallelConfig(parallel.tensor_parallel_size, 1, bool(parallel.enable_expert_parallel)))
 
 
