@@ -7,6 +7,7 @@ caches. See docs/vllm.md.
 
     python examples/vllm_graph_mode.py /path/to/DeepSeek-V2-Lite            # graph mode on
     python examples/vllm_graph_mode.py /path/to/DeepSeek-V2-Lite --stock    # stock vLLM, for comparison
+    python examples/vllm_graph_mode.py /path/to/DeepSeek-V2-Lite --tensor-parallel-size 2 --enable-expert-parallel
 
 vLLM's CPU MLA wants block size 16 (and a DeepSeek head of 512 + 64); on a shared machine run
 with ``VLLM_CPU_OMP_THREADS_BIND=nobind``.
@@ -27,6 +28,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--parity-interval", type=int, default=0, help="check every N-th graph step against eager")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM workers, each with its share")
+    p.add_argument("--enable-expert-parallel", action="store_true", help="routed experts spread over the workers")
     return p.parse_args()
 
 
@@ -52,14 +55,15 @@ def main() -> None:
     text = has_tokenizer(args.model)
     llm = vllm.LLM(args.model, block_size=16, max_num_seqs=args.max_num_seqs, max_model_len=512,
                    kv_cache_memory_bytes=256 << 20, skip_tokenizer_init=not text,
+                   tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
                    additional_config={} if args.stock else additional_config(args))
     params = vllm.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=text)
     prompts = (["The capital of France is", "def fibonacci(n):", "In 1969, the first"] if text
                else [{"prompt_token_ids": ids} for ids in ([1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14])])
     for prompt, out in zip(prompts, llm.generate(prompts, params)):
         print(f"{prompt!r} -> {out.outputs[0].text if text else list(out.outputs[0].token_ids)!r}")
-    if not args.stock:
-        print(json.dumps(runner_stats(llm), indent=2))
+    if not args.stock:  # one dict per worker (each runs the same steps on its share)
+        print(json.dumps(runner_stats(llm, per_worker=True), indent=2))
 
 
 if __name__ == "__main__":  # vLLM may spawn processes: the work must not run on import

@@ -283,14 +283,15 @@ def test_the_ascend_graph_backend_compiles_vllms_own_graph_with_tokens_equal_tra
 
 def test_the_example_serves_a_checkpoint_in_graph_mode_in_vllms_multiprocess_engine(vllm_run, checkpoints):
     """``examples/vllm_graph_mode.py`` as a user runs it, in vLLM's default multi-process engine (the
-    engine core in its own process; the counters read across processes by ``runner_stats``):
-    transformers' tokens, every capture size compiled once."""
+    engine core in its own process) at tensor_parallel_size=2 (two workers of their own; the
+    counters read across processes by ``runner_stats``): transformers' tokens, every capture size
+    compiled once on each worker."""
     path, _ = checkpoints["v2_greedy"]
     example = ROOT / "examples" / "vllm_graph_mode.py"
     env = {**vllm_run.env, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     with open(vllm_run.root / "example_log.txt", "w") as stderr:
         proc = subprocess.Popen([vllm_run.python, str(example), path, "--max-tokens", "4", "--sizes", "1,4",
-                                 "--max-num-seqs", "4"], cwd=vllm_run.root, env=env, stdout=subprocess.PIPE,
+                                 "--max-num-seqs", "4", "--tensor-parallel-size", "2"], cwd=vllm_run.root, env=env, stdout=subprocess.PIPE,
                                 stderr=stderr, text=True, start_new_session=True)
         try:
             out, _ = proc.communicate(timeout=900)
@@ -301,8 +302,11 @@ def test_the_example_serves_a_checkpoint_in_graph_mode_in_vllms_multiprocess_eng
     printed = [ast.literal_eval(line.split(" -> ")[1]) for line in lines if " -> " in line]
     prompts = [ast.literal_eval(line.split(" -> ")[0])["prompt_token_ids"] for line in lines if " -> " in line]
     assert printed == transformers_greedy(path, prompts, 4)
-    stats = json.loads("\n".join(lines[lines.index("{"):]))
-    # requests reach the engine core one by one: a later one may prefill beside earlier decodes
-    assert set(stats["eager_steps"]) <= {"prefill", "mixed"} and stats["graph_steps"] >= 4 - 2
-    assert stats["compiles"] + stats["packages_loaded"] == 2  # sizes 1 and 4 (max_num_seqs)
-    assert stats["recompiles"] == 0 and stats["compile_failures"] == 0
+    workers = json.loads("\n".join(lines[lines.index("["):]))
+    assert [w["parallel"]["tp_rank"] for w in workers] == [0, 1]
+    for stats in workers:
+        # requests reach the engine core one by one: a later one may prefill beside earlier decodes
+        assert set(stats["eager_steps"]) <= {"prefill", "mixed"} and stats["graph_steps"] >= 4 - 2
+        assert stats["compiles"] + stats["packages_loaded"] == 2  # sizes 1 and 4 (max_num_seqs)
+        assert stats["recompiles"] == 0 and stats["compile_failures"] == 0
+        assert stats["graph_steps"] == workers[0]["graph_steps"]
