@@ -79,19 +79,18 @@ class TimedWorker:
 
     def bench_forward_seconds(self) -> float:
         """Seconds in this worker's ``_model_forward`` since the first call (which starts the timer)."""
-        if not hasattr(self, "_bench_timer"):
-            self._bench_timer = type("Timer", (), {"forward_seconds": 0.0})()
-            runner, inner = self.model_runner, self.model_runner._model_forward
+        if not hasattr(self, "_bench_forward_s"):
+            self._bench_forward_s, inner = 0.0, self.model_runner._model_forward
 
             def timed(*args, **kwargs):
                 start = time.perf_counter()
                 try:
                     return inner(*args, **kwargs)
                 finally:
-                    self._bench_timer.forward_seconds += time.perf_counter() - start
+                    self._bench_forward_s += time.perf_counter() - start
 
-            runner._model_forward = timed
-        return self._bench_timer.forward_seconds
+            self.model_runner._model_forward = timed
+        return self._bench_forward_s
 
     def bench_all_reduce_ms(self, rows: int, hidden: int, dtype: str, calls: int) -> float:
         """Median ms of ``get_tp_group().all_reduce`` of a ``[rows, hidden]`` tensor (what a
