@@ -30,6 +30,7 @@ def ep_checks(rank: int, world_size: int, ports: list[int]) -> dict:
     state = init_parallel(ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True), rank=rank,
                           world_size=world_size, init_method=f"tcp://127.0.0.1:{ports[0]}", timeout_s=240)
     out["tp"] = {version: _tp_ep(state, version) for version in VERSIONS}
+    out["flips"] = {case: tp_flip(state, case) for case in FLIP_CASES}
     destroy_parallel()
     state = init_parallel(ParallelConfig(data_parallel_size=2, enable_expert_parallel=True), rank=rank,
                           world_size=world_size, init_method=f"tcp://127.0.0.1:{ports[1]}", timeout_s=240)
@@ -71,6 +72,45 @@ def _tp_ep(state, version: str) -> dict:
         return {**_graph_and_eager_decode(model), **_layout(model)}
     tokens, (logits,) = greedy_decode([make_runner(model, GraphConfig(enabled=False))])
     return {"tokens": tokens, "eager_logits": logits, **_layout(model)}
+
+
+# the stand-in graph of ``tp_flip``: token 0 took its next group at the flattened router; "apart":
+# on rank 1 token 1's logits are also off (the ranks hold different tokens to explain)
+FLIP_CASES = ("agreed", "apart")
+
+
+def tp_flip(state, case: str) -> dict:
+    """A parity check under TP=2 + EP (V3, its first router's scores within rounding of each other
+    for every token) whose stand-in "graph" is the eager step with token 0's last group swapped for
+    the next there: the report, and how many eager steps this rank ran (each all-reduces)."""
+    from runner_helpers import Schedule, make_runner, prefilled
+
+    from ascend_graph.config import GraphConfig
+    from ascend_graph.runner import parity
+
+    model = sharded(state, "v3")
+    flat = parity._routers(model)[0][1].weight
+    with torch.no_grad():  # replicated: the same on every rank
+        flat.copy_(flat[:1] + 1e-6 * torch.randn(flat.shape, generator=torch.Generator().manual_seed(1)))
+    runner = make_runner(model, GraphConfig(enabled=False))
+    sched = Schedule()
+    prefilled(runner, sched, 3, model.config.vocab_size)
+    step, eager, runs = runner.prepare(sched.decode_entries()), runner.run_prepared, []
+
+    def run_prepared(step, mode):
+        if mode == "eager":
+            runs.append(mode)
+            return eager(step, mode)
+        with parity._routing(parity._routers(model), 0.0, swap=(0, 0, "groups")):
+            logits = eager(step, "eager").clone()
+        if case == "apart" and state.rank == 1:
+            logits[1] += 0.5
+        return logits
+
+    runner.run_prepared = run_prepared
+    report = parity.compare_prepared(runner, step)
+    return {"ok": report.ok, "flips": [[f["token"], f["router"], "groups" in f] for f in report.routing_flips],
+            "eager_runs": len(runs)}
 
 
 class CountingMoE(MoEBackend):

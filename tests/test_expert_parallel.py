@@ -75,6 +75,19 @@ def test_tensor_and_expert_parallel_graph_holds_only_all_reduces_and_compiles_on
         assert result["stats"] == {"compiles": 1, "recompiles": 0, "compile_failures": 0, "graph_steps": 5}
 
 
+def test_tensor_parallel_ranks_rerun_a_routing_near_tie_together_or_not_at_all(ranks) -> None:
+    """Under TP every rank holds the same step and replicated routers: a parity mismatch that a
+    near-tie swap reproduces passes on every rank, each running the same eager reruns (each one
+    all-reduces); where the ranks hold different tokens to explain, none reruns and every rank
+    reports the mismatch (a rank rerunning alone would leave the others waiting in a collective)."""
+    agreed = [r["flips"]["agreed"] for r in ranks]
+    assert [a["ok"] for a in agreed] == [True] * WORLD
+    assert [a["flips"] for a in agreed] == [[[0, "model.layers.0.mlp.gate", True]]] * WORLD
+    assert agreed[0]["eager_runs"] == agreed[1]["eager_runs"] > 1
+    apart = [r["flips"]["apart"] for r in ranks]
+    assert apart == [{"ok": False, "flips": [], "eager_runs": 1}] * WORLD
+
+
 # ---- DP=2 + EP: each rank its own rows (3 and 1), padded to one size ----
 
 def dp_oracle(version: str, rank: int) -> tuple[list, list]:

@@ -18,6 +18,7 @@ wrote). ``ParityReport.routing_flips`` lists the swaps that did.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..distributed import agree
 from ..kv_cache import NULL_BLOCK
 from .block_digest import block_digests, changed_blocks
 from .lockstep import agree_plan, idle_step, planned
@@ -194,11 +196,10 @@ def compare_prepared(runner: "GraphRunner", step: "PreparedStep", *, atol: Optio
     tokens_ok, blocks_ok = close(eager_logits, eager_blocks)
     bad = [i for i, good in enumerate(tokens_ok) if not good]
     flips = []
+    owners = _block_owners(step, written, runner.block_size)
+    tries = _flip_tries(runner, owners, bad, blocks_ok, near)
     if bad or not all(blocks_ok[live_rows]):
-        owners = _block_owners(step, written, runner.block_size)
-        # a rerun on one rank alone would desync the collectives of ranks in lockstep (``lockstep``)
-        alone = owners and runner.parallel.world_size == 1
-        explained = _flips_for(runner, step, bad, owners, blocks_ok, routers, near, before, written, close) if alone else {}
+        explained = _flips_for(runner, step, tries, owners, routers, before, written, close)
         flips = [explained[i] for i in sorted(explained)]
         if any(t not in explained for t in bad) or any(not blocks_ok[r] and owners.get(r) not in explained
                                                        for r in live_rows):
@@ -249,24 +250,44 @@ def _block_owners(step: "PreparedStep", written: Tensor, block_size: int) -> dic
     return {index[s // block_size]: t for t, s in enumerate(step.meta.slot_mapping.tolist()) if s >= 0}
 
 
-def _flips_for(runner, step, bad: list[int], owners: dict[int, int], blocks_ok: Tensor, routers: list, near: list,
-               before: list, written: Tensor, close) -> dict[int, dict]:
-    """For each token beyond tolerance (a bad logits row or a bad block it wrote), the first of its
-    recorded near-ties whose swap makes eager equal the graph on that token."""
-    tokens = sorted({*bad, *(owners[r] for r in owners if not blocks_ok[r])})
-    rows_of = {t: [r for r, o in owners.items() if o == t] for t in tokens}
+def _flip_tries(runner, owners: dict[int, int], bad: list[int], blocks_ok: Tensor, near: list) -> list[dict]:
+    """The near-ties to rerun eagerly, in order: for each decode token beyond tolerance (a bad
+    logits row or a bad block it wrote), its recorded near-ties by margin. Ranks in lockstep (tensor
+    / expert parallel, one data-parallel rank) run the same step on the same replicated router
+    inputs, and rerun only a list that every rank holds (agreed over the host group; else none),
+    as each rerun runs the step's collectives; data-parallel ranks run different steps: none."""
+    tokens = sorted({*bad, *(owners[r] for r in owners if not blocks_ok[r])}) if owners else []
+    tries = [tie for t in tokens for tie in sorted((n for n in near if n["token"] == t), key=lambda n: n["margin"])]
+    state = runner.parallel
+    if state.world_size == 1:
+        return tries
+    if state.dp.size > 1:
+        return []
+    key = [(tie["token"], tie["router"], tie.get("groups"), tie.get("experts")) for tie in tries]
+    digest = int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:7], "little")
+    most, least = agree([digest, -digest], "max", state, what="parity: the routing reruns")
+    return tries if most == -least else []
+
+
+def _flips_for(runner, step, tries: list[dict], owners: dict[int, int], routers: list, before: list,
+               written: Tensor, close) -> dict[int, dict]:
+    """For each token of ``tries``, the first of its near-ties whose swap makes eager equal the graph
+    on that token (its logits row and the blocks it wrote); on every rank alike (``_flip_tries``)."""
     explained = {}
-    for t in tokens:
-        for tie in sorted((n for n in near if n["token"] == t), key=lambda n: n["margin"]):
-            _restore(runner.kv_caches, written, before)
-            kind = "groups" if "groups" in tie else "experts"
-            with _routing(routers, 0.0, swap=(tie["router"], t, kind)):
-                f_logits = runner.run_prepared(step, "eager")
-            rows_ok, f_blocks_ok = close(f_logits, _blocks(runner.kv_caches, written))
-            if rows_ok[t] and all(f_blocks_ok[r] for r in rows_of[t]):
-                explained[t] = {"token": t, "router": routers[tie["router"]][0], kind: tie[kind],
-                                "margin": tie["margin"]}
-                break
+    for tie in tries:
+        t = tie["token"]
+        if t in explained:
+            continue
+        _restore(runner.kv_caches, written, before)
+        kind = "groups" if "groups" in tie else "experts"
+        with _routing(routers, 0.0, swap=(tie["router"], t, kind)):
+            f_logits = runner.run_prepared(step, "eager")
+        rows_ok, f_blocks_ok = close(f_logits, _blocks(runner.kv_caches, written))
+        ok = rows_ok[t] and all(f_blocks_ok[r] for r, o in owners.items() if o == t)
+        if runner.parallel.world_size > 1:
+            ok = bool(agree([int(ok)], "min", runner.parallel, what="parity: a routing rerun")[0])
+        if ok:
+            explained[t] = {"token": t, "router": routers[tie["router"]][0], kind: tie[kind], "margin": tie["margin"]}
     return explained
 
 
