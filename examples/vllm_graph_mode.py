@@ -30,6 +30,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--parity-interval", type=int, default=0, help="check every N-th graph step against eager")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM workers, each with its share")
     p.add_argument("--enable-expert-parallel", action="store_true", help="routed experts spread over the workers")
+    p.add_argument("--dtype", default="auto", help="vLLM's dtype (auto: bfloat16 on CPU)")
     return p.parse_args()
 
 
@@ -53,7 +54,7 @@ def main() -> None:
     from ascend_graph.vllm import runner_stats
 
     text = has_tokenizer(args.model)
-    llm = vllm.LLM(args.model, block_size=16, max_num_seqs=args.max_num_seqs, max_model_len=512,
+    llm = vllm.LLM(args.model, block_size=16, max_num_seqs=args.max_num_seqs, max_model_len=512, dtype=args.dtype,
                    kv_cache_memory_bytes=256 << 20, skip_tokenizer_init=not text,
                    tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
                    additional_config={} if args.stock else additional_config(args))
