@@ -8,7 +8,8 @@ xdist group; the probes that read each worker's graphs are shipped by ``collecti
 vLLM's ``VLLM_ALLOW_INSECURE_SERIALIZATION`` (the test's own processes only).
 
 V2 in graph mode at TP=2 (vLLM's fused-MoE kernel on each share) is the example's test in
-test_vllm_plugin, in vLLM's multi-process engine.
+test_vllm_plugin, in vLLM's multi-process engine, against transformers (stock V2 at TP=2 gave
+transformers' tokens too; dropped from the suite for time, each TP=2 ``LLM`` costs ~60 s here).
 
 Oracles: transformers' float32 greedy tokens, stock vLLM at TP=2 (the same ``LLM`` without the
 flag, eager with native ops as test_vllm_plugin's V3 stock side; stock at TP=1 equals
@@ -50,7 +51,6 @@ def runs(vllm_run, checkpoints, llama):  # noqa: F811
     llama_tp = dict(LLAMA_ARGS, tensor_parallel_size=TP)
     graph = {"graph_ops": True, "per_worker": True}
     specs = {
-        "v2_stock": {"model": v2, "llm": dict(tp, **STOCK, **STOCK_MLA)},
         "v3_ep_graph": {"model": v3, "llm": dict(tp, enable_expert_parallel=True, additional_config=ON), **graph},
         "v3_stock": {"model": v3, "llm": dict(tp, **STOCK, **STOCK_MLA)},  # no expert parallel: see above
         "llama_graph": {"model": llama_path, "llm": dict(llama_tp, additional_config=ON), "prompts": LLAMA_PROMPTS,
@@ -71,7 +71,6 @@ def runs(vllm_run, checkpoints, llama):  # noqa: F811
 
 def test_graph_mode_at_tp2_gives_transformers_and_stock_tokens(runs, checkpoints, llama) -> None:  # noqa: F811
     # V2's graph mode at TP=2 (vLLM's fused-MoE kernel on each share): test_vllm_plugin's example test
-    assert runs["v2_stock"]["tokens"] == checkpoints["v2_greedy"][1]
     assert runs["llama_graph"]["tokens"] == runs["llama_stock"]["tokens"] == llama[1]
     assert runs["v3_ep_graph"]["tokens"] == runs["v3_stock"]["tokens"] == checkpoints["v3"][1]
     for name, run in runs.items():
