@@ -24,6 +24,10 @@ call it; call it again after changing weights in place or replacing them) and ar
   checkpoint's ``[N, K]``).
 The model never chooses graph or eager: the runner compiles ``forward`` or not.
 
+Multi-token-prediction layers (``mtp_layers`` of V3's ``num_nextn_predict_layers``; none unless
+asked for) are ``mtp.{i}`` (``mtp.py``), each with one more cache after the target's layers
+(``kv_cache_specs``); ``forward`` leaves it alone, ``mtp_predict`` runs it.
+
 Tensor parallel (``tp``, a group of ``distributed``), as vLLM shards DeepSeek: ``q_a_proj``,
 ``kv_a_proj_with_mqa`` and their norms replicated; ``q_proj`` / ``q_b_proj`` and ``kv_b_proj``
 split by head (so ``w_uk_t`` / ``w_uv`` are this rank's heads'); ``o_proj`` by input columns, then
@@ -44,19 +48,18 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..attention import AttentionMetadata, MLABackend, select_attention_backend
-from ..attention.base import AttentionShape
-from ..distributed import Group, all_reduce
+from ..attention import AttentionMetadata
+from ..distributed import Group
 from ..kv_cache import MLACache, MLACacheSpec
-from .deepseek_config import DeepseekConfig
-from ..layers import ChosenBackend, RMSNorm, linear
-from ..moe import MLP, MoE
+from ..layers import linear
 from ..moe.layer import expert_range
+from .deepseek_config import DeepseekConfig
+from .deepseek_layers import DecoderLayer, MLAttention, _earlier_kv_b_order, kv_b_parts  # noqa: F401 (public here)
+from .mtp import MTPLayer, check_mtp_layers
+from .rope import RotaryEmbedding
 from .selection import ChoosesBackends
-from .rope import RotaryEmbedding, softmax_scale
-from .tensor_parallel import local_size, shard_index, split_dim
-
-_LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
+from .tensor_parallel import shard_index, split_dim
+from ..layers import RMSNorm
 
 # how a tensor-parallel rank splits each linear's checkpoint weight: by output rows (0: per head,
 # per intermediate feature) or by input columns (1, its output all-reduced); routed experts'
@@ -76,125 +79,6 @@ def _tp_split(name: str) -> tuple[Optional[int], int]:
         if name.endswith(leaf):
             return dim, 2 if leaf.endswith("gate_up_proj") else 1
     return split_dim(name, TP_SPLIT), 1
-
-
-class MLAttention(ChosenBackend, nn.Module):
-    """Multi-head latent attention of one layer: writes the new tokens' latent and rope key into
-    the layer's cache, then runs absorbed MLA for decode rows and plain MLA for prefills."""
-
-    def __init__(self, config: DeepseekConfig, dtype: torch.dtype, device=None, tp: Group = Group.single()) -> None:
-        super().__init__()
-        e, bias, self.tp = config.hidden_size, config.attention_bias, tp
-        h = local_size(config.num_attention_heads, tp, "num_attention_heads")  # this rank's heads
-        self.num_heads, self.kv_lora_rank = h, config.kv_lora_rank
-        self.qk_nope_head_dim, self.qk_rope_head_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
-        self.v_head_dim, self.rope_interleave = config.v_head_dim, config.rope_interleave
-        self.scale = softmax_scale(config)
-        q_out = h * config.qk_head_dim
-        self.q_lora = config.q_lora_rank is not None
-        if not self.q_lora:
-            self.q_proj = linear(e, q_out, dtype, device)
-        else:
-            self.q_a_proj = linear(e, config.q_lora_rank, dtype, device, bias)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, _LATENT_NORM_EPS, dtype, device)
-            self.q_b_proj = linear(config.q_lora_rank, q_out, dtype, device)
-        self.kv_a_proj_with_mqa = linear(e, config.kv_lora_rank + config.qk_rope_head_dim, dtype, device, bias)
-        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, _LATENT_NORM_EPS, dtype, device)
-        self.kv_b_proj = linear(config.kv_lora_rank, h * (config.qk_nope_head_dim + config.v_head_dim),
-                                dtype, device)
-        self.o_proj = linear(h * config.v_head_dim, e, dtype, device, bias)
-        self.backend: MLABackend = self.use_backend()
-        # derived from kv_b_proj.weight by process_weights_after_loading(); never in the state dict
-        self.register_buffer("w_uk_t", None, persistent=False)  # [H, C, Dn]
-        self.register_buffer("w_uv", None, persistent=False)  # [H, Dv, C]
-        self.register_load_state_dict_post_hook(_rebuild_after_load)
-
-    @property
-    def cached_rope_layout(self) -> str:
-        """How this layer's ``k_pe`` lies in its cache (``MLABackend.cached_rope_layout``)."""
-        return self.backend.cached_rope_layout(self.rope_interleave)
-
-    def _choose_backend(self, name: str | None) -> MLABackend:
-        weight = self.kv_a_proj_with_mqa.weight
-        shape = AttentionShape(self.num_heads, 1, self.qk_nope_head_dim + self.qk_rope_head_dim, self.kv_lora_rank,
-                               self.qk_rope_head_dim, self.v_head_dim)
-        return select_attention_backend("mla", weight.device, weight.dtype, name, shape)
-
-    @torch.no_grad()
-    def process_weights_after_loading(self) -> None:
-        """Build ``w_uk_t`` and ``w_uv`` from ``kv_b_proj.weight`` (``kv_b_parts``)."""
-        self.w_uk_t, self.w_uv = kv_b_parts(self.kv_b_proj.weight.detach(), self.num_heads, self.qk_nope_head_dim,
-                                            self.v_head_dim)
-
-    def _query(self, x: Tensor) -> Tensor:
-        if not self.q_lora:
-            return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: MLACache, meta: AttentionMetadata) -> Tensor:
-        """``x [T, E]`` -> ``[T, E]``; writes the ``T`` new tokens into ``cache`` first."""
-        if self.w_uv is None:  # before the cache write: a failed step leaves the cache as it was
-            raise RuntimeError("MLAttention's W_UK / W_UV are not built: call process_weights_after_loading()")
-        t, h = x.shape[0], self.num_heads
-        dn, r, c = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
-        q_nope, q_pe = self._query(x).view(t, h, dn + r).split([dn, r], dim=-1)  # [T, H, Dn], [T, H, R]
-        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([c, r], dim=-1)  # [T, C], [T, R]
-        q_pe = self.backend.rope_query(q_pe, cos, sin, self.rope_interleave)
-        cache = self.backend.write_latent(cache, kv_c, k_pe, self.kv_a_layernorm, cos, sin, meta.slot_mapping,
-                                          self.rope_interleave)  # read what the write returns
-        w_uk, w_uv = self.w_uk_t.transpose(1, 2), self.w_uv  # [H, Dn, C], [H, Dv, C]
-        n_dec, outs = meta.num_decode_tokens, []
-        if meta.decode is not None:
-            outs.append(self.backend.decode(q_nope[:n_dec], q_pe[:n_dec], cache, meta.decode, w_uk, w_uv, self.scale))
-        if meta.prefill is not None:
-            outs.append(self.backend.prefill(q_nope[n_dec:], q_pe[n_dec:], cache, meta.prefill, w_uk, w_uv,
-                                             self.scale))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, H, Dv]
-        return all_reduce(self.o_proj(out.flatten(1)), self.tp)  # [T, E]
-
-
-def kv_b_parts(weight: Tensor, h: int, dn: int, dv: int) -> tuple[Tensor, Tensor]:
-    """A checkpoint's ``kv_b_proj.weight`` (``[H*(Dn + Dv), C]``, rows per head: ``W_UK`` then
-    ``W_UV``) -> ``(W_UK transposed [H, C, Dn], W_UV [H, Dv, C])``, new contiguous tensors."""
-    per_head = weight.view(h, dn + dv, weight.shape[1])  # [H, Dn + Dv, C]
-    return per_head[:, :dn].transpose(1, 2).contiguous(), per_head[:, dn:].contiguous()
-
-
-def _earlier_kv_b_order(draw: Tensor, h: int, dn: int, dv: int) -> Tensor:
-    """``draw [H*Dn + H*Dv, C]`` read as earlier versions laid ``kv_b_proj.weight`` out (every
-    head's ``W_UK`` transposed, ``[H, C, Dn]``, then every head's ``W_UV``, ``[H, Dv, C]``), in
-    the checkpoint's order (per head ``W_UK`` then ``W_UV``): the seeded models, and the results
-    recorded with them, stay the same."""
-    c = draw.shape[1]
-    uk_t, uv = draw[:h * dn].reshape(h, c, dn), draw[h * dn:].reshape(h, dv, c)
-    return torch.cat([uk_t.transpose(1, 2), uv], dim=1).reshape(h * (dn + dv), c)
-
-
-def _rebuild_after_load(module: MLAttention, incompatible_keys) -> None:
-    """``load_state_dict`` post-hook: the derived forms follow the loaded ``kv_b_proj.weight``."""
-    module.process_weights_after_loading()
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm block: latent attention, then a dense MLP or a mixture of experts."""
-
-    def __init__(self, config: DeepseekConfig, layer: int, dtype: torch.dtype, device=None,
-                 tp: Group = Group.single(), dp: Group = Group.single(), ep: Group = Group.single()) -> None:
-        super().__init__()
-        self.self_attn = MLAttention(config, dtype, device, tp)
-        self.mlp: nn.Module = (MoE(config, dtype, device, tp=tp, dp=dp, ep=ep) if config.is_moe_layer(layer)
-                               else MLP(config.hidden_size, config.intermediate_size, dtype, device, tp))
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: MLACache, meta: AttentionMetadata,
-                valid: Optional[Tensor] = None) -> Tensor:
-        """``valid [T]`` bool: which rows are not padding (None: all), for the MoE."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
-        h = self.post_attention_layernorm(x)
-        if isinstance(self.mlp, MoE):  # a step with a prefill runs eager
-            return x + self.mlp(h, prefill=meta.prefill is not None, valid=valid)
-        return x + self.mlp(h)
 
 
 class DeepseekModel(nn.Module):
@@ -253,8 +137,10 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
 
     def __init__(self, config: DeepseekConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, init_weights: bool = True, seed: int = 0,
-                 tp: Group = Group.single(), dp: Group = Group.single(), ep: Group = Group.single()) -> None:
+                 tp: Group = Group.single(), dp: Group = Group.single(), ep: Group = Group.single(),
+                 mtp_layers: int = 0) -> None:
         super().__init__()
+        check_mtp_layers(mtp_layers, config)
         self.config, self.tp, self.dp, self.ep = config, tp, dp, ep
         # the routed experts this rank holds (checked before anything is built)
         self.expert_range = expert_range(config.n_routed_experts or 0, ep)
@@ -263,6 +149,8 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
                               chunked=not config.tie_word_embeddings)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # after every target tensor: a seed draws the same target weights with or without them
+        self.mtp = nn.ModuleList(MTPLayer(config, i, dtype, device, tp, dp, ep) for i in range(mtp_layers))
         if init_weights:
             self.init_random_weights_(seed)
 
@@ -272,7 +160,8 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     def attention_layers(self):
-        return (layer.self_attn for layer in self.model.layers)
+        """Every layer's attention, one per cache: the target's layers, then the MTP layers'."""
+        return (layer.self_attn for layer in (*self.model.layers, *self.mtp))
 
     def parallel_layout(self) -> dict:
         """This rank's place: the TP, DP and EP sizes and ranks, and its routed experts ``[start, stop)``."""
@@ -285,18 +174,41 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
         return f"tp={self.tp.size}, dp={self.dp.size}, ep={self.ep.size}, experts=[{r.start}, {r.stop})"
 
     def kv_cache_specs(self) -> list[MLACacheSpec]:
-        """One ``MLACacheSpec`` per layer, in the model's dtype."""
+        """One ``MLACacheSpec`` per layer, in the model's dtype: the target's, then the MTP layers'."""
         spec = MLACacheSpec(self.config.kv_lora_rank, self.config.qk_rope_head_dim, self.dtype)
-        return [spec] * self.config.num_hidden_layers
+        return [spec] * (self.config.num_hidden_layers + len(self.mtp))
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: tuple[MLACache, ...],
                 attn_metadata: AttentionMetadata) -> Tensor:
         """``input_ids [T]``, ``positions [T]`` (int64) -> final-normed hidden states ``[T, E]``.
 
         Tokens are ordered as ``attn_metadata`` says: decode rows first, then prefill sequences.
-        Each layer writes its new ``kv_c``/``k_pe`` into ``kv_caches[layer]`` in place.
+        Each layer writes its new ``kv_c``/``k_pe`` into ``kv_caches[layer]`` in place; the MTP
+        layers' caches (after the target's) are left alone.
         """
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        n = self.config.num_hidden_layers
+        return self.model(input_ids, positions, kv_caches[:n] if len(kv_caches) == n + len(self.mtp) else kv_caches,
+                          attn_metadata)
+
+    def mtp_predict(self, input_ids: Tensor, positions: Tensor, hidden: Tensor, kv_caches: tuple[MLACache, ...],
+                    attn_metadata: AttentionMetadata, layer: int = 0) -> Tensor:
+        """MTP layer ``layer`` over a step (``mtp.MTPLayer.predict``): row r's token after position
+        ``positions[r]`` and that position's hidden state ``hidden [T, E]`` (``forward``'s, or the
+        previous draft step's) -> ``[T, E]`` for ``compute_mtp_logits`` and the next draft step.
+        Writes the rows into the layer's cache (``kv_caches[num_hidden_layers + layer]``)."""
+        if not 0 <= layer < len(self.mtp):
+            raise ValueError(f"layer must be in [0, {len(self.mtp)}) (the model's MTP layers), got {layer}")
+        if len(kv_caches) != self.config.num_hidden_layers + len(self.mtp):
+            raise ValueError(f"kv_caches has {len(kv_caches)} layers, expected the target's "
+                             f"{self.config.num_hidden_layers} + {len(self.mtp)} MTP")
+        cos, sin = self.model.rotary_emb(positions)
+        valid = valid_rows(attn_metadata, input_ids.shape[0]) if self.ep.size > 1 else None
+        return self.mtp[layer].predict(input_ids, positions, hidden, cos, sin,
+                                       kv_caches[self.config.num_hidden_layers + layer], attn_metadata, valid)
+
+    def compute_mtp_logits(self, hidden: Tensor, layer: int = 0) -> Tensor:
+        """``hidden [T, E]`` (from ``mtp_predict``) -> float32 logits ``[T, V]`` by the MTP layer's head."""
+        return self.mtp[layer].compute_logits(hidden)
 
     def tp_shard(self, name: str, tensor: Tensor) -> Tensor:
         """This rank's share of the full checkpoint tensor ``name`` (``tp_read``): a view, but for

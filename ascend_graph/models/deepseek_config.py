@@ -104,7 +104,7 @@ class DeepseekConfig:
     attention_bias: bool = False
     initializer_range: float = 0.02
     quantization_config: Optional[QuantizationConfig] = None
-    num_nextn_predict_layers: int = 0  # V3's multi-token-prediction layers: never loaded
+    num_nextn_predict_layers: int = 0  # V3's multi-token-prediction layers (models/mtp.py)
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int | tuple[int, ...]] = None
     architectures: tuple[str, ...] = field(default=("DeepseekV2ForCausalLM",))
@@ -188,10 +188,11 @@ class DeepseekConfig:
 
     @classmethod
     def small_v3(cls, **overrides: Any) -> "DeepseekConfig":
-        """A tiny DeepSeek-V3-shaped model: query low-rank, sigmoid ``noaux_tc`` grouped routing."""
+        """A tiny DeepSeek-V3-shaped model: query low-rank, sigmoid ``noaux_tc`` grouped routing,
+        one multi-token-prediction layer (built where a model asks for ``mtp_layers``)."""
         base = dict(q_lora_rank=24, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
                     n_group=4, topk_group=2, topk_method="noaux_tc", scoring_func="sigmoid",
-                    norm_topk_prob=True, routed_scaling_factor=2.5,
+                    norm_topk_prob=True, routed_scaling_factor=2.5, num_nextn_predict_layers=1,
                     rope_scaling=RopeScaling(factor=40.0, original_max_position_embeddings=4096,
                                              mscale=1.0, mscale_all_dim=1.0),
                     architectures=("DeepseekV3ForCausalLM",))

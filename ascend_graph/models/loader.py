@@ -9,8 +9,9 @@ checkpoints and ``save_pretrained`` write them) or already stacked (``mlp.expert
 whose names and shapes are transformers 5's own (``DeepseekV3Experts``); ``checkpoint_tensors``
 maps back. Block-scaled FP8 weights (``float8_e4m3fn`` plus ``weight_scale_inv`` of
 ``[ceil(out / 128), ceil(in / 128)]``, DeepSeek-V3's release format) are dequantized here.
-Multi-token-prediction layers (index >= ``num_hidden_layers``) are skipped. Once every tensor is
-filled, ``model.process_weights_after_loading()`` builds the derived forms.
+Multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``) fill the model's
+``mtp.{i}`` (``mtp.py``) where the model holds them (``mtp_layers``), and are skipped otherwise.
+Once every tensor is filled, ``model.process_weights_after_loading()`` builds the derived forms.
 
 Everything is planned and checked (names, shapes, dtypes) from the file headers before any data
 is read, so a bad checkpoint fails fast with an error naming the tensor.
@@ -35,10 +36,10 @@ from torch import Tensor
 from ..distributed import Group
 from ..runtime import weights_on_huge_pages
 from .deepseek import DeepseekForCausalLM
+from . import mtp
 from .deepseek_config import DeepseekConfig
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT = re.compile(r"^((?:model\.layers|mtp)\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -79,15 +80,17 @@ def checkpoint_files(path: str | os.PathLike) -> dict[str, str]:
     raise FileNotFoundError(f"{path} holds neither model.safetensors nor model.safetensors.index.json")
 
 
-def _target(name: str, config: DeepseekConfig, experts: Optional[range] = None) -> Optional[_Target]:
+def _target(name: str, config: DeepseekConfig, experts: Optional[range] = None,
+            mtp_layers: int = 0) -> Optional[_Target]:
     """The model tensor ``name`` fills, or None for a tensor that is skipped on purpose (also a
-    routed expert outside ``experts``, this rank's range: default all)."""
+    routed expert outside ``experts``, this rank's range: default all; an MTP layer the model does
+    not hold: it holds ``mtp_layers``)."""
     if name.endswith("_scale_inv"):  # an FP8 weight's scale goes where its weight goes
         weight = name[:-len("_scale_inv")]
-        return None if _target(weight, config, experts) is None else _Target(name)
-    layer = _LAYER.match(name)
-    if layer and int(layer.group(1)) >= config.num_hidden_layers:
-        return None  # multi-token-prediction layer
+        return None if _target(weight, config, experts, mtp_layers) is None else _Target(name)
+    name = mtp.state_name(name, config, mtp_layers)
+    if name is None:
+        return None
     if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings):
         return None  # recomputed / shared with the embedding
     expert = _EXPERT.match(name)
@@ -111,16 +114,18 @@ def _piece(model_tensor: Tensor, target: _Target) -> Tensor:
 
 
 def _expected_names(model: DeepseekForCausalLM) -> dict[str, list[str]]:
-    """Checkpoint names that fill each model tensor, in the per-expert form for stacked experts."""
+    """Checkpoint names that fill each model tensor (by its state-dict name), in the per-expert
+    form for stacked experts."""
     config, out = model.config, {}
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
             prefix, parts = name.rsplit(".", 1)[0], ("down",) if name.endswith("down_proj") else ("gate", "up")
+            prefix = mtp.checkpoint_name(prefix, config)
             out[name] = [f"{prefix}.{x}.{p}_proj.weight" for x in model.expert_range for p in parts]
         else:
-            out[name] = [name]
+            out[name] = [mtp.checkpoint_name(name, config)]
     return out
 
 
@@ -138,7 +143,7 @@ def _plan(model: DeepseekForCausalLM, files: dict[str, str]) -> _Plan:
     for name in sorted(files):
         if name.endswith("_scale_inv"):
             continue  # consumed with its weight
-        target = _target(name, config, model.expert_range)
+        target = _target(name, config, model.expert_range, len(model.mtp))
         if target is None:
             continue
         if target.name not in state:
@@ -151,7 +156,7 @@ def _plan(model: DeepseekForCausalLM, files: dict[str, str]) -> _Plan:
             raise CheckpointError(f"tensor {name} has shape {list(shape)}, the model expects {list(expected)}")
         entries[name] = (target, _scale_name(name, dtype, files, headers, config))
         filled.add(name)
-    _check_scales(files, entries, config, model.expert_range)
+    _check_scales(files, entries, config, model.expert_range, len(model.mtp))
     _check_complete(model, filled, unexpected)
     return _Plan(entries)
 
@@ -205,10 +210,10 @@ def _block(config: DeepseekConfig) -> tuple[int, int]:
     return q.weight_block_size if q is not None else (128, 128)
 
 
-def _check_scales(files, entries, config: DeepseekConfig, experts: range) -> None:
+def _check_scales(files, entries, config: DeepseekConfig, experts: range, mtp_layers: int) -> None:
     used = {scale for _, scale in entries.values() if scale}
     for name in files:
-        if name.endswith("_scale_inv") and name not in used and _target(name, config, experts) is not None:
+        if name.endswith("_scale_inv") and name not in used and _target(name, config, experts, mtp_layers) is not None:
             raise CheckpointError(f"unexpected tensor {name}: no FP8 weight {name[:-len('_scale_inv')]} uses it")
 
 
@@ -217,8 +222,8 @@ def _check_complete(model: DeepseekForCausalLM, filled: set[str], unexpected: li
 
     A stacked expert tensor is complete when it came whole or when every expert's part came.
     """
-    missing = [n for tensor, names in _expected_names(model).items() if tensor not in filled
-               for n in names if n not in filled]
+    missing = [n for tensor, names in _expected_names(model).items()
+               if mtp.checkpoint_name(tensor, model.config) not in filled for n in names if n not in filled]
     raise_on_mismatch(missing, unexpected)
 
 
@@ -275,6 +280,7 @@ def checkpoint_tensors(model: DeepseekForCausalLM) -> dict[str, Tensor]:
     what ``load_deepseek`` reads; ``safetensors`` wants them ``.contiguous()``."""
     out = {}
     for name, tensor in model.state_dict().items():
+        name = mtp.checkpoint_name(name, model.config)
         prefix, _, leaf = name.rpartition(".")
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
@@ -290,14 +296,15 @@ def checkpoint_tensors(model: DeepseekForCausalLM) -> dict[str, Tensor]:
 def load_deepseek(path: str | os.PathLike, dtype: Optional[torch.dtype] = None,
                   device: torch.device | str = "cpu", huge_pages: bool = True,
                   tp: Group = Group.single(), dp: Group = Group.single(),
-                  ep: Group = Group.single()) -> DeepseekForCausalLM:
+                  ep: Group = Group.single(), mtp_layers: int = 0) -> DeepseekForCausalLM:
     """Build a ``DeepseekForCausalLM`` from the checkpoint directory ``path``.
 
     ``dtype`` defaults to the checkpoint's ``dtype``/``torch_dtype`` (bfloat16 for FP8 or unknown).
     ``huge_pages``: on CPU, weights and derived forms of 2 MiB or more go onto transparent huge
     pages (``ascend_graph.runtime.weights_on_huge_pages``; decode streams them faster).
     ``tp``, ``dp``, ``ep``: the groups of ``get_parallel_state()``; the model is this rank's share
-    (an expert-parallel rank reads only its experts).
+    (an expert-parallel rank reads only its experts). ``mtp_layers``: how many of the checkpoint's
+    multi-token-prediction layers to load (``num_nextn_predict_layers`` at most; none by default).
     Raises ``CheckpointError`` naming the tensor on missing, unexpected or misshapen tensors.
     """
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
@@ -305,7 +312,8 @@ def load_deepseek(path: str | os.PathLike, dtype: Optional[torch.dtype] = None,
     config = DeepseekConfig.from_dict(raw)
     dtype = dtype or _DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype")), torch.bfloat16)
     files = checkpoint_files(path)
-    model = DeepseekForCausalLM(config, dtype=dtype, device=device, init_weights=False, tp=tp, dp=dp, ep=ep)
+    model = DeepseekForCausalLM(config, dtype=dtype, device=device, init_weights=False, tp=tp, dp=dp, ep=ep,
+                                mtp_layers=mtp_layers)
     _fill(model, files, _plan(model, files))
     model.process_weights_after_loading()
     if huge_pages:
