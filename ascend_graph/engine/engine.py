@@ -36,7 +36,8 @@ from .model_source import FromCheckpoint, FromFullModel
 from .ranks import RankSet, RankSettings, external_rank, serve_external
 from .requests import budgets as _budgets, check_request, stop_ids
 from .sampling import Sampler, SamplingParams
-from .scheduler import Request, Scheduler
+from .scheduler import Request, Scheduler, append_token
+from .speculative import speculation
 from .stats import EngineStats
 from .step_wire import StepKind
 from .tokenizer import Tokenizer, load_tokenizer
@@ -68,6 +69,9 @@ class Engine:
       replica with the fewest requests of the call. ``close()`` (or ``with Engine(...)``) stops the
       ranks. Under an external launcher (``RANK``/``WORLD_SIZE`` set), ranks > 0 serve rank 0's
       steps inside this constructor, then exit the process (``docs/distributed.md``).
+    - ``num_speculative_tokens``: 1 drafts a token per step with the model's MTP layer and
+      verifies it in the next decode step (``speculative.py``; greedy, one process); capture
+      sizes then count requests, each 2 rows of the runner's graphs.
     """
 
     def __init__(self, model, *, graph_config: Optional[GraphConfig] = None, block_size: Optional[int] = None,
@@ -77,11 +81,12 @@ class Engine:
                  tokenizer: Union[Tokenizer, str, os.PathLike, None] = None,
                  backend: Optional[Callable] = None, cache_align_bytes: int = 0,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
-                 rank_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 rank_timeout_s: float = DEFAULT_TIMEOUT_S, num_speculative_tokens: int = 0) -> None:
         self.graph_config = graph_config if graph_config is not None else from_env()
         self.parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
         seats = self.graph_config.max_batch_size if max_num_seqs is None else max_num_seqs
         self.max_num_seqs = _positive("max_num_seqs", seats)
+        self.spec, self.graph_config = speculation(num_speculative_tokens, model, self.parallel, self.graph_config)
         self.ranks: Optional[RankSet] = None
         if self.parallel.world_size > 1:
             if self.graph_config.inductor.precompile is None:  # a saved step's process groups do not load again
@@ -181,6 +186,7 @@ class Engine:
     def stats(self) -> dict:
         """The runner's counters (graph/eager steps, compiles, capture) and the engine's."""
         out = {**self.runner.stats.to_dict(), **self.counters.to_dict(),
+               **({"speculative": self.spec.stats.to_dict()} if self.spec else {}),
                "free_blocks": sum(b.num_free for b in self.replica_blocks), "num_blocks": self.num_blocks}
         if self.ranks is not None:  # every rank's runner counters, rank 0's first
             out["ranks"] = self.ranks.step(StepKind.STATS)[1]
@@ -214,6 +220,8 @@ class Engine:
         Every argument is validated before any work; errors are ``ValueError`` naming the request.
         """
         params = SamplingParams(temperature, top_k, top_p, seed)
+        if self.spec is not None:
+            self.spec.check_greedy(params)
         stops = stop_ids(self.model.config, stop_token_ids, ignore_eos)
         requests = self._make_requests(prompt_token_ids, max_new_tokens, keep_logits=return_logits)
         self._serve(requests, Sampler(params), stops, self._run_plan, show_progress)
@@ -264,8 +272,9 @@ class Engine:
                 logits, (report, summaries) = self.ranks.step(StepKind.CHECK, int(check_untouched), plan)
                 reports.append(report)
                 self.rank_parity.append(summaries)
+            rows = 1 + (self.spec.k if self.spec else 0)  # a decode step's rows per request
             for flip in reports[-1].routing_flips:  # decode-only steps: row t is rank 0's entries[t]
-                flip.update(request=batches[0][flip["token"]].index, step=len(produced) - 1)
+                flip.update(request=batches[0][flip["token"] // rows].index, step=len(produced) - 1)
             return logits
 
         self._serve(requests, Sampler(params), stops, step, show)
@@ -321,10 +330,13 @@ class Engine:
         """Run one step of every replica's ``batches`` (``step(plan, batches)``: logits per replica),
         append each request's next token; returns the step's token count towards the progress total
         (a request stopped early counts its remaining budget)."""
-        plan = [s.prefill_entries(b) if prefill else s.decode_entries(b) for s, b in zip(schedulers, batches)]
+        spec = self.spec
+        plan = [s.prefill_entries(b) if prefill else spec.decode_entries(s, b) if spec else s.decode_entries(b)
+                for s, b in zip(schedulers, batches)]
         start = time.perf_counter()
         logits = step(plan, batches)  # per replica [n, V]
-        done = sum(self._advance(s, b, rows, prefill, sampler, stops, None)
+        done = sum(spec.advance(s, b, rows, prefill, stops, self.counters) if spec else
+                   self._advance(s, b, rows, prefill, sampler, stops, None)
                    for s, b, rows in zip(schedulers, batches, logits) if b)
         self._count(sum(len(b) for b in batches), prefill, time.perf_counter() - start)
         return done
@@ -337,16 +349,8 @@ class Engine:
         tokens = sampler.sample(logits, [r.index for r in batch])
         if start is not None:
             self._count(len(batch), prefill, time.perf_counter() - start)
-        advanced = 0
-        for request, token, row in zip(batch, tokens, logits):
-            request.output.append(token)
-            if request.logits is not None:
-                request.logits.append(row.float().cpu())
-            advanced += 1
-            if token in stops or len(request.output) == request.max_new_tokens:
-                advanced += request.max_new_tokens - len(request.output)
-                scheduler.finish(request)
-        return advanced
+        return sum(append_token(scheduler, request, token, row, stops)
+                   for request, token, row in zip(batch, tokens, logits))
 
     def _count(self, rows: int, prefill: bool, seconds: float) -> None:
         c = self.counters
@@ -378,11 +382,12 @@ class Engine:
         if isinstance(prompts[0], int):
             raise ValueError("prompt_token_ids must be a list of prompts, got a flat list of ints; "
                              "wrap a single prompt as [ids]")
-        budgets = _budgets(max_new_tokens, len(prompts))
+        budgets, ahead = _budgets(max_new_tokens, len(prompts)), self.spec.k if self.spec else 0
         token_lists = [self._prompt_ids(i, p) for i, p in enumerate(prompts)]
         for i, (ids, budget) in enumerate(zip(token_lists, budgets)):
-            self._check_request(i, ids, budget)
-        return [Request(i, next(self._seq_ids), ids, budget, logits=[] if keep_logits else None)
+            check_request(i, ids, budget, vocab=self.model.config.vocab_size, max_model_len=self.max_model_len,
+                          block_size=self.block_size, num_blocks=self.num_blocks, lookahead=ahead)
+        return [Request(i, next(self._seq_ids), ids, budget, logits=[] if keep_logits else None, lookahead=ahead)
                 for i, (ids, budget) in enumerate(zip(token_lists, budgets))]
 
     def _prompt_ids(self, i: int, prompt: Prompt) -> list[int]:
@@ -392,7 +397,3 @@ class Engine:
             raise ValueError(f"request {i}: a prompt must be a list of token ids or a string, "
                              f"got {type(prompt).__name__}")
         return list(prompt)
-
-    def _check_request(self, i: int, ids: list[int], budget: int) -> None:
-        check_request(i, ids, budget, vocab=self.model.config.vocab_size, max_model_len=self.max_model_len,
-                      block_size=self.block_size, num_blocks=self.num_blocks)

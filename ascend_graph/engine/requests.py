@@ -7,17 +7,19 @@ from typing import Any, Optional, Sequence
 
 
 def check_request(i: int, ids: list[int], budget: int, *, vocab: int, max_model_len: int, block_size: int,
-                  num_blocks: int) -> None:
-    """``ValueError`` naming request ``i`` when its prompt ``ids`` plus ``budget`` new tokens cannot be served."""
+                  num_blocks: int, lookahead: int = 0) -> None:
+    """``ValueError`` naming request ``i`` when its prompt ``ids`` plus ``budget`` new tokens (plus
+    ``lookahead`` draft slots past them) cannot be served."""
     if not ids:
         raise ValueError(f"request {i}: the prompt is empty; every request needs at least one token")
     for pos, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
             raise ValueError(f"request {i}: token id {t!r} at position {pos} is outside the vocabulary "
                              f"[0, {vocab})")
-    total = len(ids) + budget
+    total = len(ids) + budget + lookahead
     if total > max_model_len:
-        raise ValueError(f"request {i}: prompt of {len(ids)} tokens + max_new_tokens={budget} = {total} "
+        drafts = f" + num_speculative_tokens={lookahead}" if lookahead else ""
+        raise ValueError(f"request {i}: prompt of {len(ids)} tokens + max_new_tokens={budget}{drafts} = {total} "
                          f"exceeds max_model_len={max_model_len}")
     need, usable = math.ceil(total / block_size), num_blocks - 1
     if need > usable:

@@ -29,11 +29,13 @@ class Request:
     output: list[int] = field(default_factory=list)
     logits: Optional[list[Tensor]] = None  # per generated token, [V] float32, when kept
     finished: bool = False
+    lookahead: int = 0  # cache slots past its last token a step may write (speculative drafts)
+    draft: Optional[int] = None  # speculative decoding: the next token the MTP layer drafted
 
     @property
     def reserved_tokens(self) -> int:
-        """Tokens its blocks are reserved for: the prompt plus every token it may generate."""
-        return len(self.prompt) + self.max_new_tokens
+        """Tokens its blocks are reserved for: the prompt, every token it may generate, its lookahead."""
+        return len(self.prompt) + self.max_new_tokens + self.lookahead
 
     @property
     def num_tokens(self) -> int:
@@ -100,3 +102,15 @@ class Scheduler:
     def decode_entries(self, requests: list[Request]) -> list[SequenceStep]:
         """The step entries that feed each request's last generated token."""
         return [SequenceStep(r.output[-1:], r.num_tokens - 1, self.blocks.table(r.seq_id)) for r in requests]
+
+
+def append_token(scheduler: Scheduler, request: Request, token: int, row: Tensor, stops: frozenset[int]) -> int:
+    """Append ``token`` (chosen from logits ``row [V]``) to ``request``, finishing it at a stop
+    token or at its budget; returns the progress count: 1, plus the budget a stop leaves unused."""
+    request.output.append(token)
+    if request.logits is not None:
+        request.logits.append(row.float().cpu())
+    if token in stops or len(request.output) == request.max_new_tokens:
+        scheduler.finish(request)
+        return 1 + request.max_new_tokens - len(request.output)
+    return 1

@@ -151,6 +151,7 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # after every target tensor: a seed draws the same target weights with or without them
         self.mtp = nn.ModuleList(MTPLayer(config, i, dtype, device, tp, dp, ep) for i in range(mtp_layers))
+        self.drafting = False  # step_logits: the MTP layer's draft logits beside the target's
         if init_weights:
             self.init_random_weights_(seed)
 
@@ -205,6 +206,22 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
         valid = valid_rows(attn_metadata, input_ids.shape[0]) if self.ep.size > 1 else None
         return self.mtp[layer].predict(input_ids, positions, hidden, cos, sin,
                                        kv_caches[self.config.num_hidden_layers + layer], attn_metadata, valid)
+
+    def step_logits(self, hidden: Tensor, rows: Optional[Tensor], input_ids: Tensor, positions: Tensor,
+                    kv_caches: tuple[MLACache, ...], attn_metadata: AttentionMetadata) -> Tensor:
+        """What a runner's step returns from ``forward``'s ``hidden [T, E]`` at ``rows [n]`` (each
+        sequence's last token; None: every row): the logits ``[n, V]``; with ``drafting`` on, also
+        the first MTP layer's draft logits beside them, ``[n, 2V]``. Drafting runs the MTP layer
+        over every row, each with the token after it: the step's next input token within a
+        prefill, the target's greedy choice at ``rows`` (a verify row's next token, as accepted)."""
+        last = hidden if rows is None else hidden[rows]
+        logits = self.compute_logits(last)
+        if not self.drafting:
+            return logits
+        after = input_ids.roll(-1)  # within a prefill: the next prompt token
+        after = after.index_put((rows,), logits.argmax(-1)) if rows is not None else logits.argmax(-1)
+        drafted = self.mtp_predict(after, positions, hidden, kv_caches, attn_metadata)
+        return torch.cat([logits, self.compute_mtp_logits(drafted if rows is None else drafted[rows])], dim=-1)
 
     def compute_mtp_logits(self, hidden: Tensor, layer: int = 0) -> Tensor:
         """``hidden [T, E]`` (from ``mtp_predict``) -> float32 logits ``[T, V]`` by the MTP layer's head."""

@@ -39,7 +39,7 @@ from .groups import CompileGroup, compile_groups, compile_recipe_for, resolve_co
 from .parity import ParitySampler, sampled_parity_check
 from .static_inputs import StaticInputs
 from .step import (DecodeStep, GraphCompileError, GraphCompileWarning, PreparedStep, RecompileError, RunnerStats,
-                   SequenceStep, step_for_size, unpermute)
+                   SequenceStep, step_for_size, step_logits, unpermute)
 
 log = logging.getLogger(__name__)
 
@@ -234,8 +234,8 @@ class GraphRunner:
         dev = self.device
         meta = metadata_to(step.meta, dev)
         with torch.inference_mode():
-            hidden = self.model(step.input_ids.to(dev), step.positions.to(dev), self.kv_caches, meta)
-            logits = self.model.compute_logits(hidden[step.last.to(dev)])
+            ids, pos, caches = step.input_ids.to(dev), step.positions.to(dev), self.kv_caches
+            logits = step_logits(self.model, self.model(ids, pos, caches, meta), step.last.to(dev), ids, pos, caches, meta)
         self._count_attention_fallbacks()
         return unpermute(logits, step.order)
 

@@ -104,8 +104,20 @@ class DecodeStep(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: tuple,
                 attn_metadata: AttentionMetadata) -> Tensor:
-        """``[s]`` ids and positions, the caches, decode metadata -> ``[s, V]`` logits."""
-        return self.model.compute_logits(self.model(input_ids, positions, kv_caches, attn_metadata))
+        """``[s]`` ids and positions, the caches, decode metadata -> ``[s, V]`` logits (``step_logits``)."""
+        return step_logits(self.model, self.model(input_ids, positions, kv_caches, attn_metadata), None,
+                           input_ids, positions, kv_caches, attn_metadata)
+
+
+def step_logits(model: nn.Module, hidden: Tensor, rows: Optional[Tensor], input_ids: Tensor, positions: Tensor,
+                kv_caches: tuple, attn_metadata: AttentionMetadata) -> Tensor:
+    """A step's logits from the model's ``hidden`` states at ``rows`` (None: all): the model's
+    own ``step_logits`` where it has one (DeepSeek's MTP drafting adds columns), else
+    ``compute_logits``."""
+    own = getattr(model, "step_logits", None)
+    if own is not None:
+        return own(hidden, rows, input_ids, positions, kv_caches, attn_metadata)
+    return model.compute_logits(hidden if rows is None else hidden[rows])
 
 
 def step_for_size(step: DecodeStep, size: int | str) -> Callable:
