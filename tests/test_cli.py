@@ -124,6 +124,23 @@ def test_parity_on_the_builtin_model_passes(capsys):
     assert all(s["ok"] and s["untouched_ok"] for s in r["steps"])
 
 
+def test_speculative_parity_and_generate_on_small_v3_with_its_mtp_layer(capsys):
+    """--num-speculative-tokens 1: every verify step's logits and its MTP drafts (and the MTP
+    layer's cache) graph against eager, and generate's tokens those of decoding without it."""
+    code, r = run_json(capsys, ["parity", *QUICK, "--model", "small-v3", "--num-requests", "3",
+                                "--max-new-tokens", "5", "--num-speculative-tokens", "1"])
+    assert code == 0 and r["ok"] and r["tokens_identical"] and r["summary"]["checks"] > 0
+    spec = r["counters"]["speculative"]
+    assert spec["num_speculative_tokens"] == 1 and spec["verify_steps"] > 0
+    assert spec["drafted_tokens"] > 0
+    argv = ["generate", *QUICK, "--model", "small-v3", "--prompt-ids", "1,2,3", "--prompt-ids", "9,8,7,6,5",
+            "--max-new-tokens", "6"]
+    _, plain = run_json(capsys, argv)
+    _, drafted = run_json(capsys, [*argv, "--num-speculative-tokens", "1"])
+    assert [o["tokens"] for o in drafted["outputs"]] == [o["tokens"] for o in plain["outputs"]]
+    assert drafted["counters"]["speculative"]["verify_steps"] == drafted["counters"]["decode_steps"] > 0
+
+
 def test_parity_in_bfloat16_on_inductor_passes_where_graph_and_eager_round_apart(capsys):
     """small-v3 in bfloat16, Inductor: fused kernels round otherwise than eager's op-by-op bfloat16,
     so logits differ by a few hundredths (each as close to a float64 run as the other; parity.py),

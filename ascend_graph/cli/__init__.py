@@ -95,6 +95,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per cache block (default: the attention backend's: 16, 128 on an NPU)")
     g.add_argument("--max-model-len", type=positive_int, default=512,
                    help="longest prompt + generation (default: 512)")
+    g.add_argument("--num-speculative-tokens", type=int, choices=(0, 1), default=0, metavar="K",
+                   help="1: draft a token per step with the model's MTP layer (small-v3, a V3 checkpoint) and "
+                        "verify it in the next, greedily; capture sizes then count requests of 2 rows (default: 0)")
     g.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default: 1 for built-in models, torch's default otherwise)")
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout and nothing else")

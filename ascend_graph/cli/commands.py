@@ -36,7 +36,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def load_model(args: argparse.Namespace) -> tuple[nn.Module, dict]:
     """The model ``--model`` names (built-in with seed-0 weights, or a checkpoint) and a description."""
-    model, source = named_model(args.model, DTYPES[args.dtype] if args.dtype else None, args.device)
+    model, source = named_model(args.model, DTYPES[args.dtype] if args.dtype else None, args.device,
+                                mtp_layers=min(getattr(args, "num_speculative_tokens", 0), 1))
     return model, describe(model, source)
 
 
@@ -78,7 +79,8 @@ def make_engine(model: nn.Module, args: argparse.Namespace, graph: bool, max_num
     config = graph_config(args, graph)
     seats = max_num_seqs or getattr(args, "max_num_seqs", None) or config.max_batch_size
     return Engine(model, graph_config=config, block_size=args.block_size, max_model_len=args.max_model_len,
-                  max_num_seqs=seats, device=args.device, **parallel_sizes(args), **kwargs)
+                  max_num_seqs=seats, device=args.device, **parallel_sizes(args),
+                  num_speculative_tokens=getattr(args, "num_speculative_tokens", 0), **kwargs)
 
 
 def graph_config(args: argparse.Namespace, graph: bool) -> GraphConfig:
@@ -148,11 +150,12 @@ def decode_by_context(graph: Engine, vocab: int, workload_prompts: list, rounds:
     as many requests as it seats, ``PROBE_NEW_TOKENS`` each, prompts of the workload's mean length
     and of ``max_model_len - PROBE_NEW_TOKENS``, the two taking turns for ``rounds``. The graph's
     block tables are max_model_len wide in both; only the live context differs."""
-    new = min(PROBE_NEW_TOKENS, graph.max_model_len - 1)
-    short = max(1, min(round(statistics.fmean(len(p) for p in workload_prompts)), graph.max_model_len - new))
+    room = graph.max_model_len - (graph.spec.k if graph.spec else 0)  # a draft slot past the last token
+    new = min(PROBE_NEW_TOKENS, room - 1)
+    short = max(1, min(round(statistics.fmean(len(p) for p in workload_prompts)), room - new))
     gen, n = torch.Generator().manual_seed(1), graph.max_num_seqs
     runs = {name: [torch.randint(0, vocab, (length,), generator=gen).tolist() for _ in range(n)]
-            for name, length in (("workload_context", short), ("near_max_model_len", graph.max_model_len - new))}
+            for name, length in (("workload_context", short), ("near_max_model_len", room - new))}
     speed = measure_runs({name: (graph, prompts, [new] * n) for name, prompts in runs.items()}, rounds)
     out = {"max_model_len": graph.max_model_len, "block_table_blocks": graph.runner.table_width, "rows": n,
            "new_tokens": new, "rounds": rounds}
@@ -240,7 +243,8 @@ def run_demo(args: argparse.Namespace) -> tuple[dict, str, int]:
     start = time.perf_counter()
     graph, eager, info = open_engines(args)
     model = graph.model
-    prompts, budgets = workload(model.config.vocab_size, args.num_requests, args.max_new_tokens, args.max_model_len)
+    prompts, budgets = workload(model.config.vocab_size, args.num_requests, args.max_new_tokens,
+                                args.max_model_len - args.num_speculative_tokens)
     graph.capture(show_progress=not args.no_progress)
     g_tokens, g_logits = graph.generate(prompts, budgets, ignore_eos=True, return_logits=True,
                                         show_progress=not args.no_progress)
@@ -307,7 +311,8 @@ def run_parity(args: argparse.Namespace) -> tuple[dict, str, int]:
     """
     graph, eager, info = open_engines(args)
     model = graph.model
-    prompts, budgets = workload(model.config.vocab_size, args.num_requests, args.max_new_tokens, args.max_model_len)
+    prompts, budgets = workload(model.config.vocab_size, args.num_requests, args.max_new_tokens,
+                                args.max_model_len - args.num_speculative_tokens)
     graph.capture(show_progress=not args.no_progress)
     (tokens, logits), reports = graph.generate_checked(prompts, budgets, ignore_eos=True, return_logits=True,
                                                        show_progress=not args.no_progress)

@@ -81,7 +81,18 @@ def counter_lines(stats: dict) -> list[str]:
             f"  requests {stats['requests']} | prompt tokens {stats['prompt_tokens']} | generated tokens "
             f"{stats['generated_tokens']} | prefill steps {stats['prefill_steps']} | "
             f"decode steps {stats['decode_steps']}",
-            f"  decode batch sizes (size x steps): {sizes}"]
+            f"  decode batch sizes (size x steps): {sizes}"] + speculative_lines(stats)
+
+
+def speculative_lines(stats: dict) -> list[str]:
+    """The MTP drafts' counters, where the engine speculates."""
+    spec = stats.get("speculative")
+    if not spec:
+        return []
+    per = " ".join(f"{r:.2f}" for r in spec["acceptance_rate_per_position"])
+    return [f"  speculative: {spec['num_speculative_tokens']} draft token(s) per step | drafted "
+            f"{spec['drafted_tokens']} | accepted {spec['accepted_tokens']} (rate {spec['acceptance_rate']:.2f}; "
+            f"per position {per}) | verify steps {spec['verify_steps']} (graph steps above)"]
 
 
 def compile_failure_lines(stats: dict) -> list[str]:

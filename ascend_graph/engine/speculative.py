@@ -62,12 +62,12 @@ def check_speculation(k: object, model: object, world_size: int) -> int:
     if k not in SUPPORTED:
         raise ValueError(f"num_speculative_tokens={k}: one draft token per step is supported (1), "
                          "not a chain of several")
-    if not len(getattr(model, "mtp", ())):
-        raise ValueError(f"num_speculative_tokens={k} needs a model with an MTP layer: load the checkpoint "
-                         "with load_deepseek(..., mtp_layers=1) (its config's num_nextn_predict_layers >= 1)")
     if world_size > 1:
         raise ValueError(f"num_speculative_tokens={k} runs on one process: tensor_parallel_size and "
                          "data_parallel_size must be 1")
+    if not len(getattr(model, "mtp", ())):
+        raise ValueError(f"num_speculative_tokens={k} needs a model with an MTP layer: load the checkpoint "
+                         "with load_deepseek(..., mtp_layers=1) (its config's num_nextn_predict_layers >= 1)")
     return k
 
 
@@ -84,6 +84,9 @@ def speculation(k: object, model, parallel, config: GraphConfig) -> tuple[Option
     graph config (``verify_config``); turns the model's drafting on. ``ValueError`` naming ``k``."""
     k = check_speculation(k, model, parallel.world_size)
     if not k:
+        if getattr(model, "drafting", False):  # another engine's: this one's logits would be twice as wide
+            raise ValueError("num_speculative_tokens=0 on a model that drafts for an engine with "
+                             "num_speculative_tokens=1: give this engine the same setting or its own model")
         return None, config
     model.drafting = True  # every step also drafts
     return Speculation(k, model.config.vocab_size), verify_config(config, k)
