@@ -15,6 +15,8 @@ Parts (``--parts``), in the order they run:
                   step vs one process (``pd``; Mooncake where it imports, gloo)
     multi_device  TP=2 (two processes, gloo) vs TP=1 on the same cores, graph mode; the step's
                   all_reduces and gloo's cost per call (``multi_device``)
+    speculative   MTP drafting (num_speculative_tokens=1) vs none, its own and forced-right
+                  drafts (``speculative``)
 
     python -m benchmarks                          # all parts -> benchmarks/results/<machine>.json
     python -m benchmarks --quick --parts moe      # fewer sizes and repetitions, one part
@@ -37,12 +39,13 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
 
-from benchmarks import attention, decode_step, memory, moe, multi_device, pd, report, roofline, startup  # noqa: E402
+from benchmarks import (attention, decode_step, memory, moe, multi_device, pd, report, roofline,  # noqa: E402
+                        speculative, startup)
 from benchmarks.common import conditions, machine_key, results_path, set_malloc_keeps_freed_memory, write_json  # noqa: E402
 from benchmarks.models import cases  # noqa: E402
 
 PARTS = ("bandwidth", "decode_small", "overhead", "decode_v2", "compute", "moe", "attention", "live_context",
-         "startup", "memory", "pd", "multi_device")
+         "startup", "memory", "pd", "multi_device", "speculative")
 
 
 def plan(quick: bool) -> dict:
@@ -94,6 +97,9 @@ def run_part(part: str, p: dict, quick: bool, out: dict) -> None:
     elif part == "multi_device":
         out["multi_device"] = multi_device.measure("small" if quick else "v2_lite_slice", (1, 8), 3 if quick else 7, 3,
                                                    quick, gloo_rounds=3 if quick else 5, gloo_calls=5 if quick else 20)
+    elif part == "speculative":
+        out["speculative"] = speculative.measure((1, 8) if quick else (1, 8, 32), 16, 12 if quick else 32,
+                                                 2 if quick else 5)
     elif part == "memory":
         out["memory"] = memory.measure(p["memory_model"], p["memory_sizes"], 3, quick, frozen=not quick, aot=not quick)
 

@@ -478,6 +478,37 @@ def multi_device_section(ms: dict) -> list[str]:
     return section("Multi-device: tensor parallel on one host", MULTI_DEVICE_TEXT, lines[:-1])
 
 
+SPECULATIVE_TEXT = (
+    "`python -m benchmarks.speculative`: small-v3 served in graph mode by the Engine without speculation and "
+    "with `num_speculative_tokens=1` (its MTP layer drafts, the next step verifies: 2 rows per request), on the "
+    "same target weights and requests, rounds interleaved; decode tokens/s, and the ratio to no speculation. "
+    "Random weights accept almost no draft of the MTP layer's own (the cost of drafting); the forced drafter takes "
+    "the reference's next token after the MTP layer has run (the ceiling at one draft per step). Tokens equal the "
+    "reference's in every run.")
+
+
+def speculative_section(ms: dict) -> list[str]:
+    lines = []
+    for key, d in ms.items():
+        m = d.get("speculative")
+        if not m:
+            continue
+        rows = m["batches"]
+        cell = lambda r, n: f"{r[n]['tokens_per_s']:.0f} ({r[n]['speedup']:.2f}x, {r[n]['acceptance']:.2f})"  # noqa: E731
+        lines += table([f"{label(key)}: {m['prompt_len']}-token prompts, {m['new_tokens']} new tokens"]
+                       + [f"{b} request(s)" for b in rows],
+                       [["no speculation, tokens/s"] + [f"{r['none']['tokens_per_s']:.0f}" for r in rows.values()],
+                        ["MTP's own drafts (x, acceptance)"] + [cell(r, "mtp") for r in rows.values()],
+                        ["forced right drafts (x, acceptance)"] + [cell(r, "right") for r in rows.values()],
+                        ["tokens equal"] + ["yes" if r["tokens_equal"] else "**no**" for r in rows.values()]])
+        cap = m["capture"]
+        lines += ["", f"Capture, one process: {cap['none']['seconds']:.1f} s, {cap['none']['memory_bytes'] >> 20} MiB "
+                  f"without (first: it also pays the compiler's one-time loads); {cap['mtp']['seconds']:.1f} s, "
+                  f"{cap['mtp']['memory_bytes'] >> 20} MiB with (graphs of "
+                  f"{', '.join(map(str, cap['mtp']['runner_sizes']))} rows) · `{m.get('command', 'python -m benchmarks --parts speculative')}`", ""]
+    return section("Speculative decoding with the MTP layer", SPECULATIVE_TEXT, lines[:-1]) if lines else []
+
+
 def vllm_run_markdown(d: dict) -> list[str]:
     """One ``benchmarks.vllm_peer`` run: its table, its batch-1 floors and forward split, then its
     conditions and command."""
@@ -537,7 +568,7 @@ def portable(command: str) -> str:
 
 
 SECTIONS = (decode_section, roofline_section, attention_section, moe_section, startup_section, memory_section,
-            pd_section, multi_device_section, gpu_section, vllm_section)
+            pd_section, multi_device_section, speculative_section, gpu_section, vllm_section)
 
 
 def render_doc(ms: dict[str, dict]) -> str:

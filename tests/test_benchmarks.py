@@ -25,11 +25,11 @@ def test_a_ratio_and_its_range_come_from_the_same_rounds():
         ratio_of_rounds({"eager": [4.0, 6.0], "graph": [2.0]}, "eager", "graph")
 
 
-def test_the_committed_results_render_one_column_per_machine_within_360_lines():
+def test_the_committed_results_render_one_column_per_machine_within_380_lines():
     ms = report.machines()
     assert ms, "no results file under benchmarks/results"
     doc = report.render_doc(ms)
-    assert len(doc.splitlines()) <= 360
+    assert len(doc.splitlines()) <= 380
     head = next(line for line in doc.splitlines() if line.startswith("| ratio |"))
     assert head.count("|") == len(report.headline_machines(ms)) + 2  # the ratio's name, then a column per machine
     suites = {k for k, d in ms.items() if "decode_small" in d or "vllm_peer" in d}

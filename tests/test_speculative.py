@@ -3,7 +3,7 @@
 Oracle: the same model served without speculation, eagerly. Random weights accept almost no
 draft, so the MTP layer's drafts are also replaced (after it has run and written its cache) by a
 drafter forced right (the reference's next token: every draft accepted) or forced wrong (none
-accepted): the tokens must be the reference's in all three, graph and eager, and graph and eager
+accepted; ``benchmarks.speculative.forced_drafter``, which the benchmark's ceiling runs): the tokens must be the reference's in all three, graph and eager, and graph and eager
 must accept the same drafts. The drafts themselves must be those of one MTP pass over each
 finished sequence (no stale cache entry read, the right token after each position).
 """
@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.speculative import DRAFTERS, forced_drafter, set_right
+
 from ascend_graph import Engine, allocate_kv_caches
 from ascend_graph.attention import build_attention_metadata
 from ascend_graph.config import GraphConfig
@@ -20,7 +22,6 @@ from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM
 
 PROMPTS = [[1, 5, 9, 3, 200], [7, 2, 8], [4, 4, 6, 1, 2, 9, 10, 11, 30]]
 BUDGETS = [13, 9, 6]  # requests leave at different steps: the verify batch shrinks 3 -> 2 -> 1 requests
-DRAFTERS = {"mtp": 0, "right": 1, "wrong": 2}
 MAX_LEN = 64
 
 
@@ -34,40 +35,11 @@ def reference() -> list[list[int]]:
         PROMPTS, BUDGETS, ignore_eos=True)
 
 
-def forced_drafter(model: DeepseekForCausalLM, reference: list[list[int]]) -> None:
-    """After the MTP layer has run, its draft at position q (token ``after`` at q + 1) becomes, by
-    ``model.drafter`` (0: the MTP layer's own, 1: right, 2: wrong), the reference's token at
-    q + 2 or another; tensors of the model, so one graph serves every drafter."""
-    v = model.config.vocab_size
-    table = torch.zeros(MAX_LEN, v, dtype=torch.int64)
-    seen = {}
-    for prompt, out in zip(PROMPTS, reference):
-        seq = prompt + out
-        for q in range(len(seq) - 2):
-            assert seen.setdefault((q, seq[q + 1]), seq[q + 2]) == seq[q + 2], "two requests share a key"
-            table[q, seq[q + 1]] = seq[q + 2]
-    model.register_buffer("right", table, persistent=False)
-    model.register_buffer("drafter", torch.zeros((), dtype=torch.int64), persistent=False)
-    predict, logits = model.mtp_predict, model.compute_mtp_logits
-
-    def mtp_predict(after, positions, hidden, kv_caches, meta, layer=0):
-        out = predict(after, positions, hidden, kv_caches, meta, layer)
-        right = model.right[positions, after]
-        forced = torch.where(model.drafter == 1, right, (right + 1) % v)
-        return torch.cat([out, forced[:, None].to(out.dtype)], dim=-1)  # the forced token as one more column
-
-    def compute_mtp_logits(hidden, layer=0):
-        own = logits(hidden[:, :-1], layer)
-        forced = torch.nn.functional.one_hot(hidden[:, -1].long(), v).to(own.dtype) * 100.0
-        return torch.where(model.drafter == 0, own, forced)
-
-    model.mtp_predict, model.compute_mtp_logits = mtp_predict, compute_mtp_logits
-
-
 def _serve(graph: bool, reference) -> tuple[dict, dict]:
     """Per drafter: (tokens, the engine's speculative counters), and the runner's counters."""
     model = _model()
-    forced_drafter(model, reference)
+    forced_drafter(model, MAX_LEN)
+    assert set_right(model, [p + r for p, r in zip(PROMPTS, reference)]) == 0  # every key one request's
     config = GraphConfig(enabled=graph, backend="inductor", max_batch_size=4, capture_sizes=(1, 2, 4))
     engine = Engine(model, graph_config=config, num_speculative_tokens=1, max_model_len=MAX_LEN)
     out = {}
