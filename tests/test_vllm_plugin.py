@@ -207,29 +207,28 @@ def assert_graph_counters(stats: dict, generations: int) -> None:
     assert stats["recompiles"] == 0 and stats["compile_failures"] == 0
 
 
-def test_bad_flags_fail_at_llm_construction_naming_the_key(vllm_run, checkpoints):
+def test_bad_flags_and_a_missing_tensor_fail_at_llm_construction_naming_them(vllm_run, checkpoints, tmp_path):
+    """Each bad key of the flag's sections, and a checkpoint without one of its tensors (one vLLM
+    subprocess for all: its import is most of each attempt's cost)."""
+    from safetensors.torch import load_file, save_file
+
     path, _ = checkpoints["v2_greedy"]
     bad = [({"torchair_graph_config": {"enabled": True, "bogus": 1}}, "bogus"),
            ({"torchair_graph_config": {"enabled": "yes"}}, "torchair_graph_config.enabled"),
            ({"torchair_graph_config": {"enabled": True, "graph_batch_sizes": [64]}}, "max_num_seqs=4"),
            ({"ascend_graph": {"parity_interval": -1}}, "parity_interval"),
            ({"ascend_graph": {"moe_kernel": "fast"}}, "moe_kernel")]
-    result = vllm_run({"model": path, "attempts": [dict(LLM_ARGS, additional_config=a) for a, _ in bad]})
-    for (additional, named), error in zip(bad, result["errors"]):
-        assert error is not None, f"LLM(...) accepted {additional}"
-        assert named in error["message"] and "additional_config[" in error["message"], error
-
-
-def test_a_checkpoint_missing_a_tensor_fails_at_llm_construction_naming_it(vllm_run, checkpoints, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    path, _ = checkpoints["v2_greedy"]
     for name in ("config.json", "generation_config.json"):
         (tmp_path / name).write_bytes((pathlib.Path(path) / name).read_bytes())
     tensors = load_file(str(pathlib.Path(path) / "model.safetensors"))
     missing = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
     save_file({k: v for k, v in tensors.items() if k != missing}, str(tmp_path / "model.safetensors"))
-    (error,) = vllm_run({"model": str(tmp_path), "attempts": [dict(LLM_ARGS, additional_config=ON)]})["errors"]
+    attempts = [dict(LLM_ARGS, additional_config=a) for a, _ in bad]
+    attempts.append(dict(LLM_ARGS, model=str(tmp_path), additional_config=ON))
+    *errors, error = vllm_run({"model": path, "attempts": attempts})["errors"]
+    for (additional, named), flag_error in zip(bad, errors):
+        assert flag_error is not None, f"LLM(...) accepted {additional}"
+        assert named in flag_error["message"] and "additional_config[" in flag_error["message"], flag_error
     assert error is not None and missing in error["message"], error
 
 
