@@ -284,13 +284,14 @@ def test_the_example_serves_a_checkpoint_in_graph_mode_in_vllms_multiprocess_eng
     """``examples/vllm_graph_mode.py`` as a user runs it, in vLLM's default multi-process engine (the
     engine core in its own process) at tensor_parallel_size=2 (two workers of their own; the
     counters read across processes by ``runner_stats``): transformers' tokens, every capture size
-    compiled once on each worker, every graph step checked against eager on each (float32:
-    bfloat16's rounding on this random checkpoint exceeds parity's row rule at TP=1 as well)."""
+    compiled once on each worker (one size: each compile on each worker is much of this test's
+    time), every graph step checked against eager on each (float32: bfloat16's rounding on this
+    random checkpoint exceeds parity's row rule at TP=1 as well)."""
     path, _ = checkpoints["v2_greedy"]
     example = ROOT / "examples" / "vllm_graph_mode.py"
     env = {**vllm_run.env, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     with open(vllm_run.root / "example_log.txt", "w") as stderr:
-        proc = subprocess.Popen([vllm_run.python, str(example), path, "--max-tokens", "4", "--sizes", "1,4",
+        proc = subprocess.Popen([vllm_run.python, str(example), path, "--max-tokens", "4", "--sizes", "4",
                                  "--max-num-seqs", "4", "--tensor-parallel-size", "2",
                                  "--dtype", "float32", "--parity-interval", "1"], cwd=vllm_run.root, env=env, stdout=subprocess.PIPE,
                                 stderr=stderr, text=True, start_new_session=True)
@@ -308,7 +309,7 @@ def test_the_example_serves_a_checkpoint_in_graph_mode_in_vllms_multiprocess_eng
     for stats in workers:
         # requests reach the engine core one by one: a later one may prefill beside earlier decodes
         assert set(stats["eager_steps"]) <= {"prefill", "mixed"} and stats["graph_steps"] >= 4 - 2
-        assert stats["compiles"] + stats["packages_loaded"] == 2  # sizes 1 and 4 (max_num_seqs)
+        assert stats["compiles"] + stats["packages_loaded"] == 1  # size 4 (max_num_seqs): every decode step
         assert stats["recompiles"] == 0 and stats["compile_failures"] == 0
         assert stats["graph_steps"] == workers[0]["graph_steps"]
         assert stats["parity_checks"] == stats["graph_steps"] and stats["parity_failures"] == 0, stats
