@@ -6,6 +6,8 @@ Importing this module requires transformers; test modules guard it with
 
 from __future__ import annotations
 
+import json
+
 import torch
 import transformers
 
@@ -63,3 +65,49 @@ def random_prompts(seed: int = 1, lens: tuple[int, ...] = PROMPT_LENS) -> list[l
     """Seeded random prompts of the given lengths over the tiny vocabulary."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lens]
+
+
+def tiny_v3_with_mtp(path, repeat: bool = False, **overrides) -> transformers.PreTrainedModel:
+    """Write a tiny V3 checkpoint with one multi-token-prediction layer into ``path`` (per-expert
+    tensors, as published) and return the transformers model whose first layers are its target.
+
+    The MTP block is transformers' last layer of a model built one layer deeper; its own tensors are
+    random, its copies of the embedding and head the target's (as DeepSeek-V3 ships them). With
+    ``repeat`` the MTP layer drafts the token it is given (block silenced, ``eh_proj`` passing the
+    embedding, head = embedding): accepted wherever the target repeats a token.
+    """
+    from safetensors.torch import save_file
+
+    layers = overrides.pop("num_hidden_layers", 2)
+    full = tiny_hf_model("v3", num_hidden_layers=layers + 1, **overrides)
+    gen, e = torch.Generator().manual_seed(3), full.config.hidden_size
+    own = {"enorm.weight": 1 + 0.1 * torch.randn(e, generator=gen), "hnorm.weight": 1 + 0.1 * torch.randn(e, generator=gen),
+           "eh_proj.weight": torch.randn(e, 2 * e, generator=gen) * 0.2,
+           "shared_head.norm.weight": 1 + 0.1 * torch.randn(e, generator=gen)}
+    block = full.model.layers[layers]
+    if repeat:
+        own.update({"enorm.weight": torch.ones(e), "shared_head.norm.weight": torch.ones(e),
+                    "eh_proj.weight": torch.cat([torch.eye(e), torch.zeros(e, e)], 1)})
+        with torch.no_grad():
+            full.lm_head.weight.copy_(full.model.embed_tokens.weight)
+            for w in (block.self_attn.o_proj.weight, block.mlp.experts.down_proj, block.mlp.shared_experts.down_proj.weight):
+                w.zero_()
+    own |= {"embed_tokens.weight": full.model.embed_tokens.weight, "shared_head.head.weight": full.lm_head.weight}
+    state = {n: t for n, t in full.state_dict().items() if not n.startswith(f"model.layers.{layers}.")}
+    state |= {f"model.layers.{layers}.{n}": t for n, t in (*block.state_dict().items(), *own.items())}
+    tensors = {}
+    for name, t in state.items():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf == "gate_up_proj":
+            for x, w in enumerate(t):
+                tensors[f"{prefix}.{x}.gate_proj.weight"], tensors[f"{prefix}.{x}.up_proj.weight"] = w.chunk(2)
+        elif leaf == "down_proj" and prefix.endswith("experts"):
+            tensors.update({f"{prefix}.{x}.down_proj.weight": w for x, w in enumerate(t)})
+        else:
+            tensors[name] = t
+    save_file({n: t.detach().clone().contiguous() for n, t in tensors.items()}, f"{path}/model.safetensors")
+    config = full.config.to_dict() | {"num_hidden_layers": layers, "num_nextn_predict_layers": 1,
+                                      "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                                      "architectures": ["DeepseekV3ForCausalLM"], "torch_dtype": "float32"}
+    (path / "config.json").write_text(json.dumps(config))
+    return full

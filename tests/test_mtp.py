@@ -5,7 +5,9 @@
 Oracles: the checkpoint layout DeepSeek-V3 publishes (the MTP layer as one more
 ``model.layers.N`` block plus ``embed_tokens``, ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head``:
 ../shared/MTP.md), and a float64 reference of the MTP layer whose decoder block is transformers'
-own ``DeepseekV3DecoderLayer`` (the rest written here from vLLM's documented forward).
+own ``DeepseekV3DecoderLayer`` (the rest written here from vLLM's documented forward, which takes
+the target's embedding and lm_head in place of the layer's copies). Stock vLLM's own MTP drafter
+is the oracle of the drafts in test_vllm_plugin.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from ascend_graph.attention import build_attention_metadata  # noqa: E402
 from ascend_graph.models import DeepseekConfig, DeepseekForCausalLM, load_deepseek  # noqa: E402
 from ascend_graph.models.loader import CheckpointError, checkpoint_tensors  # noqa: E402
 
-MTP_OWN = {"embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-           "shared_head.head.weight"}
+MTP_OWN = {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"}
+SHARED = {"embed_tokens.weight", "shared_head.head.weight"}  # the target's, in the checkpoint as copies
 BLOCK = 4
 
 
@@ -37,7 +39,8 @@ def _layer_names(names, layer: int) -> set[str]:
 def test_the_mtp_layer_is_the_checkpoints_layer_after_the_target_and_round_trips(tmp_path) -> None:
     """small-v3 with its MTP layer: written in checkpoint form, the MTP layer is layer 3 (after the
     3 target layers): the block's tensors as a target MoE layer's, plus the MTP's own; loading
-    it back gives every tensor; without ``mtp_layers`` the same checkpoint loads the target alone."""
+    it back gives every tensor, and a published checkpoint's copies of the embedding and head
+    there are read past; without ``mtp_layers`` the same checkpoint loads the target alone."""
     config = DeepseekConfig.small_v3()
     model = DeepseekForCausalLM(config, mtp_layers=1)
     plain = DeepseekForCausalLM(config)
@@ -45,6 +48,9 @@ def test_the_mtp_layer_is_the_checkpoints_layer_after_the_target_and_round_trips
     tensors = {n: t.contiguous() for n, t in checkpoint_tensors(model).items()}
     assert _layer_names(tensors, 3) == _layer_names(tensors, 2) | MTP_OWN
     assert not any(n.startswith("mtp.") for n in tensors)
+    tensors |= {f"model.layers.3.{n}": torch.randn(tensors[n.replace("shared_head.head", "lm_head")
+                                                           .replace("embed_tokens", "model.embed_tokens")].shape)
+                for n in SHARED}  # as DeepSeek-V3 ships them (there, equal to the target's)
     write_checkpoint(tmp_path, tensors, config_json(config))
     loaded = load_deepseek(tmp_path, torch.float32, mtp_layers=1)
     assert loaded.state_dict().keys() == model.state_dict().keys()
@@ -85,12 +91,13 @@ def config_json(config: DeepseekConfig) -> dict:
 @pytest.fixture(scope="module")
 def mtp_checkpoint(tmp_path_factory):
     """A tiny V3 checkpoint with one MTP layer: the target is transformers' 3-layer model, the MTP
-    block transformers' layer 3 of the same model built with 4; the MTP's own tensors random."""
+    block transformers' layer 3 of the same model built with 4; the MTP's own tensors random,
+    and its copies of the embedding and head random too (vLLM's MTP drafts use the target's)."""
     full = tiny_hf_model("v3", num_hidden_layers=4)
     config = full.config.to_dict() | {"num_hidden_layers": 3, "num_nextn_predict_layers": 1}
     gen = torch.Generator().manual_seed(3)
     e, v = full.config.hidden_size, full.config.vocab_size
-    own = {"embed_tokens.weight": torch.randn(v, e, generator=gen) * 0.2,
+    own = {"embed_tokens.weight": torch.randn(v, e, generator=gen) * 0.2,  # read past: the target's is used
            "enorm.weight": 1 + 0.1 * torch.randn(e, generator=gen), "hnorm.weight": 1 + 0.1 * torch.randn(e, generator=gen),
            "eh_proj.weight": torch.randn(e, 2 * e, generator=gen) * 0.2,
            "shared_head.norm.weight": 1 + 0.1 * torch.randn(e, generator=gen),
@@ -122,13 +129,14 @@ def reference_mtp_logits(full, own: dict, ids: list[int], after: list[int]) -> t
         x = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
     h = full.model.norm(x)  # the target's final-normed hidden states
     o = {k: t.double() for k, t in own.items()}
-    embeds = o["embed_tokens.weight"][torch.tensor(after)][None]
+    embeds = full.model.embed_tokens(torch.tensor(after))[None]  # the target's embedding and head
     embeds[:, 0] = 0
     eps = c.rms_norm_eps
     x = torch.cat([_rms(embeds, o["enorm.weight"], eps), _rms(h, o["hnorm.weight"], eps)], -1) @ o["eh_proj.weight"].T
     x = full.model.layers[3](x, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
+    logits = full.lm_head(_rms(x, o["shared_head.norm.weight"], eps))[0]
     full.float()
-    return (_rms(x, o["shared_head.norm.weight"], eps) @ o["shared_head.head.weight"].T)[0]
+    return logits
 
 
 @torch.no_grad()

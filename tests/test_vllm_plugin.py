@@ -313,3 +313,40 @@ def test_the_example_serves_a_checkpoint_in_graph_mode_in_vllms_multiprocess_eng
         assert stats["recompiles"] == 0 and stats["compile_failures"] == 0
         assert stats["graph_steps"] == workers[0]["graph_steps"]
         assert stats["parity_checks"] == stats["graph_steps"] and stats["parity_failures"] == 0, stats
+
+
+def test_our_mtp_drafts_equal_stock_vllms_mtp_drafter_step_by_step(vllm_run, tmp_path):
+    """Stock vLLM with ``speculative_config={"method": "mtp", "num_speculative_tokens": 1}`` on a
+    tiny V3 whose MTP layer drafts the token it is given (``tiny_v3_with_mtp(repeat=True)``: some
+    drafts are accepted, where the target repeats a token): every draft of our Engine (graph
+    mode), request by request and step by step, is vLLM's drafter's; the tokens are vLLM's and
+    transformers'. Our MTP layer takes the target's embedding and head, as vLLM's does."""
+    from hf_models import tiny_v3_with_mtp
+
+    from ascend_graph import Engine
+    from ascend_graph.config import GraphConfig
+    from ascend_graph.models import load_deepseek
+
+    tiny_v3_with_mtp(tmp_path, repeat=True, kv_lora_rank=512, qk_rope_head_dim=64)
+    new = 24
+    stock = {"enforce_eager": True, "compilation_config": {"custom_ops": ["none"]}, **STOCK_MLA,
+             "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}
+    theirs = vllm_run({"model": str(tmp_path), "llm": dict(LLM_ARGS, **stock), "prompts": PROMPTS,
+                       "max_tokens": new, "record_drafts": True})
+    assert theirs["error"] is None, theirs["error"]
+    engine = Engine(load_deepseek(tmp_path, torch.float32, mtp_layers=1), max_model_len=128, num_speculative_tokens=1,
+                    graph_config=GraphConfig(enabled=True, backend="inductor", max_batch_size=4, capture_sizes=(4,)))
+    ours, advance = {}, engine.spec.advance
+
+    def recording(scheduler, batch, *args):  # each request's next draft after each of its steps
+        done = advance(scheduler, batch, *args)
+        for r in batch:
+            ours.setdefault(str(r.index), []).append([r.draft])
+        return done
+
+    engine.spec.advance = recording
+    tokens = engine.generate(PROMPTS, new, ignore_eos=True)
+    assert tokens == theirs["tokens"] == transformers_greedy(str(tmp_path), PROMPTS, new)
+    assert ours == theirs["drafts"]
+    spec = engine.stats["speculative"]
+    assert 0 < spec["accepted_tokens"] < spec["drafted_tokens"] and engine.stats["recompiles"] == 0

@@ -22,7 +22,8 @@ With ``spec["contract"]`` (graph mode, in-process engine) it first drives the mo
 vLLM's own runner (``contract_probe``: a dummy run, a profile run, a forward without our layers'
 metadata), then records every forward's and ``compute_logits``' output shape during the
 generations (``shapes``); with ``spec["prompt_logprobs"]`` a last request asks for prompt
-logprobs (``prompt_logprobs_error``).
+logprobs (``prompt_logprobs_error``). With ``spec["record_drafts"]`` (speculative decoding, in-process
+engine) ``drafts`` holds each request's drafts, step by step, from vLLM's own drafter.
 Standard library, vLLM and ascend_graph only.
 """
 
@@ -62,6 +63,8 @@ def run(spec: dict) -> dict:
             out["shares"] = llm.collective_rpc(profile_graphs)
         if spec.get("contract"):
             (out["contract"],) = llm.collective_rpc(contract_probe)
+        if spec.get("record_drafts"):
+            llm.collective_rpc(record_drafts)
         params = vllm.SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
                                      detokenize=False)
         for _ in range(spec.get("repeats", 1)):
@@ -70,6 +73,8 @@ def run(spec: dict) -> dict:
         if spec.get("contract"):
             (out["shapes"],) = llm.collective_rpc(  # a copy: later calls append to the recorded lists
                 lambda worker: json.loads(json.dumps(worker.model_runner.get_model().recorded_shapes)))
+        if spec.get("record_drafts"):
+            (out["drafts"],) = llm.collective_rpc(lambda worker: worker.model_runner.drafts_by_request)
         if "timing" in spec:
             out["ms_per_step"] = decode_ms(llm, vllm, spec)
         if graph:
@@ -198,6 +203,21 @@ def decode_ms(llm, vllm, spec: dict) -> list[float]:
 def error_of(e: Exception) -> dict:
     traceback.print_exception(e)
     return {"type": type(e).__name__, "message": str(e)}
+
+
+def record_drafts(worker) -> None:
+    """Keep each step's speculative drafts on the worker's model runner: ``drafts_by_request``,
+    by the request's index (the id before vLLM's suffix), one list of draft tokens per step."""
+    runner = worker.model_runner
+    propose, runner.drafts_by_request = runner.drafter.propose, {}
+
+    def recording(*args, **kwargs):
+        drafts = propose(*args, **kwargs)  # [requests, k], the input batch's order
+        for request, row in zip(list(runner.input_batch.req_ids), drafts.tolist()):
+            runner.drafts_by_request.setdefault(request.split("-")[0], []).append(row)
+        return drafts
+
+    runner.drafter.propose = recording
 
 
 def attempt(spec: dict) -> dict:

@@ -204,7 +204,7 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
                              f"{self.config.num_hidden_layers} + {len(self.mtp)} MTP")
         cos, sin = self.model.rotary_emb(positions)
         valid = valid_rows(attn_metadata, input_ids.shape[0]) if self.ep.size > 1 else None
-        return self.mtp[layer].predict(input_ids, positions, hidden, cos, sin,
+        return self.mtp[layer].predict(self.model.embed_tokens(input_ids), positions, hidden, cos, sin,
                                        kv_caches[self.config.num_hidden_layers + layer], attn_metadata, valid)
 
     def step_logits(self, hidden: Tensor, rows: Optional[Tensor], input_ids: Tensor, positions: Tensor,
@@ -224,8 +224,9 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
         return torch.cat([logits, self.compute_mtp_logits(drafted if rows is None else drafted[rows])], dim=-1)
 
     def compute_mtp_logits(self, hidden: Tensor, layer: int = 0) -> Tensor:
-        """``hidden [T, E]`` (from ``mtp_predict``) -> float32 logits ``[T, V]`` by the MTP layer's head."""
-        return self.mtp[layer].compute_logits(hidden)
+        """``hidden [T, E]`` (from ``mtp_predict``) -> float32 logits ``[T, V]``: the target's
+        ``lm_head``, which the MTP layers share (``mtp.py``); ``layer`` names the MTP layer."""
+        return self.compute_logits(hidden)
 
     def tp_shard(self, name: str, tensor: Tensor) -> Tensor:
         """This rank's share of the full checkpoint tensor ``name`` (``tp_read``): a view, but for
