@@ -24,6 +24,7 @@ from torch import Tensor
 from ..config import GraphConfig
 from ..runner.step import SequenceStep
 from .sampling import SamplingParams
+from .scheduler import append_token
 
 if TYPE_CHECKING:  # pragma: no cover
     from .scheduler import Request, Scheduler
@@ -73,8 +74,6 @@ def check_speculation(k: object, model: object, world_size: int) -> int:
 
 def verify_config(config: GraphConfig, k: int) -> GraphConfig:
     """``config``'s capture sizes, counted in requests, as the runner's rows: ``1 + k`` per request."""
-    if not k:
-        return config
     sizes = tuple(s * (1 + k) for s in config.resolved_capture_sizes())
     return dataclasses.replace(config, capture_sizes=sizes, max_batch_size=sizes[-1])
 
@@ -118,8 +117,6 @@ class Speculation:
         """Keep each request's accepted tokens (from its rows of ``logits [rows, 2V]``), store its
         next draft, finish requests that stop; returns the progress count as ``Engine._advance``
         does. ``counters`` gains the tokens beyond one per request."""
-        from .scheduler import append_token
-
         target, drafts = logits[:, :self.vocab], logits[:, self.vocab:].argmax(-1).tolist()
         choice = target.argmax(-1).tolist()
         rows = 1 if prefill else 1 + self.k
@@ -135,8 +132,7 @@ class Speculation:
             request.draft = drafts[keep[-1]]
             for j, row in enumerate(keep):
                 extra += j > 0
-                advanced = append_token(scheduler, request, choice[row], target[row], stops)
-                done += advanced
+                done += append_token(scheduler, request, choice[row], target[row], stops)
                 if request.finished:
                     break
         if not prefill:
