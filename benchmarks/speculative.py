@@ -30,31 +30,32 @@ import torch  # noqa: E402
 
 from benchmarks.common import conditions, merge_part  # noqa: E402
 
-DRAFTERS = {"mtp": 0, "right": 1, "wrong": 2}  # the values of ``model.drafter``
+DRAFTERS = {"mtp": 0, "right": 1, "wrong": 2, "mixed": 3}  # the values of ``model.drafter``
 MEASURED = ("mtp", "right")  # "wrong" costs what "mtp" does with random weights
 
 
 def forced_drafter(model, max_len: int) -> None:
     """After the MTP layer has run (and written its cache), its draft at position q (token ``after``
     at q + 1) becomes, by ``model.drafter`` (``DRAFTERS``), its own, ``model.right[q, after]``
-    (``set_right``) or another token. Tensors of the model: one captured graph serves all three."""
+    (``set_right``), another token, or (mixed) the right one but where q % 5 == 4; its output
+    hidden states (a draft chain's next input) stay its own. Tensors of the model: one captured
+    graph serves all four."""
     v = model.config.vocab_size
     model.register_buffer("right", torch.zeros(max_len, v, dtype=torch.int64), persistent=False)
     model.register_buffer("drafter", torch.zeros((), dtype=torch.int64), persistent=False)
-    predict, logits = model.mtp_predict, model.compute_mtp_logits
+    draft = model.mtp_draft
 
-    def mtp_predict(after, positions, hidden, kv_caches, meta, layer=0):
-        out = predict(after, positions, hidden, kv_caches, meta, layer)
+    def mtp_draft(after, positions, hidden, kv_caches, meta, rows=None):
+        own, out = draft(after, positions, hidden, kv_caches, meta, rows)
+        if rows is not None:
+            after, positions = after[rows], positions[rows]
         right = model.right[positions, after]
-        forced = torch.where(model.drafter == 1, right, (right + 1) % v)
-        return torch.cat([out, forced[:, None].to(out.dtype)], dim=-1)  # the forced token as one more column
+        use_right = (model.drafter == 1) | ((model.drafter == 3) & (positions % 5 != 4))
+        forced = torch.where(use_right, right, (right + 1) % v)
+        forced = torch.nn.functional.one_hot(forced, v).to(own.dtype) * 100.0
+        return torch.where(model.drafter == 0, own, forced), out
 
-    def compute_mtp_logits(hidden, layer=0):
-        own = logits(hidden[:, :-1], layer)
-        forced = torch.nn.functional.one_hot(hidden[:, -1].long(), v).to(own.dtype) * 100.0
-        return torch.where(model.drafter == 0, own, forced)
-
-    model.mtp_predict, model.compute_mtp_logits = mtp_predict, compute_mtp_logits
+    model.mtp_draft = mtp_draft
 
 
 def set_right(model, sequences: list[list[int]]) -> int:

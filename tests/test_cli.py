@@ -125,14 +125,17 @@ def test_parity_on_the_builtin_model_passes(capsys):
 
 
 def test_speculative_parity_and_generate_on_small_v3_with_its_mtp_layer(capsys):
-    """--num-speculative-tokens 1: every verify step's logits and its MTP drafts (and the MTP
-    layer's cache) graph against eager, and generate's tokens those of decoding without it."""
+    """--num-speculative-tokens 2: every verify step's logits and its MTP drafts, and every draft
+    chain step's (with the MTP layer's cache), graph against eager; and generate's tokens those of
+    decoding without it."""
     code, r = run_json(capsys, ["parity", *QUICK, "--model", "small-v3", "--num-requests", "3",
-                                "--max-new-tokens", "5", "--num-speculative-tokens", "1"])
+                                "--max-new-tokens", "5", "--num-speculative-tokens", "2"])
     assert code == 0 and r["ok"] and r["tokens_identical"] and r["summary"]["checks"] > 0
     spec = r["counters"]["speculative"]
-    assert spec["num_speculative_tokens"] == 1 and spec["verify_steps"] > 0
-    assert spec["drafted_tokens"] > 0
+    assert spec["num_speculative_tokens"] == 2 and spec["verify_steps"] > 0 and spec["drafted_tokens"] > 0
+    kinds = [s["kind"] for s in r["steps"]]
+    assert kinds.count("draft") == r["summary"]["draft_checks"] == spec["draft_chain"]["graph_steps"] > 0
+    assert kinds.count("decode") > 0
     argv = ["generate", *QUICK, "--model", "small-v3", "--prompt-ids", "1,2,3", "--prompt-ids", "9,8,7,6,5",
             "--max-new-tokens", "6"]
     _, plain = run_json(capsys, argv)

@@ -316,10 +316,11 @@ def test_the_example_serves_a_checkpoint_in_graph_mode_in_vllms_multiprocess_eng
 
 
 def test_our_mtp_drafts_equal_stock_vllms_mtp_drafter_step_by_step(vllm_run, tmp_path):
-    """Stock vLLM with ``speculative_config={"method": "mtp", "num_speculative_tokens": 1}`` on a
+    """Stock vLLM with ``speculative_config={"method": "mtp", "num_speculative_tokens": 3}`` on a
     tiny V3 whose MTP layer drafts the token it is given (``tiny_v3_with_mtp(repeat=True)``: some
     drafts are accepted, where the target repeats a token): every draft of our Engine (graph
-    mode), request by request and step by step, is vLLM's drafter's; the tokens are vLLM's and
+    mode: verify graphs and the draft chain's), request by request and step by step, is vLLM's
+    drafter's, which chains its one MTP layer as ours does; the tokens are vLLM's and
     transformers'. Our MTP layer takes the target's embedding and head, as vLLM's does."""
     from hf_models import tiny_v3_with_mtp
 
@@ -330,23 +331,27 @@ def test_our_mtp_drafts_equal_stock_vllms_mtp_drafter_step_by_step(vllm_run, tmp
     tiny_v3_with_mtp(tmp_path, repeat=True, kv_lora_rank=512, qk_rope_head_dim=64)
     new = 24
     stock = {"enforce_eager": True, "compilation_config": {"custom_ops": ["none"]}, **STOCK_MLA,
-             "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}
+             "speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}
     theirs = vllm_run({"model": str(tmp_path), "llm": dict(LLM_ARGS, **stock), "prompts": PROMPTS,
                        "max_tokens": new, "record_drafts": True})
     assert theirs["error"] is None, theirs["error"]
-    engine = Engine(load_deepseek(tmp_path, torch.float32, mtp_layers=1), max_model_len=128, num_speculative_tokens=1,
+    engine = Engine(load_deepseek(tmp_path, torch.float32, mtp_layers=1), max_model_len=128, num_speculative_tokens=3,
                     graph_config=GraphConfig(enabled=True, backend="inductor", max_batch_size=4, capture_sizes=(4,)))
     ours, advance = {}, engine.spec.advance
 
     def recording(scheduler, batch, *args):  # each request's next draft after each of its steps
         done = advance(scheduler, batch, *args)
         for r in batch:
-            ours.setdefault(str(r.index), []).append([r.draft])
+            ours.setdefault(str(r.index), []).append(list(r.drafts))
         return done
 
     engine.spec.advance = recording
     tokens = engine.generate(PROMPTS, new, ignore_eos=True)
     assert tokens == theirs["tokens"] == transformers_greedy(str(tmp_path), PROMPTS, new)
-    assert ours == theirs["drafts"]
+    # after a request's last step vLLM still chains its drafts; ours stops at the first (none is verified)
+    last = {index: steps[:-1] + [steps[-1][:1]] for index, steps in theirs["drafts"].items()}
+    assert ours == last and all(len(d) == 3 for steps in ours.values() for d in steps[:-1])
     spec = engine.stats["speculative"]
     assert 0 < spec["accepted_tokens"] < spec["drafted_tokens"] and engine.stats["recompiles"] == 0
+    chain = spec["draft_chain"]
+    assert chain["graph_steps"] > 0 and chain["eager_steps_total"] == 0 and chain["recompiles"] == 0

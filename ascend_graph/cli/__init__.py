@@ -56,15 +56,21 @@ def token_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1; argparse reports anything else as a usage error."""
+def positive_int(text: str, least: int = 1) -> int:
+    """An integer >= ``least`` (1); argparse reports anything else as a usage error."""
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        value = least - 1
+    if value < least:
+        what = "a positive integer" if least == 1 else f"an integer >= {least}"
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (``positive_int``)."""
+    return positive_int(text, 0)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -95,9 +101,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per cache block (default: the attention backend's: 16, 128 on an NPU)")
     g.add_argument("--max-model-len", type=positive_int, default=512,
                    help="longest prompt + generation (default: 512)")
-    g.add_argument("--num-speculative-tokens", type=int, choices=(0, 1), default=0, metavar="K",
-                   help="1: draft a token per step with the model's MTP layer (small-v3, a V3 checkpoint) and "
-                        "verify it in the next, greedily; capture sizes then count requests of 2 rows (default: 0)")
+    g.add_argument("--num-speculative-tokens", type=non_negative_int, default=0, metavar="K",
+                   help="K > 0: draft K tokens per step with the model's MTP layer (small-v3, a V3 checkpoint; "
+                        "K > 1 chains it) and verify them in the next, greedily; capture sizes then count "
+                        "requests of 1 + K rows (default: 0)")
     g.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default: 1 for built-in models, torch's default otherwise)")
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout and nothing else")

@@ -219,7 +219,8 @@ def logit_agreement(a_tokens: list, b_tokens: list, a_logits: list, b_logits: li
 def reports_summary(reports: Sequence[ParityReport]) -> dict:
     """Totals and worst differences of ``compare_step`` reports."""
     cache = [d["max_abs"] for r in reports for layer in r.caches for d in layer.values()]
-    return {"checks": len(reports), "failures": sum(not r.ok for r in reports),
+    return {"checks": len(reports), "draft_checks": sum(r.kind == "draft" for r in reports),
+            "failures": sum(not r.ok for r in reports),
             "routing_flips": sum(len(r.routing_flips) for r in reports),
             "max_logit_diff": max((r.logits["max_abs"] for r in reports), default=None),
             "max_cache_diff": max(cache, default=None),
@@ -319,7 +320,7 @@ def run_parity(args: argparse.Namespace) -> tuple[dict, str, int]:
     eager_tokens, eager_logits = eager.generate(prompts, budgets, ignore_eos=True, return_logits=True)
     agreement = logit_agreement(tokens, eager_tokens, logits, eager_logits, model.dtype,
                                 [f for r in reports for f in r.routing_flips])
-    steps = [{"step": i, "batch_size": r.batch_size, "ok": r.ok, "logits_max_abs": r.logits["max_abs"],
+    steps = [{"step": i, "kind": r.kind, "batch_size": r.batch_size, "ok": r.ok, "logits_max_abs": r.logits["max_abs"],
               "caches_max_abs": max((d["max_abs"] for layer in r.caches for d in layer.values()), default=0.0),
               "untouched_ok": r.untouched_ok, "untouched_changed": r.untouched_changed,
               "routing_flips": r.routing_flips} for i, r in enumerate(reports)]

@@ -92,7 +92,19 @@ def speculative_lines(stats: dict) -> list[str]:
     per = " ".join(f"{r:.2f}" for r in spec["acceptance_rate_per_position"])
     return [f"  speculative: {spec['num_speculative_tokens']} draft token(s) per step | drafted "
             f"{spec['drafted_tokens']} | accepted {spec['accepted_tokens']} (rate {spec['acceptance_rate']:.2f}; "
-            f"per position {per}) | verify steps {spec['verify_steps']} (graph steps above)"]
+            f"per position {per}) | verify steps {spec['verify_steps']} (graph steps above)"] + chain_lines(spec)
+
+
+def chain_lines(spec: dict) -> list[str]:
+    """The draft chain's steps (``num_speculative_tokens > 1``), graph and eager, and their checks."""
+    chain = spec.get("draft_chain")
+    if not chain:
+        return []
+    eager = ", ".join(f"{n} {why}" for why, n in chain["eager_steps"].items()) or "0"
+    return [f"  draft chain: graph steps {chain['graph_steps']} | eager steps {eager} | compiles "
+            f"{chain['compiles']} (recompiles {chain['recompiles']}, failures {chain['compile_failures']}) | "
+            f"capture {chain['capture_seconds']:.1f} s | parity checks {chain['parity_checks']} "
+            f"(failures {chain['parity_failures']})"]
 
 
 def compile_failure_lines(stats: dict) -> list[str]:
@@ -190,15 +202,16 @@ def format_generate(r: dict) -> str:
 
 def format_parity(r: dict) -> str:
     """Per-step differences and the verdict."""
-    lines = [*model_lines(r), "", f"{'step':>5} {'batch':>5} {'logits max|diff|':>17} {'cache max|diff|':>16} "
+    lines = [*model_lines(r), "", f"{'step':>5} {'kind':>6} {'batch':>5} {'logits max|diff|':>17} {'cache max|diff|':>16} "
              f"{'untouched':>9}  ok"]
     for s in r["steps"]:
-        lines.append(f"{s['step']:>5} {s['batch_size']:>5} {s['logits_max_abs']:>17.3g} {s['caches_max_abs']:>16.3g} "
+        lines.append(f"{s['step']:>5} {s['kind']:>6} {s['batch_size']:>5} {s['logits_max_abs']:>17.3g} {s['caches_max_abs']:>16.3g} "
                      f"{_yes(s['untouched_ok']):>9}  {'ok' if s['ok'] else 'MISMATCH'}{_flips(s['routing_flips'])}"
                      + "".join(f"; layer {c['layer']} {c['element']} blocks {c['blocks'][:8]} changed outside the step"
                                for c in s.get("untouched_changed", ())))
     sm = r["summary"]
-    lines += ["", f"{sm['checks']} graph decode steps checked, {sm['failures']} mismatched"
+    drafts = f" ({sm['draft_checks']} of them draft chain steps)" if sm.get("draft_checks") else ""
+    lines += ["", f"{sm['checks']} graph decode steps checked{drafts}, {sm['failures']} mismatched"
               f"{_flip_count(sm['routing_flips'])}; tokens identical to a "
               f"separate eager run: {_yes(r['tokens_identical'])}{_first_differences(r['first_differences'])}",
               *(f"rank {x['rank']}: {x['checks']} steps checked, {x['failures']} mismatched, logits max|diff| "

@@ -11,6 +11,7 @@ Shape legend: n requests in a step, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -34,7 +35,7 @@ from .geometry import positive as _positive, resolve_block_size, resolve_max_mod
 from ..models.tensor_parallel import check_split
 from .model_source import FromCheckpoint, FromFullModel
 from .ranks import RankSet, RankSettings, external_rank, serve_external
-from .requests import budgets as _budgets, check_request, stop_ids
+from .requests import budgets as _budgets, check_prompts, check_request, stop_ids
 from .sampling import Sampler, SamplingParams
 from .scheduler import Request, Scheduler, append_token
 from .speculative import speculation
@@ -69,9 +70,9 @@ class Engine:
       replica with the fewest requests of the call. ``close()`` (or ``with Engine(...)``) stops the
       ranks. Under an external launcher (``RANK``/``WORLD_SIZE`` set), ranks > 0 serve rank 0's
       steps inside this constructor, then exit the process (``docs/distributed.md``).
-    - ``num_speculative_tokens``: 1 drafts a token per step with the model's MTP layer and
-      verifies it in the next decode step (``speculative.py``; greedy, one process); capture
-      sizes then count requests, each 2 rows of the runner's graphs.
+    - ``num_speculative_tokens``: k drafts k tokens per step with the model's MTP layer and
+      verifies them in the next decode step (``speculative.py``; greedy, one process); capture
+      sizes then count requests, each 1 + k rows of the runner's graphs.
     """
 
     def __init__(self, model, *, graph_config: Optional[GraphConfig] = None, block_size: Optional[int] = None,
@@ -107,6 +108,8 @@ class Engine:
             self.runner = GraphRunner(model, self.graph_config, num_blocks=self.num_blocks, block_size=block_size,
                                       max_model_len=self.max_model_len, device=device, backend=backend,
                                       cache_align_bytes=cache_align_bytes)
+            if self.spec is not None:
+                self.spec.attach(self.runner)
         # one block manager per data-parallel replica (each has its own caches on its ranks)
         self.replica_blocks = [BlockManager(self.num_blocks, self.block_size)
                                for _ in range(self.parallel.data_parallel_size)]
@@ -186,7 +189,7 @@ class Engine:
     def stats(self) -> dict:
         """The runner's counters (graph/eager steps, compiles, capture) and the engine's."""
         out = {**self.runner.stats.to_dict(), **self.counters.to_dict(),
-               **({"speculative": self.spec.stats.to_dict()} if self.spec else {}),
+               **({"speculative": self.spec.to_dict()} if self.spec else {}),
                "free_blocks": sum(b.num_free for b in self.replica_blocks), "num_blocks": self.num_blocks}
         if self.ranks is not None:  # every rank's runner counters, rank 0's first
             out["ranks"] = self.ranks.step(StepKind.STATS)[1]
@@ -196,6 +199,8 @@ class Engine:
         """Compile every capture size now instead of at the first decode step."""
         if self.ranks is None:
             self.runner.capture(show_progress=show_progress)
+            if self.spec is not None and self.spec.chain is not None:
+                self.spec.chain.capture()
         else:  # every rank at once: a captured step holds the collectives
             self.ranks.step(StepKind.CAPTURE, int(show_progress))
 
@@ -277,7 +282,8 @@ class Engine:
                 flip.update(request=batches[0][flip["token"] // rows].index, step=len(produced) - 1)
             return logits
 
-        self._serve(requests, Sampler(params), stops, step, show)
+        with self.spec.checked(reports, produced) if self.spec else contextlib.nullcontext():
+            self._serve(requests, Sampler(params), stops, step, show)
         for flip in (f for r in reports for f in r.routing_flips):
             flip["positions"] = {}  # each request's first token from the flip's step on
             for made in produced[flip["step"]:]:
@@ -376,12 +382,7 @@ class Engine:
     def _make_requests(self, prompts: Sequence[Prompt], max_new_tokens: int | Sequence[int],
                        keep_logits: bool) -> list[Request]:
         """Validated requests (all checks before any is queued)."""
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
-            raise ValueError("prompt_token_ids must be a non-empty list of prompts (lists of token ids or "
-                             f"strings), got {type(prompts).__name__}")
-        if isinstance(prompts[0], int):
-            raise ValueError("prompt_token_ids must be a list of prompts, got a flat list of ints; "
-                             "wrap a single prompt as [ids]")
+        check_prompts(prompts)
         budgets, ahead = _budgets(max_new_tokens, len(prompts)), self.spec.k if self.spec else 0
         token_lists = [self._prompt_ids(i, p) for i, p in enumerate(prompts)]
         for i, (ids, budget) in enumerate(zip(token_lists, budgets)):

@@ -6,6 +6,16 @@ import math
 from typing import Any, Optional, Sequence
 
 
+def check_prompts(prompts: Any) -> None:
+    """``ValueError`` unless ``prompts`` is a non-empty list of prompts (not one flat prompt)."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompt_token_ids must be a non-empty list of prompts (lists of token ids or "
+                         f"strings), got {type(prompts).__name__}")
+    if isinstance(prompts[0], int):
+        raise ValueError("prompt_token_ids must be a list of prompts, got a flat list of ints; "
+                         "wrap a single prompt as [ids]")
+
+
 def check_request(i: int, ids: list[int], budget: int, *, vocab: int, max_model_len: int, block_size: int,
                   num_blocks: int, lookahead: int = 0) -> None:
     """``ValueError`` naming request ``i`` when its prompt ``ids`` plus ``budget`` new tokens (plus
@@ -37,7 +47,6 @@ def budgets(max_new_tokens: int | Sequence[int], n: int) -> list[int]:
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ValueError(f"request {i}: max_new_tokens must be an int >= 1, got {b!r}")
     return budgets
-
 
 
 def stop_ids(config: Any, stop_token_ids: Optional[Sequence[int]], ignore_eos: bool) -> frozenset[int]:

@@ -30,7 +30,7 @@ class Request:
     logits: Optional[list[Tensor]] = None  # per generated token, [V] float32, when kept
     finished: bool = False
     lookahead: int = 0  # cache slots past its last token a step may write (speculative drafts)
-    draft: Optional[int] = None  # speculative decoding: the next token the MTP layer drafted
+    drafts: list[int] = field(default_factory=list)  # speculative decoding: the next tokens drafted
 
     @property
     def reserved_tokens(self) -> int:

@@ -151,7 +151,7 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # after every target tensor: a seed draws the same target weights with or without them
         self.mtp = nn.ModuleList(MTPLayer(config, i, dtype, device, tp, dp, ep) for i in range(mtp_layers))
-        self.drafting = False  # step_logits: the MTP layer's draft logits beside the target's
+        self.drafting = 0  # draft tokens per step: step_logits adds the MTP layer's draft (``speculative``)
         if init_weights:
             self.init_random_weights_(seed)
 
@@ -210,9 +210,11 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
     def step_logits(self, hidden: Tensor, rows: Optional[Tensor], input_ids: Tensor, positions: Tensor,
                     kv_caches: tuple[MLACache, ...], attn_metadata: AttentionMetadata) -> Tensor:
         """What a runner's step returns from ``forward``'s ``hidden [T, E]`` at ``rows [n]`` (each
-        sequence's last token; None: every row): the logits ``[n, V]``; with ``drafting`` on, also
-        the first MTP layer's draft logits beside them, ``[n, 2V]``. Drafting runs the MTP layer
-        over every row, each with the token after it: the step's next input token within a
+        sequence's last token; None: every row): the logits ``[n, V]``. With ``drafting`` (the
+        draft tokens per step, 0: off) also the first MTP layer's draft logits beside them,
+        ``[n, 2V]``, and with ``drafting > 1`` its output hidden states as float32 columns after
+        those, ``[n, 2V + E]`` (a draft chain's first input, ``draft_step``). Drafting runs the MTP
+        layer over every row, each with the token after it: the step's next input token within a
         prefill, the target's greedy choice at ``rows`` (a verify row's next token, as accepted)."""
         last = hidden if rows is None else hidden[rows]
         logits = self.compute_logits(last)
@@ -220,8 +222,25 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
             return logits
         after = input_ids.roll(-1)  # within a prefill: the next prompt token
         after = after.index_put((rows,), logits.argmax(-1)) if rows is not None else logits.argmax(-1)
-        drafted = self.mtp_predict(after, positions, hidden, kv_caches, attn_metadata)
-        return torch.cat([logits, self.compute_mtp_logits(drafted if rows is None else drafted[rows])], dim=-1)
+        draft, out = self.mtp_draft(after, positions, hidden, kv_caches, attn_metadata, rows)
+        return torch.cat([logits, draft, out.float()] if self.drafting > 1 else [logits, draft], dim=-1)
+
+    def mtp_draft(self, after: Tensor, positions: Tensor, hidden: Tensor, kv_caches: tuple[MLACache, ...],
+                  attn_metadata: AttentionMetadata, rows: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        """The first MTP layer over a step's rows (``mtp_predict``; it writes them into its cache)
+        -> its draft logits ``[n, V]`` and output hidden states ``[n, E]`` at ``rows`` (None: all)."""
+        out = self.mtp_predict(after, positions, hidden, kv_caches, attn_metadata)
+        out = out if rows is None else out[rows]
+        return self.compute_mtp_logits(out), out
+
+    def draft_step(self, input_ids: Tensor, positions: Tensor, hidden: Tensor, kv_caches: tuple[MLACache, ...],
+                   attn_metadata: AttentionMetadata) -> Tensor:
+        """One step of a draft chain: row r drafts again from its previous draft ``input_ids[r]``
+        (the token after ``positions[r]``) and the MTP output that drafted it, ``hidden [n, E]``
+        float32 (``step_logits``' columns, or the previous ``draft_step``'s) -> ``[n, V + E]``:
+        the next draft's logits, then this step's output hidden states as float32."""
+        draft, out = self.mtp_draft(input_ids, positions, hidden.to(self.dtype), kv_caches, attn_metadata)
+        return torch.cat([draft, out.float()], dim=-1)
 
     def compute_mtp_logits(self, hidden: Tensor, layer: int = 0) -> Tensor:
         """``hidden [T, E]`` (from ``mtp_predict``) -> float32 logits ``[T, V]``: the target's

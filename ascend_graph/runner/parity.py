@@ -90,6 +90,7 @@ class ParityReport:
     untouched_check: Optional[str] = None  # "copy" (exact), "digest" (``block_digest``) or None
     # blocks outside the step's own that changed: {"layer", "element", "blocks"} per cache tensor
     untouched_changed: list = field(default_factory=list)
+    kind: str = "decode"  # the step checked: "decode" (the runner's, verify steps included) or "draft" (a chain step)
 
     def summary(self) -> str:
         """One line for logs."""
@@ -97,7 +98,7 @@ class ParityReport:
         flips = f"; {len(self.routing_flips)} routing near-tie(s) reproduced" if self.routing_flips else ""
         changed = "".join(f"; changed outside the step: layer {c['layer']} {c['element']} blocks {c['blocks'][:8]}"
                           for c in self.untouched_changed)
-        return (f"batch {self.batch_size}: {'OK' if self.ok else 'MISMATCH'}; logits max abs "
+        return (f"{self.kind} batch {self.batch_size}: {'OK' if self.ok else 'MISMATCH'}; logits max abs "
                 f"{self.logits['max_abs']:.3g}; caches max abs {worst:.3g}; untouched blocks "
                 f"{'unchecked' if self.untouched_ok is None else self.untouched_ok}{changed}{flips}")
 
@@ -106,7 +107,7 @@ class ParityReport:
         return {"ok": self.ok, "batch_size": self.batch_size, "logits": self.logits,
                 "caches": self.caches, "untouched_ok": self.untouched_ok, "untouched_check": self.untouched_check,
                 "untouched_changed": self.untouched_changed, "routing_flips": self.routing_flips,
-                "backends": self.backends}
+                "backends": self.backends, "kind": self.kind}
 
 
 class ParitySampler:

@@ -120,16 +120,17 @@ def step_logits(model: nn.Module, hidden: Tensor, rows: Optional[Tensor], input_
     return model.compute_logits(hidden if rows is None else hidden[rows])
 
 
-def step_for_size(step: DecodeStep, size: int | str) -> Callable:
-    """``step.forward`` bound again, with its own code object named ``decode_step_<size>``.
+def step_for_size(step: nn.Module, size: int | str, name: str = "decode_step") -> Callable:
+    """``step.forward`` bound again, with its own code object named ``<name>_<size>``.
 
     Dynamo keeps compiled entries (and counts its recompile limit) per code object, and
     torchair's graph cache is per code object too: one copy per capture size (or per compile
     group, ``size`` then its label ``"2-8"``, named ``decode_step_2_8``) gives each exactly one
     entry, so a second compile of it is a real recompile.
     """
-    code = DecodeStep.forward.__code__.replace(co_name=f"decode_step_{str(size).replace('-', '_')}")
-    fn = types.FunctionType(code, DecodeStep.forward.__globals__, code.co_name)
+    forward = type(step).forward
+    code = forward.__code__.replace(co_name=f"{name}_{str(size).replace('-', '_')}")
+    fn = types.FunctionType(code, forward.__globals__, code.co_name)
     return types.MethodType(fn, step)
 
 
