@@ -15,7 +15,7 @@ Parts (``--parts``), in the order they run:
                   step vs one process (``pd``; Mooncake where it imports, gloo)
     multi_device  TP=2 (two processes, gloo) vs TP=1 on the same cores, graph mode; the step's
                   all_reduces and gloo's cost per call (``multi_device``)
-    speculative   MTP drafting (num_speculative_tokens=1) vs none, its own and forced-right
+    speculative   MTP drafting (num_speculative_tokens=1 and 3) vs none, its own and forced-right
                   drafts (``speculative``)
 
     python -m benchmarks                          # all parts -> benchmarks/results/<machine>.json
@@ -98,7 +98,7 @@ def run_part(part: str, p: dict, quick: bool, out: dict) -> None:
         out["multi_device"] = multi_device.measure("small" if quick else "v2_lite_slice", (1, 8), 3 if quick else 7, 3,
                                                    quick, gloo_rounds=3 if quick else 5, gloo_calls=5 if quick else 20)
     elif part == "speculative":
-        out["speculative"] = speculative.measure((1, 8) if quick else (1, 8, 32), 16, 12 if quick else 32,
+        out["speculative"] = speculative.measure((1, 8) if quick else (1, 8, 32), (1, 3), 16, 12 if quick else 32,
                                                  2 if quick else 5)
     elif part == "memory":
         out["memory"] = memory.measure(p["memory_model"], p["memory_sizes"], 3, quick, frozen=not quick, aot=not quick)

@@ -480,11 +480,34 @@ def multi_device_section(ms: dict) -> list[str]:
 
 SPECULATIVE_TEXT = (
     "`python -m benchmarks.speculative`: small-v3 served in graph mode by the Engine without speculation and "
-    "with `num_speculative_tokens=1` (its MTP layer drafts, the next step verifies: 2 rows per request), on the "
-    "same target weights and requests, rounds interleaved; decode tokens/s, and the ratio to no speculation. "
-    "Random weights accept almost no draft of the MTP layer's own (the cost of drafting); the forced drafter takes "
-    "the reference's next token after the MTP layer has run (the ceiling at one draft per step). Tokens equal the "
+    "with `num_speculative_tokens` k = 1 and 3 (its MTP layer drafts, the next step verifies: 1 + k rows per "
+    "request; at k = 3 a draft chain of two MTP-only graph steps follows each step), on the same target weights "
+    "and requests, rounds interleaved; decode tokens/s, and the ratio to no speculation. Random weights accept "
+    "almost no draft of the MTP layer's own (the cost of drafting); the forced drafter takes the reference's next "
+    "token after the MTP layer has run (the ceiling at k drafts per step). small-v3 has 3 target layers beside its "
+    "one MTP layer (DeepSeek-V3: 61), so a chain step costs about half a target step here. Tokens equal the "
     "reference's in every run.")
+
+
+def _spec_cell(r: dict, name: str) -> str:
+    c = r[name]
+    per = "/".join(f"{a:.2f}" for a in c.get("acceptance_per_position", ())) if len(c.get(
+        "acceptance_per_position", ())) > 1 else f"{c['acceptance']:.2f}"
+    return f"{c['tokens_per_s']:.0f} ({c['speedup']:.2f}x, {per})"
+
+
+def _spec_capture(cap: dict) -> str:
+    parts = [f"{cap['none']['seconds']:.1f} s, {cap['none']['memory_bytes'] >> 20} MiB without (first: it also pays "
+             "the compiler's one-time loads)"]
+    for k, c in cap.items():
+        if k == "none":
+            continue
+        chain = c.get("chain")
+        more = (f"; draft chain {chain['seconds']:.1f} s, {chain['memory_bytes'] >> 20} MiB (sizes "
+                f"{', '.join(map(str, chain['sizes']))})") if chain else ""
+        parts.append(f"{k}: {c['seconds']:.1f} s, {c['memory_bytes'] >> 20} MiB (graphs of "
+                     f"{', '.join(map(str, c['runner_sizes']))} rows){more}")
+    return "; ".join(parts)
 
 
 def speculative_section(ms: dict) -> list[str]:
@@ -494,18 +517,16 @@ def speculative_section(ms: dict) -> list[str]:
         if not m:
             continue
         rows = m["batches"]
-        cell = lambda r, n: f"{r[n]['tokens_per_s']:.0f} ({r[n]['speedup']:.2f}x, {r[n]['acceptance']:.2f})"  # noqa: E731
+        ks = m.get("ks", [1])
+        names = [(f"{drafter}_k{k}", f"k={k}: {what} (x, acceptance{' per position' if k > 1 else ''})")
+                 for k in ks for drafter, what in (("mtp", "MTP's own drafts"), ("right", "forced right drafts"))]
         lines += table([f"{label(key)}: {m['prompt_len']}-token prompts, {m['new_tokens']} new tokens"]
                        + [f"{b} request(s)" for b in rows],
-                       [["no speculation, tokens/s"] + [f"{r['none']['tokens_per_s']:.0f}" for r in rows.values()],
-                        ["MTP's own drafts (x, acceptance)"] + [cell(r, "mtp") for r in rows.values()],
-                        ["forced right drafts (x, acceptance)"] + [cell(r, "right") for r in rows.values()],
-                        ["tokens equal"] + ["yes" if r["tokens_equal"] else "**no**" for r in rows.values()]])
-        cap = m["capture"]
-        lines += ["", f"Capture, one process: {cap['none']['seconds']:.1f} s, {cap['none']['memory_bytes'] >> 20} MiB "
-                  f"without (first: it also pays the compiler's one-time loads); {cap['mtp']['seconds']:.1f} s, "
-                  f"{cap['mtp']['memory_bytes'] >> 20} MiB with (graphs of "
-                  f"{', '.join(map(str, cap['mtp']['runner_sizes']))} rows) · `{m.get('command', 'python -m benchmarks --parts speculative')}`", ""]
+                       [["no speculation, tokens/s"] + [f"{r['none']['tokens_per_s']:.0f}" for r in rows.values()]]
+                       + [[title] + [_spec_cell(r, n) for r in rows.values()] for n, title in names]
+                       + [["tokens equal"] + ["yes" if r["tokens_equal"] else "**no**" for r in rows.values()]])
+        lines += ["", f"Capture, one process: {_spec_capture(m['capture'])} · "
+                  f"`{m.get('command', 'python -m benchmarks --parts speculative')}`", ""]
     return section("Speculative decoding with the MTP layer", SPECULATIVE_TEXT, lines[:-1]) if lines else []
 
 

@@ -65,8 +65,8 @@ def prefill(transport, **kwargs):
 
 
 def decode(model, server, transport, **kwargs):
-    return DecodeEngine(model, server, transport=transport, graph_config=GRAPH, block_size=BLOCK,
-                        max_model_len=MAX_LEN, max_num_seqs=SEATS, num_blocks=NUM_BLOCKS, **kwargs)
+    return DecodeEngine(model, server, transport=transport, graph_config=kwargs.pop("graph_config", GRAPH),
+                        block_size=BLOCK, max_model_len=MAX_LEN, max_num_seqs=SEATS, num_blocks=NUM_BLOCKS, **kwargs)
 
 
 def addresses(engine):
@@ -182,6 +182,57 @@ def test_a_layout_or_model_mismatch_is_refused_at_handshake_naming_the_differenc
     with prefill(transport, **change) as server:
         with pytest.raises(LayoutMismatch, match=words):
             decode(mine, server, transport)
+
+
+def _record_drafts(engine) -> dict:
+    """Each request's drafts after each of its steps (``Speculation.advance``), by request index."""
+    drafts, advance = {}, engine.spec.advance
+
+    def recording(scheduler, batch, *args):
+        done = advance(scheduler, batch, *args)
+        for r in batch:
+            drafts.setdefault(r.index, []).append(list(r.drafts))
+        return done
+
+    engine.spec.advance = recording
+    return drafts
+
+
+def test_mtp_speculation_across_pd_drafts_from_the_mtp_cache_the_prefill_side_wrote():
+    """small-v3 with its MTP layer, ``num_speculative_tokens=2`` on both sides: the prefill side's
+    step also runs the MTP layer (its row brings the first draft and hidden states), the MTP
+    layer's cache moves with the target's, and the decode side's first chain step reads the
+    prompt's MTP entries from it. Oracle: one process, eager, the same speculation: the same
+    drafts request by request and step by step, and the tokens of decoding without speculation.
+    A prefill side that drafts otherwise is refused at the handshake."""
+    transport, k = "gloo", 2
+    v3 = named_model("small-v3", mtp_layers=1)[0]
+    kwargs = dict(block_size=BLOCK, max_model_len=MAX_LEN, max_num_seqs=SEATS, num_blocks=NUM_BLOCKS)
+    plain = Engine(named_model("small-v3")[0], graph_config=GraphConfig(enabled=False), **kwargs)
+    reference = plain.generate(PROMPTS, BUDGETS, ignore_eos=True)
+    single = Engine(v3, graph_config=GraphConfig(enabled=False), num_speculative_tokens=k, **kwargs)
+    want = _record_drafts(single)
+    assert single.generate(PROMPTS, BUDGETS, ignore_eos=True) == reference
+    server = PrefillProcess("small-v3", block_size=BLOCK, num_blocks=NUM_BLOCKS, max_model_len=MAX_LEN,
+                            transport=transport, threads=1, num_speculative_tokens=k)
+    with server:
+        engine = decode(v3, server, transport, num_speculative_tokens=k,
+                        graph_config=GraphConfig(enabled=True, capture_sizes=(2,), max_batch_size=2))
+        try:
+            got = _record_drafts(engine)
+            tokens = engine.generate(PROMPTS, BUDGETS, ignore_eos=True)
+            counters = engine.prefill_counters()
+        finally:
+            engine.close()
+    assert tokens == reference and got == want
+    stats = engine.stats
+    assert stats["eager_steps_total"] == 0 and stats["graph_steps"] > 0  # every prompt prefilled over there
+    assert stats["speculative"]["draft_chain"]["graph_steps"] > 0 and engine.transfer.transfers == len(PROMPTS)
+    assert_no_leak(engine, counters)
+    one = PrefillProcess("small-v3", block_size=BLOCK, num_blocks=NUM_BLOCKS, max_model_len=MAX_LEN,
+                         transport=transport, threads=1, num_speculative_tokens=1)  # its rows hold no hidden states
+    with one, pytest.raises(LayoutMismatch, match="prefill side drafts with num_speculative_tokens=1, this engine runs 2"):
+        decode(v3, one, transport, num_speculative_tokens=k)
 
 
 def test_the_decode_side_needs_the_prefill_servers_secret(model, monkeypatch):

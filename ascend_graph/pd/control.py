@@ -14,8 +14,10 @@ decode -> prefill (``TO_PREFILL``)
   ``stats``          answered by ``stats``
   ``shutdown``
 prefill -> decode (``TO_DECODE``)
-  ``hello`` layout, endpoint, pid, fingerprint;  ``error`` error (a refused handshake or message)
-  ``prefilled`` id, src_blocks, logits (tensor [V]), lease_s (the blocks' lease, from now)
+  ``hello`` layout, endpoint, pid, fingerprint, drafting (its ``num_speculative_tokens``; 0 if
+          absent);  ``error`` error (a refused handshake or message)
+  ``prefilled`` id, src_blocks, logits (tensor [V]; drafting: its prefill step's row, [2V] or, at
+                drafting > 1, [2V + E]), lease_s (the blocks' lease, from now)
   ``failed`` id, error
   ``released`` id, held  held: the lease was still held when the release came, so no other
                           request could have used the blocks meanwhile (the fence)
@@ -43,7 +45,7 @@ TO_PREFILL = Schema("decode -> prefill", {
     "shutdown": {},
 })
 TO_DECODE = Schema("prefill -> decode", {
-    "hello": {"layout": OBJECT, "endpoint": OBJECT, "pid": INT, "fingerprint": STR},
+    "hello": {"layout": OBJECT, "endpoint": OBJECT, "pid": INT, "fingerprint": STR, "drafting": optional(INT)},
     "error": {"error": STR},
     "prefilled": {"id": INT, "src_blocks": INTS, "logits": TENSOR, "lease_s": NUM},
     "failed": {"id": INT, "error": STR},

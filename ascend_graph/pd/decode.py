@@ -143,6 +143,10 @@ class DecodeEngine(Engine):
             raise RuntimeError(f"the prefill process answered the handshake with {reply['op']!r}")
         peer = CacheLayout.from_dict(reply["layout"])
         self.layout.check_matches(peer, "prefill side")
+        ours, theirs = self.spec.k if self.spec else 0, reply.get("drafting", 0)
+        if min(ours, 2) != min(theirs, 2):  # its prefill rows: no draft, a draft, a draft and hidden states
+            raise LayoutMismatch(f"the prefill side drafts with num_speculative_tokens={theirs}, this engine runs "
+                                 f"{ours}: start it with the same setting (--num-speculative-tokens)")
         try:
             self._transport.connect(reply["endpoint"], timeout_s)
         except (KeyError, TypeError) as e:
@@ -270,11 +274,11 @@ class DecodeEngine(Engine):
         if msg["op"] != "prefilled" or request.seq_id in self._confirming:
             return self._stray(msg)
         start = time.perf_counter()
-        logits = msg["logits"]
+        logits, width = msg["logits"], self._row_width()
         try:
-            if tuple(logits.shape) != (self.model.config.vocab_size,) or not logits.is_floating_point():
+            if tuple(logits.shape) != (width,) or not logits.is_floating_point():
                 raise ValueError(f"logits of shape {tuple(logits.shape)} and dtype {logits.dtype}, expected "
-                                 f"[{self.model.config.vocab_size}] floats")
+                                 f"[{width}] floats")
             self._receive(msg["src_blocks"], request)
         except (TransferError, ValueError) as e:
             self._tell("release", request.seq_id)
@@ -322,8 +326,16 @@ class DecodeEngine(Engine):
             self.transfer.ttft_seconds.append(time.monotonic() - entry[1])
         if prefill:  # recomputed here: an eager prefill step of our own
             self._step(scheduler, [request], True, sampler, stops, lambda plan, batches: [self.runner.execute(plan[0])])
+        elif self.spec is not None:  # its first token and draft; a chain (k > 1) drafts on from our MTP cache
+            self.spec.advance(scheduler, [request], logits, True, stops, self.counters)
+            self._count(1, True, time.perf_counter() - start)
         else:
             self._advance(scheduler, [request], logits, True, sampler, stops, start)
+
+    def _row_width(self) -> int:
+        """A prefilled row's width: the logits, and with speculation the draft's (and at k > 1 the hidden states)."""
+        c, k = self.model.config, self.spec.k if self.spec else 0
+        return c.vocab_size * (1 + (k > 0)) + c.hidden_size * (k > 1)
 
     def _give_up(self, scheduler: Scheduler, request: Request, reason: str, sampler, stops, step,
                  in_flight: bool = False) -> None:

@@ -65,13 +65,14 @@ class PrefillServer:
 
     def __init__(self, model: nn.Module, *, block_size: int, num_blocks: int, max_model_len: int,
                  transport: str = "auto", host: str = "127.0.0.1", max_batch: int = 8,
-                 hold_timeout_s: float = 120.0, handshake_timeout_s: float = 60.0) -> None:
+                 hold_timeout_s: float = 120.0, handshake_timeout_s: float = 60.0,
+                 num_speculative_tokens: int = 0) -> None:
         for name, value in (("hold_timeout_s", hold_timeout_s), ("handshake_timeout_s", handshake_timeout_s)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value}")
         self.engine = Engine(model, graph_config=GraphConfig(enabled=False), block_size=block_size,
                              num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=max_batch,
-                             cache_align_bytes=REGISTRATION_ALIGN)
+                             cache_align_bytes=REGISTRATION_ALIGN, num_speculative_tokens=num_speculative_tokens)
         self.transport = open_transport(transport, "source", host)
         self.layout = self.transport.register(self.engine.runner.kv_caches).with_identity(model_identity(model))
         self.max_batch = max_batch
@@ -119,7 +120,7 @@ class PrefillServer:
             return False
         self._peer, self._plan_options = peer, options
         channel.send("hello", layout=self.layout.to_dict(), endpoint=self.transport.endpoint(), pid=os.getpid(),
-                     fingerprint=self.layout.fingerprint)
+                     fingerprint=self.layout.fingerprint, drafting=self.engine.spec.k if self.engine.spec else 0)
         self.transport.connect(hello["endpoint"], self.handshake_timeout_s)
         return True
 
@@ -189,7 +190,7 @@ class PrefillServer:
             return
         start = time.perf_counter()
         entries = [SequenceStep(j["prompt"], 0, blocks.table(j["id"])) for j in jobs]
-        logits = self.engine.runner.execute(entries)  # [n, V] float32
+        logits = self.engine.runner.execute(entries)  # [n, V] float32 (drafting: the MTP draft too)
         self.stats.prefill_steps += 1
         self.stats.prefill_seconds += time.perf_counter() - start
         for job, row in zip(jobs, logits):
@@ -268,6 +269,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--accept-timeout", type=float, default=600.0,
                    help="seconds to wait for the decode side to connect and pass the challenge")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
+                   help="draft with the model's MTP layer (its cache moves with the target's) for a decode side "
+                        "with the same setting")
     secret = p.add_mutually_exclusive_group()
     secret.add_argument("--secret-file", default=None, metavar="PATH",
                         help=f"a file holding the shared secret (else ${SECRET_ENV}); the decode side uses the same")
@@ -285,10 +289,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    model, _ = named_model(args.model, getattr(torch, args.dtype) if args.dtype else None)
+    k = args.num_speculative_tokens
+    model, _ = named_model(args.model, getattr(torch, args.dtype) if args.dtype else None, mtp_layers=min(k, 1))
     server = PrefillServer(model, block_size=args.block_size, num_blocks=args.num_blocks,
                            max_model_len=args.max_model_len, transport=args.transport, host=args.host,
-                           max_batch=args.max_batch, hold_timeout_s=args.hold_timeout)
+                           max_batch=args.max_batch, hold_timeout_s=args.hold_timeout, num_speculative_tokens=k)
     with listen(key, args.host, args.port) as listener:
         print(f"{READY} {listener.address[1]}", flush=True)
         try:

@@ -33,7 +33,7 @@ class PrefillProcess:
                  num_blocks: int = 256, max_model_len: int = 512, transport: str = "auto",
                  host: str = "127.0.0.1", max_batch: int = 8, hold_timeout_s: float = 120.0,
                  threads: Optional[int] = None, env: Optional[dict] = None, ready_timeout_s: float = 180.0,
-                 secret: Optional[bytes] = None) -> None:
+                 secret: Optional[bytes] = None, num_speculative_tokens: int = 0) -> None:
         self.secret = new_secret() if secret is None else check_secret(secret, "secret")
         cmd = [sys.executable, "-m", "ascend_graph.pd.prefill", "--model", model, "--host", host,
                "--block-size", str(block_size), "--num-blocks", str(num_blocks), "--max-model-len",
@@ -41,6 +41,7 @@ class PrefillProcess:
                "--hold-timeout", str(hold_timeout_s), "--secret-stdin"]
         cmd += ["--dtype", dtype] if dtype else []
         cmd += ["--threads", str(threads)] if threads else []
+        cmd += ["--num-speculative-tokens", str(num_speculative_tokens)] if num_speculative_tokens else []
         self._stderr = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
                                      text=True, env={**os.environ, **(env or {})})
