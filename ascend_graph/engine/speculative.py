@@ -19,8 +19,8 @@ past the context: the next verify step writes every one of them again before any
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Optional
 
 from torch import Tensor
@@ -36,7 +36,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..runner.parity import ParityReport
     from .scheduler import Request, Scheduler
     from .stats import EngineStats
-
 
 
 @dataclass
