@@ -282,6 +282,29 @@ def test_a_kv_connector_at_tensor_parallel_size_one_is_not_refused(monkeypatch):
     assert config.model_config.hf_config.architectures == [flags.ARCHITECTURES["DeepseekV2ForCausalLM"]]
 
 
+@pytest.mark.parametrize("method, architecture, tp, named", [
+    ("ngram", "DeepseekV3ForCausalLM", 1, "speculative_config method 'ngram' \\(only 'mtp'\\)"),
+    ("eagle", "LlamaForCausalLM", 1, "speculative_config method 'eagle'"),
+    ("mtp", "LlamaForCausalLM", 1, r"'mtp' on \['LlamaForCausalLM'\] \(DeepSeek only\)"),
+    ("mtp", "DeepseekV3ForCausalLM", 2, "speculative_config with tensor_parallel_size > 1"),
+    ("mtp", "DeepseekV3ForCausalLM", 1, None),
+])
+def test_graph_mode_runs_deepseeks_mtp_speculation_at_tp_one_and_refuses_the_rest_naming_it(
+        monkeypatch, method, architecture, tp, named):
+    monkeypatch.setattr(plugin, "_no_vllm_compile", lambda config: None)
+    config = _vllm_config(ON, architectures=(architecture,))
+    config.speculative_config = SimpleNamespace(method=method, num_speculative_tokens=2)
+    config.parallel_config.tensor_parallel_size = tp
+    config.parallel_config.enable_expert_parallel = tp > 1
+    if named is None:
+        plugin.apply_flag(config, CPU)
+        assert config.model_config.hf_config.architectures == [flags.ARCHITECTURES[architecture]]
+        return
+    with pytest.raises(ValueError, match=named):
+        plugin.apply_flag(config, CPU)
+    assert config.model_config.hf_config.architectures == [architecture]
+
+
 class FakeLLM:
     """``collective_rpc`` by name on workers whose models are ``models``, in rank order."""
 

@@ -315,13 +315,18 @@ def test_the_example_serves_a_checkpoint_in_graph_mode_in_vllms_multiprocess_eng
         assert stats["parity_checks"] == stats["graph_steps"] and stats["parity_failures"] == 0, stats
 
 
-def test_our_mtp_drafts_equal_stock_vllms_mtp_drafter_step_by_step(vllm_run, tmp_path):
+def test_mtp_drafts_of_our_engine_and_of_vllm_in_graph_mode_equal_stock_vllms_step_by_step(vllm_run, tmp_path):
     """Stock vLLM with ``speculative_config={"method": "mtp", "num_speculative_tokens": 3}`` on a
     tiny V3 whose MTP layer drafts the token it is given (``tiny_v3_with_mtp(repeat=True)``: some
-    drafts are accepted, where the target repeats a token): every draft of our Engine (graph
-    mode: verify graphs and the draft chain's), request by request and step by step, is vLLM's
-    drafter's, which chains its one MTP layer as ours does; the tokens are vLLM's and
-    transformers'. Our MTP layer takes the target's embedding and head, as vLLM's does."""
+    drafts are accepted, where the target repeats a token) is the oracle of two runs:
+
+    - our Engine (verify graphs and the draft chain's): every draft, request by request and step
+      by step, is vLLM's drafter's, which chains its one MTP layer as ours does;
+    - vLLM in graph mode with the same ``speculative_config``: vLLM's drafter on our target's
+      hidden states, its verify steps as our graphs (capture sizes of 1 + 3 rows per request):
+      the same drafts at every step, so the same acceptance.
+
+    The tokens are transformers'. Our MTP layer takes the target's embedding and head, as vLLM's does."""
     from hf_models import tiny_v3_with_mtp
 
     from ascend_graph import Engine
@@ -329,13 +334,33 @@ def test_our_mtp_drafts_equal_stock_vllms_mtp_drafter_step_by_step(vllm_run, tmp
     from ascend_graph.models import load_deepseek
 
     tiny_v3_with_mtp(tmp_path, repeat=True, kv_lora_rank=512, qk_rope_head_dim=64)
-    new = 24
-    stock = {"enforce_eager": True, "compilation_config": {"custom_ops": ["none"]}, **STOCK_MLA,
-             "speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}
-    theirs = vllm_run({"model": str(tmp_path), "llm": dict(LLM_ARGS, **stock), "prompts": PROMPTS,
-                       "max_tokens": new, "record_drafts": True})
-    assert theirs["error"] is None, theirs["error"]
-    engine = Engine(load_deepseek(tmp_path, torch.float32, mtp_layers=1), max_model_len=128, num_speculative_tokens=3,
+    new, k = 24, 3
+    eager = {"enforce_eager": True, "compilation_config": {"custom_ops": ["none"]}, **STOCK_MLA,
+             "speculative_config": {"method": "mtp", "num_speculative_tokens": k}}
+    graph_mode = {**ON, "ascend_graph": {"moe_kernel": "ascend_graph"}}
+    theirs, graph = generate_in_turn(vllm_run, *({
+        "model": str(tmp_path), "llm": dict(LLM_ARGS, **eager, **extra), "prompts": PROMPTS, "max_tokens": new,
+        "record_drafts": True} for extra in ({}, {"additional_config": graph_mode})))
+    expected = transformers_greedy(str(tmp_path), PROMPTS, new)
+    assert theirs["tokens"] == expected and theirs["model_class"] == "DeepseekV3ForCausalLM"
+    assert graph["model_class"] == "AscendGraphDeepseekV3ForCausalLM"
+    assert graph["tokens"] == expected and graph["drafts"] == theirs["drafts"]
+    # what the drafter drafted from, step by step: our target's hidden states at every token (this
+    # MTP layer's drafts ignore them: eh_proj passes the embedding alone) are stock vLLM's
+    assert len(graph["drafter_inputs"]) == len(theirs["drafter_inputs"])
+    for ours_in, stock_in in zip(graph["drafter_inputs"], theirs["drafter_inputs"]):
+        assert ours_in["token_ids"] == stock_in["token_ids"] and ours_in["positions"] == stock_in["positions"]
+        torch.testing.assert_close(torch.tensor(ours_in["hidden_states"]), torch.tensor(stock_in["hidden_states"]),
+                                   rtol=1e-4, atol=1e-4)
+    # every verify step a graph; the four prompts in one eager step, those of at most 1 + k tokens
+    # as decode rows beside the longer ones ("mixed"); vLLM's buffer kept: the drafter's cache is in it
+    stats = graph["stats"]
+    assert stats["graph_steps"] > 0 and stats["eager_steps"] == {"mixed": 1}, stats
+    assert stats["vllm_kv_buffer_kept_bytes"] > 0 and theirs["stats"] is None
+    assert sorted(stats["capture"], key=int) == [str(s * (1 + k)) for s in sorted(set(SIZES) | {4})]
+    assert stats["recompiles"] == 0 and stats["compile_failures"] == 0
+
+    engine = Engine(load_deepseek(tmp_path, torch.float32, mtp_layers=1), max_model_len=128, num_speculative_tokens=k,
                     graph_config=GraphConfig(enabled=True, backend="inductor", max_batch_size=4, capture_sizes=(4,)))
     ours, advance = {}, engine.spec.advance
 
@@ -347,10 +372,10 @@ def test_our_mtp_drafts_equal_stock_vllms_mtp_drafter_step_by_step(vllm_run, tmp
 
     engine.spec.advance = recording
     tokens = engine.generate(PROMPTS, new, ignore_eos=True)
-    assert tokens == theirs["tokens"] == transformers_greedy(str(tmp_path), PROMPTS, new)
+    assert tokens == expected
     # after a request's last step vLLM still chains its drafts; ours stops at the first (none is verified)
     last = {index: steps[:-1] + [steps[-1][:1]] for index, steps in theirs["drafts"].items()}
-    assert ours == last and all(len(d) == 3 for steps in ours.values() for d in steps[:-1])
+    assert ours == last and all(len(d) == k for steps in ours.values() for d in steps[:-1])
     spec = engine.stats["speculative"]
     assert 0 < spec["accepted_tokens"] < spec["drafted_tokens"] and engine.stats["recompiles"] == 0
     chain = spec["draft_chain"]

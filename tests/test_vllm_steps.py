@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ascend_graph.runner import SequenceStep
-from ascend_graph.vllm.steps import select_logits, sequence_steps, token_rows
+from ascend_graph.vllm.steps import NO_ROW, select_logits, sequence_steps, speculative_rows, token_rows
 
 # Two decodes (lengths 17 and 5 after this step), then a 3-token prefill; block size 16.
 # The table has a padding row and padding columns, as vLLM's persistent buffers do.
@@ -93,3 +93,54 @@ def test_one_token_per_request_passes_the_logits_through_uncopied():
     logits = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
     rows = token_rows(3, step=1, meta=DECODES)[vllm_logits_indices(DECODES)]
     assert select_logits(rows, logits, step=1) is logits
+
+
+# Speculative decoding, k = 2: request 0 verifies its last token and 2 drafts (length 20 after
+# the step), request 1 got no draft (length 6), request 2 is a new 3-token prompt.
+VERIFY = SimpleNamespace(
+    num_reqs=3,
+    query_start_loc_cpu=torch.tensor([0, 3, 4, 7, 7], dtype=torch.int32),
+    seq_lens=torch.tensor([20, 6, 3, 0], dtype=torch.int32),
+    block_table_tensor=torch.tensor([[4, 9, 0], [7, 0, 0], [2, 0, 0], [0, 0, 0]], dtype=torch.int32),
+)
+
+
+def vllm_spec_logits_indices(meta, drafts: list[int]) -> torch.Tensor:
+    """What vLLM samples at with speculation (``_calc_spec_decode_metadata``): each request's
+    last ``1 + drafts[i]`` tokens."""
+    ends = meta.query_start_loc_cpu[1: meta.num_reqs + 1].tolist()
+    return torch.tensor([i for end, d in zip(ends, drafts) for i in range(end - 1 - d, end)])
+
+
+def test_with_speculation_no_request_above_one_plus_k_tokens_makes_every_token_a_decode_row():
+    layout = speculative_rows([11, 12, 13, 14, 21, 22, 23], VERIFY, block_size=16, k=2)
+    lens, request = layout.decode
+    assert lens.tolist() == [18, 19, 20, 6, 1, 2, 3] and request.tolist() == [0, 0, 0, 1, 2, 2, 2]
+    assert layout.seqs is None and layout.order.tolist() == list(range(7))
+    logits = torch.arange(7.0)[:, None]  # the runner's: one row per token
+    rows = token_rows(9, step=3, rows=layout.rows)  # vLLM pads the step to 9 tokens
+    assert rows[7:, 0].tolist() == [NO_ROW, NO_ROW]
+    picked = select_logits(rows[vllm_spec_logits_indices(VERIFY, [2, 0, 0])], logits, step=3)
+    assert picked.flatten().tolist() == [0.0, 1.0, 2.0, 3.0, 6.0]
+
+
+# k = 1: a 3-token prompt first, then a request verifying its last token and 1 draft (length 18).
+PROMPT_THEN_VERIFY = SimpleNamespace(
+    num_reqs=2,
+    query_start_loc_cpu=torch.tensor([0, 3, 5], dtype=torch.int32),
+    seq_lens=torch.tensor([3, 18], dtype=torch.int32),
+    block_table_tensor=torch.tensor([[2, 0], [4, 9]], dtype=torch.int32),
+)
+
+
+def test_with_speculation_a_prompt_is_one_step_and_the_verify_tokens_one_step_each_before_it():
+    layout = speculative_rows([21, 22, 23, 11, 12], PROMPT_THEN_VERIFY, block_size=16, k=1)
+    assert layout.decode is None
+    assert layout.seqs == [SequenceStep([11], 16, [4, 9]), SequenceStep([12], 17, [4, 9]),
+                           SequenceStep([21, 22, 23], 0, [2])]
+    assert layout.order.tolist() == [2, 3, 4, 0, 1]  # where each token's hidden state is in the runner's
+    assert layout.rows.tolist() == [NO_ROW, NO_ROW, 2.0, 0.0, 1.0]
+    logits = torch.tensor([[10.0], [11.0], [12.0]])  # the runner's: the two verify tokens, the prompt
+    rows = token_rows(5, step=1, rows=layout.rows)
+    picked = select_logits(rows[vllm_spec_logits_indices(PROMPT_THEN_VERIFY, [0, 1])], logits, step=1)
+    assert picked.flatten().tolist() == [12.0, 10.0, 11.0]

@@ -23,7 +23,9 @@ vLLM's own runner (``contract_probe``: a dummy run, a profile run, a forward wit
 metadata), then records every forward's and ``compute_logits``' output shape during the
 generations (``shapes``); with ``spec["prompt_logprobs"]`` a last request asks for prompt
 logprobs (``prompt_logprobs_error``). With ``spec["record_drafts"]`` (speculative decoding, in-process
-engine) ``drafts`` holds each request's drafts, step by step, from vLLM's own drafter.
+engine) ``drafts`` holds each request's drafts, step by step, from vLLM's own drafter, and
+``drafter_inputs`` what the drafter was given at each step (the target's token ids, positions and
+hidden states, as lists).
 Standard library, vLLM and ascend_graph only.
 """
 
@@ -74,7 +76,8 @@ def run(spec: dict) -> dict:
             (out["shapes"],) = llm.collective_rpc(  # a copy: later calls append to the recorded lists
                 lambda worker: json.loads(json.dumps(worker.model_runner.get_model().recorded_shapes)))
         if spec.get("record_drafts"):
-            (out["drafts"],) = llm.collective_rpc(lambda worker: worker.model_runner.drafts_by_request)
+            ((out["drafts"], out["drafter_inputs"]),) = llm.collective_rpc(
+                lambda worker: (worker.model_runner.drafts_by_request, worker.model_runner.drafter_inputs))
         if "timing" in spec:
             out["ms_per_step"] = decode_ms(llm, vllm, spec)
         if graph:
@@ -207,11 +210,14 @@ def error_of(e: Exception) -> dict:
 
 def record_drafts(worker) -> None:
     """Keep each step's speculative drafts on the worker's model runner: ``drafts_by_request``,
-    by the request's index (the id before vLLM's suffix), one list of draft tokens per step."""
+    by the request's index (the id before vLLM's suffix), one list of draft tokens per step; and
+    ``drafter_inputs``, per step the target's token ids, positions and hidden states it drafted from."""
     runner = worker.model_runner
-    propose, runner.drafts_by_request = runner.drafter.propose, {}
+    propose, runner.drafts_by_request, runner.drafter_inputs = runner.drafter.propose, {}, []
 
     def recording(*args, **kwargs):
+        runner.drafter_inputs.append({key: kwargs[f"target_{key}"].tolist()
+                                      for key in ("token_ids", "positions", "hidden_states")})
         drafts = propose(*args, **kwargs)  # [requests, k], the input batch's order
         for request, row in zip(list(runner.input_batch.req_ids), drafts.tolist()):
             runner.drafts_by_request.setdefault(request.split("-")[0], []).append(row)

@@ -152,8 +152,14 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
         # after every target tensor: a seed draws the same target weights with or without them
         self.mtp = nn.ModuleList(MTPLayer(config, i, dtype, device, tp, dp, ep) for i in range(mtp_layers))
         self.drafting = 0  # draft tokens per step: step_logits adds the MTP layer's draft (``speculative``)
+        self.returns_hidden = False  # step_logits adds the hidden states (vLLM's MTP drafter reads them)
         if init_weights:
             self.init_random_weights_(seed)
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        """The target's embedding (vLLM's drafters look for ``model.embed_tokens`` on the model they serve)."""
+        return self.model.embed_tokens
 
     @property
     def dtype(self) -> torch.dtype:
@@ -215,11 +221,13 @@ class DeepseekForCausalLM(ChoosesBackends, nn.Module):
         ``[n, 2V]``, and with ``drafting > 1`` its output hidden states as float32 columns after
         those, ``[n, 2V + E]`` (a draft chain's first input, ``draft_step``). Drafting runs the MTP
         layer over every row, each with the token after it: the step's next input token within a
-        prefill, the target's greedy choice at ``rows`` (a verify row's next token, as accepted)."""
+        prefill, the target's greedy choice at ``rows`` (a verify row's next token, as accepted).
+        With ``returns_hidden`` instead: the logits and ``hidden`` at ``rows`` as float32 columns,
+        ``[n, V + E]`` (inside vLLM, for its own MTP drafter)."""
         last = hidden if rows is None else hidden[rows]
         logits = self.compute_logits(last)
         if not self.drafting:
-            return logits
+            return torch.cat([logits, last.float()], dim=-1) if self.returns_hidden else logits
         after = input_ids.roll(-1)  # within a prefill: the next prompt token
         after = after.index_put((rows,), logits.argmax(-1)) if rows is not None else logits.argmax(-1)
         draft, out = self.mtp_draft(after, positions, hidden, kv_caches, attn_metadata, rows)

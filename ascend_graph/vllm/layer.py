@@ -70,10 +70,12 @@ class TupleCacheLayer(nn.Module, AttentionLayerBase):
         if name in context:
             raise ValueError(f"duplicate layer name in vLLM's forward context: {name}")
         context[name] = self
+        self._context = context  # at bind: does a stock layer (vLLM's MTP drafter's) share vLLM's buffer?
         self.layer_name = name
         self.spec = spec
         self.num_blocks: Optional[int] = None
         self.kv_cache: Any = ()  # never a tensor: vLLM's CPU runner then leaves it alone
+        self.kept_bytes = 0  # vLLM's buffer, kept where a stock layer lives in it too
         # Set by the model: returns this layer's cache tuple, the runner's tensors its graphs
         # capture (a KV connector registers those); callable once vLLM has bound the caches.
         self.tuple_cache: Optional[Callable[[], Any]] = None
@@ -99,11 +101,18 @@ class TupleCacheLayer(nn.Module, AttentionLayerBase):
                                 dtype=self.spec.dtype, cache_dtype_str="auto")
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """Take the block count of vLLM's view, then release vLLM's buffer: our runner holds the
-        caches. Then ``on_bound`` (where the model set it)."""
+        """Take the block count of vLLM's view, then release vLLM's buffer (our runner holds the
+        caches), unless a stock attention layer's cache lives in it too (vLLM's MTP drafter's:
+        vLLM places every layer in one allocation): then it is kept, its size in ``kept_bytes``.
+        Then ``on_bound`` (where the model set it)."""
         self.num_blocks = int(kv_cache.shape[0])
-        if kv_cache.untyped_storage().nbytes():
-            kv_cache.untyped_storage().resize_(0)
+        stock = [n for n, layer in self._context.items()
+                 if isinstance(layer, AttentionLayerBase) and not isinstance(layer, TupleCacheLayer)]
+        storage = kv_cache.untyped_storage()
+        if stock:
+            self.kept_bytes = storage.nbytes()
+        elif storage.nbytes():
+            storage.resize_(0)
         self.kv_cache = ()
         if self.on_bound is not None:
             self.on_bound()

@@ -17,6 +17,11 @@ to ``GraphRunner.execute_decode``; any other becomes the runner's ``SequenceStep
 ``compute_logits`` maps vLLM's selection of it back to those logits (``steps.select_logits``).
 vLLM's dummy runs (``GPUModelRunner._dummy_run``) set no attention metadata: they run nothing
 and have no logits. Any other forward without this model's metadata raises.
+
+With ``speculative_config`` (method ``"mtp"``, k tokens) vLLM's own MTP drafter drafts and vLLM
+verifies: the capture sizes count requests of ``1 + k`` rows (``verify_config``, as the Engine's),
+each step is laid out by ``steps.speculative_rows`` (logits at every token of a verify request),
+and ``get_mtp_target_hidden_states`` hands the drafter the target's hidden state at every token.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from vllm.forward_context import get_forward_context
 
 from ..models import DeepseekConfig, DeepseekForCausalLM
 from ..models.loader import CheckpointError, _check_complete, _piece, _target
+from ..engine.speculative import verify_config
 from ..pd.identity import model_identity
 from ..runner import GraphRunner, RunnerStats
 from ..runtime import weights_on_huge_pages
@@ -38,7 +44,7 @@ from .flags import moe_kernel, parse_additional_config, platform_name, runs_grap
 from .layer import TupleCacheLayer
 from .moe import use_vllm_fused_moe
 from .parallel import adopt_vllm_groups, graph_config_for
-from .steps import select_logits, sequence_steps, token_rows
+from .steps import select_logits, sequence_steps, speculative_rows, token_rows
 
 
 class AscendGraphForCausalLM(nn.Module):
@@ -63,6 +69,11 @@ class AscendGraphForCausalLM(nn.Module):
         self.graph_config = graph_config_for(parse_additional_config(
             vllm_config.additional_config, max_num_seqs=vllm_config.scheduler_config.max_num_seqs), self.parallel)
         self.moe_kernel = moe_kernel(vllm_config.additional_config, self.parallel.config.enable_expert_parallel)
+        spec = vllm_config.speculative_config
+        self.speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
+        if self.speculative_tokens:  # plugin._check_supported let only method "mtp" through
+            self.graph_config = verify_config(self.graph_config, self.speculative_tokens)
+            self.model.returns_hidden = True
         self.cache_layers = nn.ModuleList(
             TupleCacheLayer(vllm_config, f"{prefix}model.layers.{i}.self_attn.attn", spec)
             for i, spec in enumerate(self.model.kv_cache_specs()))
@@ -76,6 +87,7 @@ class AscendGraphForCausalLM(nn.Module):
         self.runner: Optional[GraphRunner] = None
         self._forwards = 0  # forwards so far: the serial number in token_rows
         self._logits: Optional[Tensor] = None  # the latest forward's [R, V]; None after a dummy run
+        self._hidden: Optional[Tensor] = None  # with speculation: its hidden states [T, E], vLLM's token order
         self._forward_name = "no forward yet"
 
     def _build_model(self, vllm_config: VllmConfig) -> tuple[Any, nn.Module]:
@@ -99,7 +111,7 @@ class AscendGraphForCausalLM(nn.Module):
         """Run the step; keep its ``[R, V]`` logits for ``compute_logits`` and return its
         ``steps.token_rows`` ``[T, 2]``. A dummy run runs nothing and keeps no logits."""
         self._forwards += 1
-        self._logits = None
+        self._logits = self._hidden = None
         self._forward_name = f"forward {self._forwards}"
         if input_ids is None:
             raise ValueError("ascend_graph's graph mode takes input_ids; got None (prompt embeddings: not supported)")
@@ -108,12 +120,46 @@ class AscendGraphForCausalLM(nn.Module):
             self._forward_name = f"vLLM's dummy run (forward {self._forwards}: no attention metadata)"
             return token_rows(input_ids.shape[0], self._forwards)
         n = meta.num_reqs
+        if self.speculative_tokens:
+            return token_rows(input_ids.shape[0], self._forwards, rows=self._speculative_step(input_ids, meta))
         if meta.num_actual_tokens == n and self.decode_as_tensors:  # decode-only: vLLM's tensors go to the graph's inputs as they are
             self._logits = self.runner.execute_decode(input_ids[:n], meta.seq_lens[:n],
                                                       meta.block_table_tensor[:n], meta.slot_mapping[:n])
         else:
             self._logits = self.runner.execute(sequence_steps(input_ids.tolist(), meta, self.block_size))
         return token_rows(input_ids.shape[0], self._forwards, meta)
+
+    def _speculative_step(self, input_ids: Tensor, meta: Any) -> Tensor:
+        """A step under speculative decoding (``steps.speculative_rows``): keeps its logits and its
+        hidden states at every token; returns each token's logits row."""
+        layout = speculative_rows(input_ids[:meta.num_actual_tokens].tolist(), meta, self.block_size,
+                                  self.speculative_tokens)
+        vocab = self.config.vocab_size
+        if layout.decode is not None:  # every token a decode row: the graphs take it
+            lens, request = layout.decode
+            total = len(lens)
+            out = self.runner.execute_decode(input_ids[:total], lens, meta.block_table_tensor[request],
+                                             meta.slot_mapping[:total])
+            hidden = out[:, vocab:]
+        else:  # a prompt: run eagerly, its hidden states read whole off the model's body
+            kept = []
+            hook = self.model.model.register_forward_hook(lambda module, args, output: kept.append(output))
+            try:
+                out = self.runner.execute(layout.seqs)
+            finally:
+                hook.remove()
+            hidden = kept[-1]
+        self._logits = out[:, :vocab]
+        self._hidden = hidden[layout.order].to(self.model.dtype)
+        return layout.rows
+
+    def get_mtp_target_hidden_states(self) -> Tensor:
+        """The latest forward's hidden states at every token (``[T, E]``, vLLM's token order): what
+        vLLM's MTP drafter reads in place of ``forward``'s output (``GPUModelRunner``'s hook)."""
+        if self._hidden is None:
+            raise RuntimeError(f"vLLM's drafter asked for the target's hidden states of {self._forward_name}, "
+                               "which has none: only a step under speculative decoding keeps them")
+        return self._hidden
 
     def embed_input_ids(self, input_ids: Tensor) -> Tensor:
         """vLLM's text-generation interface asks for it; our steps embed inside the model."""
@@ -127,11 +173,14 @@ class AscendGraphForCausalLM(nn.Module):
     def runner_stats(self) -> dict:
         """The runner's counters (all zero before vLLM binds the caches, when it captures), with
         this worker's place under ``"parallel"`` (``parallel_layout()``, or the TP rank and size)
-        and which all-reduce its steps run (``ParallelState.collectives``)."""
+        and which all-reduce its steps run (``ParallelState.collectives``), and the bytes of vLLM's
+        KV buffer kept beside the runner's caches (``TupleCacheLayer.kept_bytes``; 0 without a drafter)."""
         stats = (self.runner.stats if self.runner is not None else RunnerStats()).to_dict()
         layout = getattr(self.model, "parallel_layout", None)
         place = layout() if layout is not None else {"tp_size": self.parallel.tp.size, "tp_rank": self.parallel.tp.rank}
-        return stats | {"parallel": place | {"collectives": self.parallel.collectives}}
+        kept = max(layer.kept_bytes for layer in self.cache_layers)  # one buffer: every layer's view of it
+        return stats | {"parallel": place | {"collectives": self.parallel.collectives},
+                        "vllm_kv_buffer_kept_bytes": kept}
 
     def _metadata(self) -> Any:
         """This step's metadata: ``None`` where vLLM passes none (its dummy runs: ``_dummy_run``

@@ -98,7 +98,8 @@ def apply_flag(vllm_config: Any, platform: Any) -> None:
 
 def _check_supported(vllm_config: Any, config: Any) -> None:
     """What graph mode's model class does not do fails here, by name, before any worker starts:
-    pipeline, data and context parallelism, speculative decoding, LoRA; at
+    pipeline, data and context parallelism, speculative decoding but DeepSeek's MTP at
+    tensor_parallel_size 1 (``_speculation_unsupported``), LoRA; at
     tensor_parallel_size > 1 a KV connector (each worker would serve the same port; PD between
     vLLM instances runs at TP=1) and ``inductor.aot`` (a saved package holds one run's process
     groups); a model that does not split over the TP ranks; vLLM's fused-MoE kernel with expert
@@ -109,18 +110,35 @@ def _check_supported(vllm_config: Any, config: Any) -> None:
                    "data_parallel_size": parallel.data_parallel_size > 1,
                    "decode_context_parallel_size": getattr(parallel, "decode_context_parallel_size", 1) > 1,
                    "prefill_context_parallel_size": getattr(parallel, "prefill_context_parallel_size", 1) > 1,
-                   "speculative_config": vllm_config.speculative_config is not None,
+                   "speculative_config": _speculation_unsupported(vllm_config),
                    "lora_config": vllm_config.lora_config is not None,
                    "kv_transfer_config with tensor_parallel_size > 1":
                        tp > 1 and vllm_config.kv_transfer_config is not None,
                    "inductor.aot with tensor_parallel_size > 1": tp > 1 and config.inductor.aot}
-    bad = [name for name, on in unsupported.items() if on]
+    bad = [on if isinstance(on, str) else name for name, on in unsupported.items() if on]
     if bad:
         raise ValueError(f"ascend_graph's graph mode does not support {', '.join(bad)} yet; "
                          "turn torchair_graph_config.enabled off or drop those settings")
     moe_kernel(vllm_config.additional_config, expert_parallel=bool(parallel.enable_expert_parallel))
     if tp > 1:
         check_split(vllm_config)
+
+
+def _speculation_unsupported(vllm_config: Any) -> str:
+    """What graph mode does not run of ``vllm_config.speculative_config`` ("" where it runs it: method
+    ``"mtp"``, a DeepSeek checkpoint, tensor_parallel_size 1), said as the error's setting."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return ""
+    method = getattr(spec, "method", None)
+    if method != "mtp":
+        return f"speculative_config method {method!r} (only 'mtp')"
+    architectures = getattr(vllm_config.model_config.hf_config, "architectures", None) or []
+    if not any("Deepseek" in a for a in architectures):  # ours too: a second check sees our class
+        return f"speculative_config method 'mtp' on {architectures} (DeepSeek only)"
+    if vllm_config.parallel_config.tensor_parallel_size > 1:
+        return "speculative_config with tensor_parallel_size > 1"
+    return ""
 
 
 def _no_vllm_compile(vllm_config: Any) -> None:

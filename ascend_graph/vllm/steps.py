@@ -11,10 +11,18 @@ token. So ``forward`` returns ``token_rows``, a ``[T, 2]`` float64 tensor (``ROW
 whose last token this is, or ``NO_ROW``; ``STEP``: the forward's serial number), and
 ``compute_logits`` maps vLLM's selection of it to the runner's rows with ``select_logits``,
 which refuses a token without logits (e.g. prompt logprobs) and rows of another forward.
+
+Speculative decoding (``speculative_config`` with ``num_speculative_tokens=k``): vLLM samples
+at every token of a verify request (its last token and its drafts) and its MTP drafter reads
+the target's hidden state at every token. ``speculative_rows`` lays a step out for that: where
+no request brings more than ``1 + k`` tokens, every token is a decode row (one captured graph);
+otherwise those requests' tokens are one-token steps and each longer one (a prompt) one step,
+run eagerly, its hidden states taken whole from the model.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -40,16 +48,62 @@ def sequence_steps(token_ids: list[int], meta: Any, block_size: int) -> list[Seq
                          tables[i][:widths[i]]) for i in range(n)]
 
 
-def token_rows(num_tokens: int, step: int, meta: Optional[Any] = None) -> Tensor:
+@dataclass
+class SpeculativeRows:
+    """A step as ``speculative_rows`` lays it out: ``decode`` (every token a decode row: the
+    lengths ``[T]`` after each and the index ``[T]`` of its request's block-table row) or
+    ``seqs`` (one-token steps first, in vLLM's order, then the longer requests'), ``rows [T]``
+    (each token's logits row in the runner's output, ``NO_ROW`` for none) and ``order [T]`` (each
+    token's place in the runner's token order: the hidden state it reads)."""
+
+    decode: Optional[tuple[Tensor, Tensor]]
+    seqs: Optional[list[SequenceStep]]
+    rows: Tensor
+    order: Tensor
+
+
+def speculative_rows(token_ids: list[int], meta: Any, block_size: int, k: int) -> SpeculativeRows:
+    """The step's tokens as the runner's rows when vLLM speculates ``k`` tokens (module docstring)."""
+    n = meta.num_reqs
+    starts = meta.query_start_loc_cpu[: n + 1].to(torch.long)
+    counts = starts[1:] - starts[:-1]
+    total = int(starts[n])
+    request = torch.repeat_interleave(torch.arange(n), counts)  # [T] each token's request
+    within = torch.arange(total) - starts[:-1][request]  # [T] its place in the request's span
+    every = torch.arange(total)
+    if int(counts.max()) <= 1 + k:
+        lens = meta.seq_lens[:n].to(torch.long).cpu()[request] - counts[request] + within + 1
+        return SpeculativeRows((lens, request), None, every.to(torch.float64), every)
+    short = (counts <= 1 + k)[request]  # [T] a token of a request with at most 1 + k tokens
+    singles, longs = every[short], every[~short]
+    order = torch.empty(total, dtype=torch.long)
+    order[singles] = torch.arange(len(singles))
+    order[longs] = len(singles) + torch.arange(len(longs))
+    steps = sequence_steps(token_ids, meta, block_size)
+    seqs = [SequenceStep([t], s.num_cached + j, s.block_table)
+            for s in steps if len(s.token_ids) <= 1 + k for j, t in enumerate(s.token_ids)]
+    seqs += [s for s in steps if len(s.token_ids) > 1 + k]
+    rows = torch.full((total,), NO_ROW, dtype=torch.float64)
+    rows[singles] = torch.arange(len(singles), dtype=torch.float64)
+    ends = starts[1:][counts > 1 + k] - 1  # each longer request's last token
+    rows[ends] = len(singles) + torch.arange(len(ends), dtype=torch.float64)
+    return SpeculativeRows(None, seqs, rows, order)
+
+
+def token_rows(num_tokens: int, step: int, meta: Optional[Any] = None, rows: Optional[Tensor] = None) -> Tensor:
     """``[T, 2]`` float64: per token, the request whose last token it is (``NO_ROW`` elsewhere,
-    and everywhere without ``meta``: a dummy run), and ``step``. Exact up to 2**53."""
-    rows = torch.full((num_tokens, 2), NO_ROW, dtype=torch.float64)
-    rows[:, STEP] = step
+    and everywhere without ``meta``: a dummy run), or where ``rows`` is given (``[t <= T]``,
+    ``SpeculativeRows.rows``) its logits row; and ``step``. Exact up to 2**53."""
+    out = torch.full((num_tokens, 2), NO_ROW, dtype=torch.float64)
+    out[:, STEP] = step
+    if rows is not None:
+        out[:len(rows), ROW] = rows
+        return out
     if meta is not None:
         n = meta.num_reqs
         last = meta.query_start_loc_cpu[1: n + 1].to(torch.long) - 1
-        rows[last, ROW] = torch.arange(n, dtype=torch.float64)
-    return rows
+        out[last, ROW] = torch.arange(n, dtype=torch.float64)
+    return out
 
 
 def select_logits(selected: Tensor, logits: Optional[Tensor], step: int, what: str = "the latest forward") -> Tensor:
