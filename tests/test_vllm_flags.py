@@ -287,13 +287,17 @@ def test_a_kv_connector_at_tensor_parallel_size_one_is_not_refused(monkeypatch):
     ("eagle", "LlamaForCausalLM", 1, "speculative_config method 'eagle'"),
     ("mtp", "LlamaForCausalLM", 1, r"'mtp' on \['LlamaForCausalLM'\] \(DeepSeek only\)"),
     ("mtp", "DeepseekV3ForCausalLM", 2, "speculative_config with tensor_parallel_size > 1"),
+    ("mtp", "DeepseekV3ForCausalLM", "connector", "speculative_config with kv_transfer_config"),
     ("mtp", "DeepseekV3ForCausalLM", 1, None),
 ])
 def test_graph_mode_runs_deepseeks_mtp_speculation_at_tp_one_and_refuses_the_rest_naming_it(
         monkeypatch, method, architecture, tp, named):
+    """At TP=1 without a KV connector (ours moves the tuple caches, not vLLM's drafter's)."""
     monkeypatch.setattr(plugin, "_no_vllm_compile", lambda config: None)
     config = _vllm_config(ON, architectures=(architecture,))
     config.speculative_config = SimpleNamespace(method=method, num_speculative_tokens=2)
+    if tp == "connector":
+        config.kv_transfer_config, tp = object(), 1
     config.parallel_config.tensor_parallel_size = tp
     config.parallel_config.enable_expert_parallel = tp > 1
     if named is None:

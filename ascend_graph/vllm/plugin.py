@@ -99,7 +99,7 @@ def apply_flag(vllm_config: Any, platform: Any) -> None:
 def _check_supported(vllm_config: Any, config: Any) -> None:
     """What graph mode's model class does not do fails here, by name, before any worker starts:
     pipeline, data and context parallelism, speculative decoding but DeepSeek's MTP at
-    tensor_parallel_size 1 (``_speculation_unsupported``), LoRA; at
+    tensor_parallel_size 1 without a KV connector (``_speculation_unsupported``), LoRA; at
     tensor_parallel_size > 1 a KV connector (each worker would serve the same port; PD between
     vLLM instances runs at TP=1) and ``inductor.aot`` (a saved package holds one run's process
     groups); a model that does not split over the TP ranks; vLLM's fused-MoE kernel with expert
@@ -126,7 +126,7 @@ def _check_supported(vllm_config: Any, config: Any) -> None:
 
 def _speculation_unsupported(vllm_config: Any) -> str:
     """What graph mode does not run of ``vllm_config.speculative_config`` ("" where it runs it: method
-    ``"mtp"``, a DeepSeek checkpoint, tensor_parallel_size 1), said as the error's setting."""
+    ``"mtp"``, a DeepSeek checkpoint, tensor_parallel_size 1, no KV connector), said as the error's setting."""
     spec = vllm_config.speculative_config
     if spec is None:
         return ""
@@ -138,6 +138,8 @@ def _speculation_unsupported(vllm_config: Any) -> str:
         return f"speculative_config method 'mtp' on {architectures} (DeepSeek only)"
     if vllm_config.parallel_config.tensor_parallel_size > 1:
         return "speculative_config with tensor_parallel_size > 1"
+    if vllm_config.kv_transfer_config is not None:  # our connector moves the tuple caches, not the drafter's
+        return "speculative_config with kv_transfer_config"
     return ""
 
 
