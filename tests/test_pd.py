@@ -231,7 +231,8 @@ def test_mtp_speculation_across_pd_drafts_from_the_mtp_cache_the_prefill_side_wr
     assert_no_leak(engine, counters)
     one = PrefillProcess("small-v3", block_size=BLOCK, num_blocks=NUM_BLOCKS, max_model_len=MAX_LEN,
                          transport=transport, threads=1, num_speculative_tokens=1)  # its rows hold no hidden states
-    with one, pytest.raises(LayoutMismatch, match="prefill side drafts with num_speculative_tokens=1, this engine runs 2"):
+    refused = r"refused the handshake: .*num_speculative_tokens=1 here, 2 on the decode side"
+    with one, pytest.raises(LayoutMismatch, match=refused):  # by the prefill side, before its transport waits
         decode(v3, one, transport, num_speculative_tokens=k)
 
 

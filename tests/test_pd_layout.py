@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from ascend_graph.kv_cache import MLACacheSpec, KVCacheSpec, allocate_kv_caches
-from ascend_graph.pd.layout import CacheLayout, LayoutMismatch, block_runs, plan_transfer
+from ascend_graph.pd.layout import CacheLayout, LayoutMismatch, block_runs, check_drafting, plan_transfer
 
 SPECS = [MLACacheSpec(8, 4, torch.float32), MLACacheSpec(8, 4, torch.float32)]
 
@@ -118,3 +118,14 @@ def test_non_contiguous_caches_are_refused():
     bad = (type(kv[0])(torch.zeros(12, 4, 1, 16)[..., :8], kv[0].k_pe),)
     with pytest.raises(ValueError, match="contiguous"):
         CacheLayout.of(bad)
+
+
+@pytest.mark.parametrize("ours, theirs", [(0, 0), (1, 1), (2, 3), (3, 2)])
+def test_drafting_agrees_where_the_prefill_rows_have_one_form(ours, theirs):
+    check_drafting(ours, theirs, "decode side")  # 0: logits; 1: and a draft; > 1: and hidden states
+
+
+@pytest.mark.parametrize("ours, theirs", [(0, 1), (1, 0), (1, 2), (3, 1), (0, 3)])
+def test_drafting_that_changes_the_prefill_rows_is_refused_naming_both(ours, theirs):
+    with pytest.raises(LayoutMismatch, match=f"num_speculative_tokens={ours} here, {theirs} on the decode side"):
+        check_drafting(ours, theirs, "decode side")

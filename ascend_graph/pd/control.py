@@ -6,8 +6,9 @@ headers, the first token's logits as raw bytes with dtype and shape; nothing is 
 KV blocks travel on the transport (``pd/transport.py``). Every wait has a deadline.
 
 decode -> prefill (``TO_PREFILL``)
-  ``hello`` layout, endpoint, transport, plan_options  the handshake (``layout``: ``CacheLayout``
-                                                      with the model identity)
+  ``hello`` layout, endpoint, transport, plan_options, drafting  the handshake (``layout``:
+          ``CacheLayout`` with the model identity; ``drafting``: its ``num_speculative_tokens``, 0
+          if absent)
   ``prefill`` jobs [{id, prompt, dst_blocks, timeout_s}]
   ``release`` id     the decode side has read the blocks (or gave up); answered by ``released``
   ``cancel`` id      drop a job not prefilled yet, or its blocks; no answer
@@ -37,7 +38,7 @@ _JOB = record({"id": INT, "prompt": INTS, "dst_blocks": INTS, "timeout_s": NUM})
 _PLAN_OPTIONS = record({"max_descriptors": INT, "max_batch_bytes": nullable(INT)})
 TO_PREFILL = Schema("decode -> prefill", {
     "hello": {"layout": OBJECT, "endpoint": OBJECT, "transport": STR,
-              "plan_options": optional(Field(_PLAN_OPTIONS))},
+              "plan_options": optional(Field(_PLAN_OPTIONS)), "drafting": optional(INT)},
     "prefill": {"jobs": Field(list_of(_JOB))},
     "release": {"id": INT},
     "cancel": {"id": INT},

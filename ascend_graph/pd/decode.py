@@ -39,7 +39,8 @@ from ..engine.scheduler import Request, Scheduler
 from .auth import secret_from
 from .control import Channel, PeerLost, WireError, connect
 from .identity import model_identity
-from .layout import DEFAULT_MAX_DESCRIPTORS, REGISTRATION_ALIGN, CacheLayout, LayoutMismatch, plan_transfer
+from .layout import (DEFAULT_MAX_DESCRIPTORS, REGISTRATION_ALIGN, CacheLayout, LayoutMismatch, check_drafting,
+                     plan_transfer)
 from .process import PrefillProcess
 from .select import open_transport
 from .transport import TransferError
@@ -132,8 +133,9 @@ class DecodeEngine(Engine):
             raise
 
     def _handshake(self, timeout_s: float) -> CacheLayout:
+        ours = self.spec.k if self.spec else 0
         self._channel.send("hello", layout=self.layout.to_dict(), endpoint=self._transport.endpoint(),
-                           transport=self._transport.name, plan_options=self.plan_options)
+                           transport=self._transport.name, plan_options=self.plan_options, drafting=ours)
         reply = self._channel.recv(timeout_s)
         if reply is None:
             raise TimeoutError(f"the prefill process did not answer the handshake within {timeout_s:g} s")
@@ -143,10 +145,7 @@ class DecodeEngine(Engine):
             raise RuntimeError(f"the prefill process answered the handshake with {reply['op']!r}")
         peer = CacheLayout.from_dict(reply["layout"])
         self.layout.check_matches(peer, "prefill side")
-        ours, theirs = self.spec.k if self.spec else 0, reply.get("drafting", 0)
-        if min(ours, 2) != min(theirs, 2):  # its prefill rows: no draft, a draft, a draft and hidden states
-            raise LayoutMismatch(f"the prefill side drafts with num_speculative_tokens={theirs}, this engine runs "
-                                 f"{ours}: start it with the same setting (--num-speculative-tokens)")
+        check_drafting(ours, reply.get("drafting", 0), "prefill side")
         try:
             self._transport.connect(reply["endpoint"], timeout_s)
         except (KeyError, TypeError) as e:

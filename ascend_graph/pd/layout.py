@@ -38,6 +38,14 @@ class LayoutMismatch(ValueError):
     """Two processes' cache layouts differ; the message names the first difference."""
 
 
+def check_drafting(ours: int, theirs: int, where: str) -> None:
+    """Both PD sides' ``num_speculative_tokens`` give prefill rows of one form (0: logits; 1: and a
+    draft; > 1: and the MTP output hidden states), else ``LayoutMismatch`` naming both."""
+    if min(ours, 2) != min(theirs, 2):
+        raise LayoutMismatch(f"drafting differs: num_speculative_tokens={ours} here, {theirs} on the {where}: "
+                             "start both sides with the same --num-speculative-tokens")
+
+
 @dataclass(frozen=True)
 class Region:
     """One cache tensor ``[N, S, H, D]``: where it lives and what one block of it is."""

@@ -36,7 +36,7 @@ from ..runner.step import SequenceStep
 from .auth import SECRET_ENV, check_secret, secret_from
 from .control import Channel, PeerLost, WireError, accept, listen
 from .identity import model_identity
-from .layout import REGISTRATION_ALIGN, CacheLayout, LayoutMismatch, plan_transfer
+from .layout import REGISTRATION_ALIGN, CacheLayout, LayoutMismatch, check_drafting, plan_transfer
 from .select import open_transport
 from .transport import TransferError
 
@@ -113,6 +113,7 @@ class PrefillServer:
                 raise LayoutMismatch(f"transport differs: {self.transport.name} here, {hello['transport']} on the "
                                      "decode side")
             self.layout.check_matches(peer, "decode side")
+            check_drafting(self.engine.spec.k if self.engine.spec else 0, hello.get("drafting", 0), "decode side")
             options = dict(hello.get("plan_options") or {})
             plan_transfer(self.layout, peer, [1], [1], **options)  # the options hold (ValueError names them)
         except ValueError as e:  # LayoutMismatch too
