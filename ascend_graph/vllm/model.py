@@ -34,9 +34,9 @@ from torch import Tensor, nn
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 
+from ..engine.speculative import verify_config
 from ..models import DeepseekConfig, DeepseekForCausalLM
 from ..models.loader import CheckpointError, _check_complete, _piece, _target
-from ..engine.speculative import verify_config
 from ..pd.identity import model_identity
 from ..runner import GraphRunner, RunnerStats
 from ..runtime import weights_on_huge_pages
@@ -69,8 +69,8 @@ class AscendGraphForCausalLM(nn.Module):
         self.graph_config = graph_config_for(parse_additional_config(
             vllm_config.additional_config, max_num_seqs=vllm_config.scheduler_config.max_num_seqs), self.parallel)
         self.moe_kernel = moe_kernel(vllm_config.additional_config, self.parallel.config.enable_expert_parallel)
-        spec = vllm_config.speculative_config
-        self.speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
+        speculative = vllm_config.speculative_config
+        self.speculative_tokens = speculative.num_speculative_tokens if speculative is not None else 0
         if self.speculative_tokens:  # plugin._check_supported let only method "mtp" through
             self.graph_config = verify_config(self.graph_config, self.speculative_tokens)
             self.model.returns_hidden = True
