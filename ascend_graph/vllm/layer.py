@@ -106,8 +106,8 @@ class TupleCacheLayer(nn.Module, AttentionLayerBase):
         vLLM places every layer in one allocation): then it is kept, its size in ``kept_bytes``.
         Then ``on_bound`` (where the model set it)."""
         self.num_blocks = int(kv_cache.shape[0])
-        stock = [n for n, layer in self._context.items()
-                 if isinstance(layer, AttentionLayerBase) and not isinstance(layer, TupleCacheLayer)]
+        stock = any(isinstance(layer, AttentionLayerBase) and not isinstance(layer, TupleCacheLayer)
+                    for layer in self._context.values())
         storage = kv_cache.untyped_storage()
         if stock:
             self.kept_bytes = storage.nbytes()

@@ -140,7 +140,7 @@ class AscendGraphForCausalLM(nn.Module):
             total = len(lens)
             out = self.runner.execute_decode(input_ids[:total], lens, meta.block_table_tensor[request],
                                              meta.slot_mapping[:total])
-            hidden = out[:, vocab:]
+            hidden = out[:, vocab:]  # rows in vLLM's token order: no gather on the decode path
         else:  # a prompt: run eagerly, its hidden states read whole off the model's body
             kept = []
             hook = self.model.model.register_forward_hook(lambda module, args, output: kept.append(output))
@@ -148,9 +148,9 @@ class AscendGraphForCausalLM(nn.Module):
                 out = self.runner.execute(layout.seqs)
             finally:
                 hook.remove()
-            hidden = kept[-1]
+            hidden = kept[-1][layout.order]
         self._logits = out[:, :vocab]
-        self._hidden = hidden[layout.order].to(self.model.dtype)
+        self._hidden = hidden.to(self.model.dtype)
         return layout.rows
 
     def get_mtp_target_hidden_states(self) -> Tensor:

@@ -69,9 +69,9 @@ def speculative_rows(token_ids: list[int], meta: Any, block_size: int, k: int) -
     counts = starts[1:] - starts[:-1]
     total = int(starts[n])
     request = torch.repeat_interleave(torch.arange(n), counts)  # [T] each token's request
-    within = torch.arange(total) - starts[:-1][request]  # [T] its place in the request's span
     every = torch.arange(total)
     if int(counts.max()) <= 1 + k:
+        within = every - starts[:-1][request]  # [T] each token's place in its request's span
         lens = meta.seq_lens[:n].to(torch.long).cpu()[request] - counts[request] + within + 1
         return SpeculativeRows((lens, request), None, every.to(torch.float64), every)
     short = (counts <= 1 + k)[request]  # [T] a token of a request with at most 1 + k tokens
